@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:
+#   make demo   set up, then run verl's real PPO trainer on CPU with the trace and its inspection
+#   make test   set up, then run the test suite
+# Set-up creates .venv/ when missing, installs torch only when the venv has none (TORCH_SPEC),
+# then verl and this package with the versions in constraints.txt. It re-runs only when
+# setup.cfg, pyproject.toml or constraints.txt change.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.verl-ext-setup
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[verl-runtime,plot,test]"
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest
+
+demo: setup
+	$(PY) -m verl_ext.demo
+
+bench: setup
+	$(PY) benchmarks/bench_estimators.py
+	$(PY) benchmarks/bench_import.py
+	$(PY) benchmarks/bench_trace.py
+	$(PY) benchmarks/bench_check.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .hypothesis

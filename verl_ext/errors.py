@@ -1,0 +1,9 @@
+"""Exceptions a user can act on; the CLI prints them as one line with exit code 2."""
+
+
+class UsageError(Exception):
+    """Bad input the user can fix (arguments, paths, configuration)."""
+
+
+class TraceError(UsageError):
+    """A trace that cannot be read: missing, not a trace, unknown schema version, corrupt file."""

@@ -1,0 +1,67 @@
+"""Checks of a verl config that verl itself does not make, run on the driver before Ray starts."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from verl_ext.integration.estimators import estimator_name
+from verl_ext.options import ESTIMATOR_NAMES, EstimatorOptions, TraceOptions
+
+
+def known_estimator_names() -> set[str]:
+    """Every name ``algorithm.adv_estimator`` accepts in this process: verl's and verl-ext's."""
+    from verl.trainer.ppo import core_algos
+
+    return (
+        set(core_algos.ADV_ESTIMATOR_REGISTRY)
+        | {member.value for member in core_algos.AdvantageEstimator}
+        | set(ESTIMATOR_NAMES)
+    )
+
+
+def critic_required(config: Any) -> bool:
+    """True for verl-ext's value-based estimators; an explicit ``critic.enable=False`` is an error."""
+    name = estimator_name(config.algorithm.adv_estimator)
+    if name not in ESTIMATOR_NAMES:
+        return False
+    enable = (config.get("critic") or {}).get("enable", None)
+    if enable is not None and not enable:
+        raise ValueError(
+            f"algorithm.adv_estimator={name} needs a critic (it uses the values V(s_t)), but critic.enable=False. "
+            f"Remove critic.enable=False (verl-ext switches the critic on for {', '.join(ESTIMATOR_NAMES)}) "
+            "or choose an estimator that needs no critic."
+        )
+    return True
+
+
+def check_config(config: Any) -> None:
+    """Estimator name, estimator options and trace options; raises ValueError naming key and value."""
+    algorithm = config.get("algorithm") or {}
+    name = estimator_name(algorithm.get("adv_estimator"))
+    valid = known_estimator_names()
+    if name not in valid:
+        raise ValueError(
+            f"algorithm.adv_estimator={name!r} is not a known advantage estimator. Valid names: {', '.join(sorted(valid))}"
+        )
+    if name in ESTIMATOR_NAMES:
+        EstimatorOptions.from_config(algorithm)
+        critic_required(config)
+    trace = TraceOptions.from_config(config)
+    if trace.enabled:
+        check_trace_dir_writable(trace.dir)
+
+
+def check_trace_dir_writable(directory: str) -> None:
+    """Create the trace directory and write then delete a probe file in it."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(directory)
+        fs.makedirs(path, exist_ok=True)
+        probe = f"{path.rstrip('/')}/.verl_ext_probe_{uuid.uuid4().hex}"
+        with fs.open(probe, "wb") as handle:
+            handle.write(b"ok")
+        fs.rm(probe)
+    except Exception as exc:
+        raise ValueError(f"verl_ext.trace.dir={directory!r} is not writable: {type(exc).__name__}: {exc}") from exc
