@@ -122,31 +122,72 @@ class Compaction:
         return torch.gather(buffer, 1, self.column)
 
 
-def _check_inputs(rewards: torch.Tensor, values: torch.Tensor | None, response_mask: torch.Tensor) -> None:
+def _float_inputs(rewards: torch.Tensor, values: torch.Tensor | None, response_mask: torch.Tensor):
+    """Check shapes; return rewards and values in one float dtype of at least float32 precision.
+
+    verl's CPU critic can hand over bfloat16 values; sums over a response need float32.
+    """
     if rewards.dim() != 2:
         raise ValueError(f"token_level_rewards must be (B, T), got shape {tuple(rewards.shape)}")
     for name, t in (("values", values), ("response_mask", response_mask)):
         if t is not None and t.shape != rewards.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, token_level_rewards {tuple(rewards.shape)}")
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    if values is not None:
+        dtype = torch.promote_types(dtype, values.dtype)
+    return rewards.to(dtype), None if values is None else values.to(dtype)
 
 
 #: Rows are processed in groups of about this many tokens, so that every intermediate tensor
-#: stays in the CPU cache (measured 1.3-3x faster at B x T = 512 x 4096 than whole-batch
-#: tensors) and the extra memory stays a small fraction of the inputs.
+#: stays in the CPU cache: at B x T = 512 x 4096 this is 2-3x faster than whole-batch tensors,
+#: and the extra memory stays a small fraction of the inputs (benchmarks/bench_estimators.py).
 ROW_GROUP_TOKENS = 1 << 19
 
 
-def _by_row_groups(kernel, rewards: torch.Tensor, *row_tensors) -> torch.Tensor:
-    """Apply ``kernel(*row_tensors[rows])`` to groups of rows; each result is (rows, T) like rewards."""
-    batch, length = rewards.shape
+def row_groups(batch: int, length: int) -> list[slice]:
     rows = max(1, ROW_GROUP_TOKENS // max(1, length))
-    if batch <= rows:
-        return kernel(rewards, *row_tensors)
-    out = torch.empty_like(rewards)
-    for start in range(0, batch, rows):
-        group = slice(start, start + rows)
-        out[group] = kernel(rewards[group], *(t[group] if isinstance(t, torch.Tensor) and t.dim() else t for t in row_tensors))
+    return [slice(start, start + rows) for start in range(0, batch, rows)] or [slice(0, 0)]
+
+
+def _per_row_group(compute, like: torch.Tensor) -> torch.Tensor:
+    """Assemble ``compute(rows)`` (a (rows, T) tensor per row group) into a tensor like ``like``."""
+    groups = row_groups(*like.shape)
+    if len(groups) == 1:
+        return compute(slice(None))
+    out = torch.empty_like(like)
+    for rows in groups:
+        out[rows] = compute(rows)
     return out
+
+
+# --------------------------------------------------------------------------- kernels on compacted rows
+
+
+def _mc(c: Compaction, r: torch.Tensor, gamma: float) -> torch.Tensor:
+    return c.scatter(discounted_reverse_cumsum(c.gather(r), gamma))
+
+
+def _td0(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float) -> torch.Tensor:
+    return c.scatter(torch.add(c.gather(r), c.gather(v, extra=1)[:, 1:], alpha=gamma))
+
+
+def _nstep(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float, n: int) -> torch.Tensor:
+    # G_t - γ^n G_{t+n} in float64, so the subtraction loses nothing at float32 precision even
+    # for long undiscounted responses; G_{t+n} and V_{t+n} are 0 beyond L (zero-padded rows).
+    g = discounted_reverse_cumsum(c.gather(r.double()), gamma)
+    v = c.gather(v.double())
+    ahead = min(n, g.shape[1])
+    g_ahead = torch.nn.functional.pad(g[:, n:], (0, ahead))
+    v_ahead = torch.nn.functional.pad(v[:, n:], (0, ahead))
+    decay = float(gamma) ** n
+    return c.scatter(g - decay * g_ahead + decay * v_ahead).to(r.dtype)
+
+
+def _gae(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float, lam: float | torch.Tensor) -> torch.Tensor:
+    v = c.gather(v, extra=1)
+    delta = torch.add(c.gather(r), v[:, 1:], alpha=gamma).sub_(v[:, :-1])
+    discount = gamma * (lam.to(r.dtype) if isinstance(lam, torch.Tensor) else lam)
+    return c.scatter(discounted_reverse_cumsum(delta, discount))
 
 
 # --------------------------------------------------------------------------- returns and advantages
@@ -154,50 +195,23 @@ def _by_row_groups(kernel, rewards: torch.Tensor, *row_tensors) -> torch.Tensor:
 
 def mc_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = Σ_{k=t}^{L-1} γ^{k-t} r_k   (Monte-Carlo return; shapes (B, T) -> (B, T))."""
-    _check_inputs(rewards, None, response_mask)
-
-    def kernel(r, mask):
-        c = Compaction(mask)
-        return c.scatter(discounted_reverse_cumsum(c.gather(r), gamma))
-
-    return _by_row_groups(kernel, rewards, response_mask)
+    rewards, _ = _float_inputs(rewards, None, response_mask)
+    return _per_row_group(lambda g: _mc(Compaction(response_mask[g]), rewards[g], gamma), rewards)
 
 
 def td0_returns(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """r_t + γ V_{t+1}, with V_L = 0   (one-step TD target; shapes (B, T) -> (B, T))."""
-    _check_inputs(rewards, values, response_mask)
-
-    def kernel(r, v, mask):
-        c = Compaction(mask)
-        return c.scatter(torch.add(c.gather(r), c.gather(v, extra=1)[:, 1:], alpha=gamma))
-
-    return _by_row_groups(kernel, rewards, values, response_mask)
+    rewards, values = _float_inputs(rewards, values, response_mask)
+    return _per_row_group(lambda g: _td0(Compaction(response_mask[g]), rewards[g], values[g], gamma), rewards)
 
 
 def nstep_returns(
     rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, n: int
 ) -> torch.Tensor:
-    """G_t^(n) = Σ_{k=t}^{min(t+n,L)-1} γ^{k-t} r_k + γ^n V_{t+n} [t+n < L]   (shapes (B, T) -> (B, T)).
-
-    The window sum is G_t - γ^n G_{t+n} of two Monte-Carlo returns, taken in float64 so that
-    the subtraction loses nothing at float32 precision even for long, undiscounted responses.
-    """
-    _check_inputs(rewards, values, response_mask)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    decay = float(gamma) ** n
-
-    def kernel(r, v, mask):
-        c = Compaction(mask)
-        g = discounted_reverse_cumsum(c.gather(r.double()), gamma)
-        v = c.gather(v.double())
-        # G_{t+n} and V_{t+n} are 0 when t+n >= L: the compacted rows are zero beyond L.
-        ahead = min(n, g.shape[1])
-        g_ahead = torch.nn.functional.pad(g[:, n:], (0, ahead))
-        v_ahead = torch.nn.functional.pad(v[:, n:], (0, ahead))
-        return c.scatter(g - decay * g_ahead + decay * v_ahead).to(r.dtype)
-
-    return _by_row_groups(kernel, rewards, values, response_mask)
+    """G_t^(n) = Σ_{k=t}^{min(t+n,L)-1} γ^{k-t} r_k + γ^n V_{t+n} [t+n < L]   (shapes (B, T) -> (B, T))."""
+    rewards, values = _float_inputs(rewards, values, response_mask)
+    _check_n(n)
+    return _per_row_group(lambda g: _nstep(Compaction(response_mask[g]), rewards[g], values[g], gamma, n), rewards)
 
 
 def gae_advantages(
@@ -207,18 +221,13 @@ def gae_advantages(
 
     Shapes (B, T) -> (B, T); ``lam`` a float or a (B,) tensor (per-response λ). Unwhitened.
     """
-    _check_inputs(rewards, values, response_mask)
-    if isinstance(lam, torch.Tensor) and lam.shape != rewards.shape[:1]:
-        raise ValueError(f"per-response lam must have shape ({rewards.shape[0]},), got {tuple(lam.shape)}")
+    rewards, values = _float_inputs(rewards, values, response_mask)
+    _check_lam(lam, rewards.shape[0])
 
-    def kernel(r, v, mask, lam):
-        c = Compaction(mask)
-        v = c.gather(v, extra=1)
-        delta = torch.add(c.gather(r), v[:, 1:], alpha=gamma).sub_(v[:, :-1])
-        discount = gamma * (lam.to(r.dtype) if isinstance(lam, torch.Tensor) else lam)
-        return c.scatter(discounted_reverse_cumsum(delta, discount))
+    def compute(g):
+        return _gae(Compaction(response_mask[g]), rewards[g], values[g], gamma, _rows(lam, g))
 
-    return _by_row_groups(kernel, rewards, values, response_mask, lam)
+    return _per_row_group(compute, rewards)
 
 
 def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -232,36 +241,62 @@ def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tens
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
 
 
+def _rows(lam: float | torch.Tensor, rows: slice) -> float | torch.Tensor:
+    return lam[rows] if isinstance(lam, torch.Tensor) else lam
+
+
+def _check_n(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+
+
+def _check_lam(lam, batch: int) -> None:
+    if isinstance(lam, torch.Tensor) and lam.shape != (batch,):
+        raise ValueError(f"per-response lam must have shape ({batch},), got {tuple(lam.shape)}")
+
+
 # --------------------------------------------------------------------------- whitening
+
+
+class _Moments:
+    """Count, mean and Σ(x - mean)² of the valid entries, merged over row groups (Chan et al.)."""
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def add(self, x: torch.Tensor, valid: torch.Tensor) -> None:
+        n = int(valid.sum())
+        if n == 0:
+            return
+        mean = float(torch.where(valid, x, 0.0).sum(dtype=torch.float64)) / n
+        m2 = float(torch.where(valid, (x - mean).square_(), 0.0).sum(dtype=torch.float64))
+        total = self.count + n
+        delta = mean - self.mean
+        self.m2 += m2 + delta * delta * self.count * n / total
+        self.mean += delta * n / total
+        self.count = total
+
+    def whiten(self, x: torch.Tensor) -> torch.Tensor:
+        if self.count == 0:
+            raise ValueError("At least one element in the mask has to be 1.")
+        if self.count == 1:
+            raise ValueError("The sum of the mask is one, which can cause a division by zero.")
+        scale = (self.m2 / (self.count - 1) + 1e-8) ** -0.5
+        return _per_row_group(lambda g: (x[g] - self.mean).mul_(scale), x)
 
 
 def masked_whiten(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """(x - μ) / sqrt(σ² + 1e-8), μ and unbiased σ² over the valid entries of the whole batch.
 
     Shapes (B, T) -> (B, T); the mask is 0/1. The formula of verl's
-    ``verl.utils.torch_functional.masked_whiten`` (μ = Σx/(n + 1e-8), σ² = Σ(x-μ)²/(n + 1e-8)
-    · n/(n-1)), with its errors for fewer than two valid entries; the sums run over row groups
-    to stay in cache, so results agree with verl's to float rounding (tests check this).
+    ``verl.utils.torch_functional.masked_whiten``, with its errors for fewer than two valid
+    entries; the moments are accumulated in float64 over row groups, so results agree with
+    verl's to float32 rounding (tests check this).
     """
-    valid = response_mask.bool()
-    count = valid.sum()
-    if count == 0:
-        raise ValueError("At least one element in the mask has to be 1.")
-    if count == 1:
-        raise ValueError("The sum of the mask is one, which can cause a division by zero.")
-    n = count + 1e-8
-    mean = _masked_sum(lambda x: x, values, valid) / n
-    var = _masked_sum(lambda x: (x - mean).square_(), values, valid) / n * (count / (count - 1))
-    return (values - mean) * torch.rsqrt(var + 1e-8)
-
-
-def _masked_sum(transform, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    rows = max(1, ROW_GROUP_TOKENS // max(1, values.shape[1]))
-    total = values.new_zeros(())
-    for start in range(0, values.shape[0], rows):
-        group = slice(start, start + rows)
-        total += torch.where(valid[group], transform(values[group]), 0.0).sum()
-    return total
+    moments = _Moments()
+    for rows in row_groups(*values.shape):
+        moments.add(values[rows], response_mask[rows].bool())
+    return moments.whiten(values)
 
 
 # --------------------------------------------------------------------------- the estimators by name
@@ -275,27 +310,37 @@ def estimate(
     mc: returns = G;  td0: returns = r + γV';  nstep: returns = G^(n);  raw advantage = returns − V.
     gae_ext: raw advantage = GAE(γ, λ_actor), returns = GAE(γ, λ_critic) + V (one GAE when the
     two λ agree). advantages = masked_whiten(raw advantage) unless whitening is off.
+
+    One pass over row groups computes returns, the raw advantage and the whitening moments
+    while a group's tensors are in cache; a second pass whitens.
     """
-    _check_inputs(rewards, values, response_mask)
-    if options.name == "gae_ext":
-        if options.lam_length_alpha is not None:
-            actor_lam = length_adaptive_lam(response_mask, options.lam_length_alpha).to(rewards.device)
+    rewards, values = _float_inputs(rewards, values, response_mask)
+    name, gamma = options.name, options.gamma
+    if name not in ("mc", "td0", "nstep", "gae_ext"):
+        raise ValueError(f"unknown estimator {name!r}")
+    if name == "nstep":
+        _check_n(options.n_step)
+    actor_lam = options.actor_lam
+    if options.lam_length_alpha is not None:
+        actor_lam = length_adaptive_lam(response_mask, options.lam_length_alpha).to(rewards.device)
+
+    returns, raw = torch.empty_like(rewards), torch.empty_like(rewards)
+    moments = _Moments()
+    for rows in row_groups(*rewards.shape):
+        c, r, v = Compaction(response_mask[rows]), rewards[rows], values[rows]
+        if name == "gae_ext":
+            raw[rows] = _gae(c, r, v, gamma, _rows(actor_lam, rows))
+            critic_advantage = raw[rows] if options.single_lambda else _gae(c, r, v, gamma, options.critic_lam)
+            returns[rows] = critic_advantage + v
         else:
-            actor_lam = options.actor_lam
-        raw = gae_advantages(rewards, values, response_mask, options.gamma, actor_lam)
-        if options.single_lambda:
-            returns = raw + values
-        else:
-            returns = gae_advantages(rewards, values, response_mask, options.gamma, options.critic_lam) + values
-    else:
-        if options.name == "mc":
-            returns = mc_returns(rewards, response_mask, options.gamma)
-        elif options.name == "td0":
-            returns = td0_returns(rewards, values, response_mask, options.gamma)
-        elif options.name == "nstep":
-            returns = nstep_returns(rewards, values, response_mask, options.gamma, options.n_step)
-        else:
-            raise ValueError(f"unknown estimator {options.name!r}")
-        raw = returns - values
-    advantages = masked_whiten(raw, response_mask) if options.whiten_advantages else raw
+            if name == "mc":
+                returns[rows] = _mc(c, r, gamma)
+            elif name == "td0":
+                returns[rows] = _td0(c, r, v, gamma)
+            else:
+                returns[rows] = _nstep(c, r, v, gamma, options.n_step)
+            torch.sub(returns[rows], v, out=raw[rows])
+        if options.whiten_advantages:
+            moments.add(raw[rows], response_mask[rows].bool())
+    advantages = moments.whiten(raw) if options.whiten_advantages else raw
     return Estimate(advantages=advantages, returns=returns, advantage_raw=raw)

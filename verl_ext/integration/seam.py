@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 
 logger = logging.getLogger("verl_ext")
 
-#: Attribute set on every replacement, pointing at what it replaced (for doctor and for undo).
+#: Attribute set on every replacement, pointing at what it replaced (doctor reads it).
 ORIGINAL_ATTR = "__verl_ext_original__"
 
 
@@ -103,23 +103,6 @@ def states() -> list[PatchState]:
     """The state of every patch installed in this process, in installation order."""
     with _registry.lock:
         return list(_registry.states.values())
-
-
-def uninstall_all() -> None:
-    """Put every applied patch back (tests use this; a training process never needs it)."""
-    with _registry.lock:
-        for state in _registry.states.values():
-            if not state.applied:
-                continue
-            module = sys.modules.get(state.patch.module)
-            if module is None:
-                continue
-            owner, attr = _resolve_owner(module, state.patch.target)
-            current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-            setattr(owner, attr, getattr(_unwrap_descriptor(current), ORIGINAL_ATTR))
-            state.applied = False
-        _registry.states.clear()
-        _registry.callbacks.clear()
 
 
 def _apply(patch: Patch, module: Any) -> None:

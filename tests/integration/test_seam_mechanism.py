@@ -1,0 +1,100 @@
+"""The post-import patch mechanism on throw-away modules (no verl involved)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+
+from verl_ext.integration import seam
+
+MODULE_SOURCE = """
+def greet(name):
+    return "hello " + name
+
+class Greeter:
+    def hello(self):
+        return "hello"
+
+    @staticmethod
+    def static():
+        return "static"
+
+    @classmethod
+    def klass(cls):
+        return cls.__name__
+"""
+
+
+@pytest.fixture
+def fresh_module(tmp_path, monkeypatch):
+    """A new importable module name (and one that imports a name from it) per test."""
+    name = f"seam_target_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(MODULE_SOURCE))
+    (tmp_path / f"{name}_user.py").write_text(f"from {name} import greet\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved = dict(seam._registry.states), {k: list(v) for k, v in seam._registry.callbacks.items()}
+    yield name
+    for module in (name, f"{name}_user"):
+        sys.modules.pop(module, None)
+    seam._registry.states.clear()
+    seam._registry.states.update(saved[0])
+    seam._registry.callbacks.clear()
+    seam._registry.callbacks.update(saved[1])
+
+
+def shout(original):
+    return lambda *args, **kwargs: original(*args, **kwargs).upper()
+
+
+def test_patch_applies_when_module_is_first_imported_and_before_names_are_bound(fresh_module):
+    seam.install([seam.Patch(fresh_module, "greet", shout, why="test", versions="any")])
+    assert fresh_module not in sys.modules
+    user = importlib.import_module(f"{fresh_module}_user")  # binds `greet` at import time
+    assert user.greet("you") == "HELLO YOU"
+    assert getattr(sys.modules[fresh_module].greet, seam.ORIGINAL_ATTR)("x") == "hello x"
+
+
+def test_patch_applies_at_once_when_module_already_imported(fresh_module):
+    module = importlib.import_module(fresh_module)
+    seam.install([seam.Patch(fresh_module, "greet", shout, why="test", versions="any")])
+    assert module.greet("a") == "HELLO A"
+
+
+def test_methods_static_and_class_methods_keep_their_kind(fresh_module):
+    seam.install(
+        [
+            seam.Patch(fresh_module, "Greeter.hello", shout, why="test", versions="any"),
+            seam.Patch(fresh_module, "Greeter.static", shout, why="test", versions="any"),
+            seam.Patch(fresh_module, "Greeter.klass", shout, why="test", versions="any"),
+        ]
+    )
+    greeter = importlib.import_module(fresh_module).Greeter
+    assert greeter().hello() == "HELLO"
+    assert greeter.static() == "STATIC" and greeter().static() == "STATIC"
+    assert greeter.klass() == "GREETER"
+
+
+def test_installing_twice_wraps_once(fresh_module):
+    patch = seam.Patch(fresh_module, "greet", lambda orig: (lambda n: orig(n) + "!"), why="test", versions="any")
+    seam.install([patch])
+    seam.install([patch])
+    assert importlib.import_module(fresh_module).greet("x") == "hello x!"
+
+
+def test_missing_target_is_recorded_and_logged_not_raised(fresh_module, caplog):
+    seam.install([seam.Patch(fresh_module, "nothing_here", shout, why="test", versions="any")])
+    importlib.import_module(fresh_module)  # the user's import still works
+    state = next(s for s in seam.states() if s.patch.target == "nothing_here")
+    assert not state.applied and "nothing_here" in state.error
+    assert "could not patch" in caplog.text
+
+
+def test_when_imported_runs_callbacks_once(fresh_module):
+    calls = []
+    seam.when_imported(fresh_module, lambda module: calls.append(module.__name__))
+    importlib.import_module(fresh_module)
+    importlib.import_module(fresh_module)
+    assert calls == [fresh_module]

@@ -1,0 +1,314 @@
+"""The estimators against the definitions (DEFINITIONS.md §3), verl's own GAE, and hand calculation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tests.reference as ref
+from verl_ext import estimators as E
+from verl_ext.options import EstimatorOptions
+
+settings.register_profile("verl_ext", max_examples=60, deadline=None)
+settings.load_profile("verl_ext")
+
+
+@st.composite
+def batches(draw, max_rows=4, max_len=24, junk=float("nan")):
+    """Rewards, values and a mask with trailing padding and interior holes; junk where masked."""
+    rows = draw(st.integers(1, max_rows))
+    length = draw(st.integers(1, max_len))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    lengths = rng.integers(0, length + 1, size=rows)
+    mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int64)
+    hole_rate = draw(st.sampled_from([0.0, 0.2, 0.5]))
+    mask &= (rng.random((rows, length)) >= hole_rate).astype(np.int64)
+    rewards = rng.normal(size=(rows, length))
+    values = rng.normal(size=(rows, length))
+    rewards[mask == 0] = junk
+    values[mask == 0] = junk
+    return (
+        torch.tensor(rewards, dtype=torch.float32),
+        torch.tensor(values, dtype=torch.float32),
+        torch.tensor(mask),
+    )
+
+
+unit = st.floats(0.0, 1.0)
+
+
+def assert_valid_close(actual: torch.Tensor, expected, mask, tol=2e-4):
+    valid = mask.numpy() != 0
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = 1.0 + np.abs(expected[valid])
+    np.testing.assert_array_less(np.abs(actual.double().numpy()[valid] - expected[valid]), tol * scale)
+
+
+# --------------------------------------------------------------------------- against the direct sums
+
+
+@given(batches(), unit)
+def test_mc_returns_are_discounted_sums(batch, gamma):
+    rewards, _, mask = batch
+    assert_valid_close(E.mc_returns(rewards, mask, gamma), ref.mc_returns(rewards, mask, gamma), mask)
+
+
+@given(batches(), unit)
+def test_td0_returns(batch, gamma):
+    rewards, values, mask = batch
+    assert_valid_close(E.td0_returns(rewards, values, mask, gamma), ref.td0_returns(rewards, values, mask, gamma), mask)
+
+
+@given(batches(), unit, st.integers(1, 30))
+def test_nstep_returns(batch, gamma, n):
+    rewards, values, mask = batch
+    expected = ref.nstep_returns(rewards, values, mask, gamma, n)
+    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, n), expected, mask)
+
+
+@given(batches(), unit, unit)
+def test_gae_advantages(batch, gamma, lam):
+    rewards, values, mask = batch
+    expected = ref.gae_advantages(rewards, values, mask, gamma, lam)
+    assert_valid_close(E.gae_advantages(rewards, values, mask, gamma, lam), expected, mask)
+
+
+@given(batches(), unit, st.data())
+def test_gae_with_one_lambda_per_response(batch, gamma, data):
+    rewards, values, mask = batch
+    lams = data.draw(st.lists(unit, min_size=rewards.shape[0], max_size=rewards.shape[0]))
+    expected = ref.gae_advantages(rewards, values, mask, gamma, np.array(lams))
+    assert_valid_close(E.gae_advantages(rewards, values, mask, gamma, torch.tensor(lams)), expected, mask)
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 255, 256, 257, 4097, 20000])
+@pytest.mark.parametrize("discount", [0.0, 0.37, 0.999, 1.0])
+def test_discounted_scan_across_block_levels(length, discount):
+    """Lengths around SCAN_BLOCK powers exercise every recursion level of the blocked scan."""
+    x = torch.randn(2, length, dtype=torch.float64)
+    powers = discount ** np.arange(length, dtype=np.float64)
+    xs = x.numpy()
+    # y_t = Σ_k d^(k-t) x_k, written as a reversed convolution with the powers (float64)
+    expected = np.stack([np.convolve(row[::-1], powers)[:length][::-1] for row in xs])
+    actual = E.discounted_reverse_cumsum(x, discount).numpy()
+    np.testing.assert_allclose(actual, expected, rtol=1e-9, atol=1e-9 * np.abs(expected).max())
+
+
+def test_long_undiscounted_float32_stays_accurate():
+    """20k dense rewards at γ = 1: float32 result within 1e-6 relative of the float64 sums."""
+    rewards = torch.rand(2, 20000)
+    mask = torch.ones_like(rewards, dtype=torch.int64)
+    expected = torch.flip(torch.cumsum(torch.flip(rewards.double(), [1]), 1), [1])
+    actual = E.mc_returns(rewards, mask, 1.0).double()
+    assert ((actual - expected).abs() / expected.abs()).max() < 1e-6
+
+
+# --------------------------------------------------------------------------- identities (§3)
+
+
+@given(batches(), unit)
+def test_gae_lambda_zero_is_td0_and_lambda_one_is_mc(batch, gamma):
+    rewards, values, mask = batch
+    td0_adv = E.td0_returns(rewards, values, mask, gamma) - values
+    mc_adv = E.mc_returns(rewards, mask, gamma) - values
+    assert_valid_close(E.gae_advantages(rewards, values, mask, gamma, 0.0), td0_adv.double().numpy(), mask)
+    assert_valid_close(E.gae_advantages(rewards, values, mask, gamma, 1.0), mc_adv.double().numpy(), mask)
+
+
+@given(batches(), unit)
+def test_nstep_one_is_td0_and_long_nstep_is_mc(batch, gamma):
+    rewards, values, mask = batch
+    longest = rewards.shape[1]
+    td0 = E.td0_returns(rewards, values, mask, gamma).double().numpy()
+    mc = E.mc_returns(rewards, mask, gamma).double().numpy()
+    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, 1), td0, mask)
+    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, longest), mc, mask)
+    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, longest + 7), mc, mask)
+
+
+@given(batches(), unit, st.integers(1, 12))
+def test_telescoping_deltas_give_nstep_advantage(batch, gamma, n):
+    """Σ_{l<n} γ^l δ_{t+l} = G_t^(n) − V_t, with δ from the reference and G^(n) from verl_ext."""
+    rewards, values, mask = batch
+    delta = ref.deltas(rewards, values, mask, gamma)
+    expected = np.full(delta.shape, np.nan)
+    for b in range(delta.shape[0]):
+        idx = ref.valid_positions(mask[b])
+        d = delta[b, idx]
+        expected[b, idx] = [sum(gamma**l * d[t + l] for l in range(n) if t + l < len(d)) for t in range(len(d))]
+    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, n) - values, expected, mask)
+
+
+@given(batches(max_len=14), unit, unit)
+def test_lambda_return_is_mixture_of_nstep_returns(batch, gamma, lam):
+    """G^λ_t = (1−λ) Σ_{n=1}^{L−t−1} λ^{n−1} G_t^(n) + λ^{L−t−1} G_t  equals GAE + V."""
+    rewards, values, mask = batch
+    nstep = {n: E.nstep_returns(rewards, values, mask, gamma, n).double() for n in range(1, rewards.shape[1] + 1)}
+    mc = E.mc_returns(rewards, mask, gamma).double()
+    expected = torch.full(rewards.shape, float("nan"), dtype=torch.float64)
+    for b in range(rewards.shape[0]):
+        idx = ref.valid_positions(mask[b])
+        L = len(idx)
+        for t, pos in enumerate(idx):
+            mix = sum((1 - lam) * lam ** (n - 1) * nstep[n][b, pos] for n in range(1, L - t))
+            expected[b, pos] = mix + lam ** (L - t - 1) * mc[b, pos]
+    gae_return = E.gae_advantages(rewards, values, mask, gamma, lam) + values
+    assert_valid_close(gae_return, expected.numpy(), mask)
+
+
+@given(batches(max_rows=2), unit, unit, st.integers(1, 5), st.data())
+def test_inserting_masked_positions_changes_no_valid_output(batch, gamma, lam, n, data):
+    rewards, values, mask = batch
+    length = rewards.shape[1]
+    inserts = sorted(data.draw(st.lists(st.integers(0, length), min_size=1, max_size=6)))
+    keep = []  # new layout: original columns in order, with masked junk columns inserted
+    for col in range(length + 1):
+        keep.extend([-1] * inserts.count(col))
+        if col < length:
+            keep.append(col)
+    index = torch.tensor([max(c, 0) for c in keep])
+    inserted = torch.tensor([c < 0 for c in keep])
+
+    def spread(x, fill):
+        y = x[:, index].clone()
+        y[:, inserted] = fill
+        return y
+
+    wide = (spread(rewards, 123.0), spread(values, -77.0), spread(mask, 0))
+    original_cols = ~inserted
+    for name in ("mc", "td0", "nstep", "gae_ext"):
+        options = EstimatorOptions(name=name, gamma=gamma, lam=lam, n_step=n, whiten_advantages=False)
+        narrow_result = E.estimate(rewards, values, mask, options)
+        wide_result = E.estimate(*wide, options)
+        for field in ("returns", "advantage_raw"):
+            a = getattr(wide_result, field)[:, original_cols]
+            b = getattr(narrow_result, field)
+            valid = mask.bool()
+            torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- verl's own functions
+
+
+@given(batches(max_rows=6, max_len=40, junk=9.0), unit, unit)
+def test_gae_ext_equals_verl_gae(batch, gamma, lam):
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    rewards, values, mask = batch
+    if mask.sum() < 2:
+        return  # verl's whitening needs two valid tokens
+    verl_adv, verl_ret = compute_gae_advantage_return(rewards, values, mask, gamma, lam)
+    ours = E.estimate(rewards, values, mask, EstimatorOptions(name="gae_ext", gamma=gamma, lam=lam))
+    valid = mask.bool()
+    torch.testing.assert_close(ours.returns[valid], verl_ret[valid], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours.advantages[valid], verl_adv[valid], rtol=1e-4, atol=2e-4)
+
+
+@given(batches(max_rows=6, max_len=40, junk=3.0))
+def test_masked_whiten_equals_verl(batch):
+    from verl.utils.torch_functional import masked_whiten as verl_masked_whiten
+
+    rewards, _, mask = batch
+    if mask.sum() < 2:
+        with pytest.raises(ValueError):
+            E.masked_whiten(rewards, mask)
+        return
+    valid = mask.bool()
+    torch.testing.assert_close(E.masked_whiten(rewards, mask)[valid], verl_masked_whiten(rewards, mask)[valid])
+    assert_valid_close(E.masked_whiten(rewards, mask), ref.whiten(rewards, mask), mask)
+
+
+# --------------------------------------------------------------------------- estimate(): options
+
+
+@given(batches(junk=5.0), unit, unit, unit)
+def test_decoupled_lambda(batch, gamma, lam_critic, lam_actor):
+    rewards, values, mask = batch
+    options = EstimatorOptions(
+        name="gae_ext", gamma=gamma, lam_critic=lam_critic, lam_actor=lam_actor, whiten_advantages=False
+    )
+    result = E.estimate(rewards, values, mask, options)
+    critic = ref.gae_advantages(rewards, values, mask, gamma, lam_critic) + values.double().numpy()
+    assert_valid_close(result.returns, critic, mask)
+    assert_valid_close(result.advantage_raw, ref.gae_advantages(rewards, values, mask, gamma, lam_actor), mask)
+
+
+def test_length_adaptive_lambda_by_hand():
+    """λ = 1 − 1/(α·L), α = 0.05: L = 100 → 0.8, L = 1000 → 0.98, L = 10 → −1 clamped to 0."""
+    mask = torch.zeros(4, 1000, dtype=torch.int64)
+    for row, length in enumerate([100, 1000, 10, 0]):
+        mask[row, :length] = 1
+    torch.testing.assert_close(E.length_adaptive_lam(mask, 0.05), torch.tensor([0.8, 0.98, 0.0, 0.0]))
+
+
+def test_length_adaptive_lambda_is_used_for_advantages_only():
+    rewards, values = torch.randn(3, 50), torch.randn(3, 50)
+    mask = torch.ones(3, 50, dtype=torch.int64)
+    mask[1, 30:] = 0
+    options = EstimatorOptions(name="gae_ext", gamma=0.99, lam=0.9, lam_length_alpha=0.05, whiten_advantages=False)
+    result = E.estimate(rewards, values, mask, options)
+    lams = 1 - 1 / (0.05 * np.array([50.0, 30.0, 50.0]))
+    assert_valid_close(result.advantage_raw, ref.gae_advantages(rewards, values, mask, 0.99, lams), mask)
+    assert_valid_close(result.returns, ref.gae_advantages(rewards, values, mask, 0.99, 0.9) + values.numpy(), mask)
+
+
+@pytest.mark.parametrize("name", ["mc", "td0", "nstep", "gae_ext"])
+def test_returns_minus_values_is_raw_advantage_and_whitening_follows(name):
+    torch.manual_seed(1)
+    rewards, values = torch.randn(5, 30), torch.randn(5, 30)
+    mask = (torch.rand(5, 30) > 0.2).long()
+    result = E.estimate(rewards, values, mask, EstimatorOptions(name=name, gamma=0.97, lam=0.9, n_step=4))
+    valid = mask.bool()
+    torch.testing.assert_close(result.returns[valid] - values[valid], result.advantage_raw[valid])
+    assert_valid_close(result.advantages, ref.whiten(result.advantage_raw, mask), mask)
+
+
+def test_bfloat16_values_are_computed_in_float32():
+    rewards = torch.rand(2, 300)
+    values = torch.rand(2, 300).to(torch.bfloat16)
+    mask = torch.ones(2, 300, dtype=torch.int64)
+    returns = E.td0_returns(rewards, values, mask, 1.0)
+    assert returns.dtype == torch.float32
+    assert_valid_close(returns, ref.td0_returns(rewards, values.float(), mask, 1.0), mask, tol=1e-6)
+
+
+# --------------------------------------------------------------------------- §5 worked example, by hand
+
+
+def test_worked_example_of_the_definitions():
+    """r = [0, 0, 1], V = [0.3, 0.4, 0.6], γ = 1 (DEFINITIONS.md §5)."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.3, 0.4, 0.6]])
+    mask = torch.ones(1, 3, dtype=torch.int64)
+
+    def run(name, **kw):
+        return E.estimate(rewards, values, mask, EstimatorOptions(name=name, gamma=1.0, whiten_advantages=False, **kw))
+
+    close = lambda a, b: torch.testing.assert_close(a, torch.tensor([b]), rtol=0, atol=1e-6)  # noqa: E731
+    close(run("mc").advantage_raw, [0.7, 0.6, 0.4])
+    close(run("mc").returns, [1.0, 1.0, 1.0])
+    close(run("td0").advantage_raw, [0.1, 0.2, 0.4])
+    gae = run("gae_ext", lam=0.95)
+    close(gae.advantage_raw, [0.651, 0.58, 0.4])
+    close(gae.returns, [0.951, 0.98, 1.0])
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_shape_mismatch_is_named():
+    with pytest.raises(ValueError, match="values has shape"):
+        E.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"must be \(B, T\)"):
+        E.mc_returns(torch.zeros(3), torch.ones(3), 1.0)
+    with pytest.raises(ValueError, match="per-response lam"):
+        E.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 1.0, torch.ones(3))
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5, True])
+def test_nstep_rejects_bad_n(n):
+    with pytest.raises(ValueError, match="n must be an integer"):
+        E.nstep_returns(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), 1.0, n)
