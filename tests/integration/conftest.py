@@ -9,18 +9,36 @@ import numpy as np
 import pytest
 import torch
 
+from packaging.version import Version
+
+from verl_ext.options import ALGORITHM_KEYS
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "verl_ext" / "configs"
+
+
+def verl_version() -> Version:
+    import verl
+
+    return Version(verl.__version__)
+
+
+def requires_verl(minimum: str, why: str):
+    return pytest.mark.skipif(verl_version() < Version(minimum), reason=f"verl < {minimum}: {why}")
 
 
 @pytest.fixture(scope="session")
 def compose():
-    """Compose verl's real ppo_trainer.yaml (through verl-ext's config) with overrides."""
+    """Compose verl's own ppo_trainer.yaml with overrides, as a user without verl-ext's yaml does:
+    keys verl-ext adds get the ``+`` hydra needs for keys the config does not declare."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_module
+
+    added = tuple(f"algorithm.{key}=" for key in ALGORITHM_KEYS) + ("verl_ext.",)
 
     def _compose(*overrides: str):
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            return hydra_compose(config_name="verl_ext_trainer", overrides=list(overrides))
+        overrides = [f"+{o}" if o.startswith(added) else o for o in overrides]
+        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+            return hydra_compose(config_name="ppo_trainer", overrides=overrides)
 
     return _compose
 

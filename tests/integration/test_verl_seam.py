@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import tests.reference as ref
-from tests.integration.conftest import make_batch, run_python
+from tests.integration.conftest import CONFIG_DIR, make_batch, requires_verl, run_python
 from verl_ext.integration.estimators import REGISTERED_FUNCTIONS
-from verl_ext.options import ESTIMATOR_NAMES
+from verl_ext.options import ALGORITHM_KEYS, ESTIMATOR_NAMES
 
 OPTIONS = ["algorithm.gamma=0.97", "algorithm.lam=0.9", "algorithm.n_step=3"]
 
@@ -62,6 +62,7 @@ def test_legacy_trainer_compute_advantage(compose, name):
     assert_matches_reference(data, name, rewards, values, mask)
 
 
+@requires_verl("0.9.0", "no V1 trainer")
 @pytest.mark.parametrize("name", ESTIMATOR_NAMES)
 def test_v1_trainer_compute_advantage(compose, name):
     from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
@@ -88,6 +89,7 @@ def test_verls_own_gae_still_goes_through_verl(compose):
     torch.testing.assert_close(data.batch["returns"], expected_ret)
 
 
+@requires_verl("0.9.0", "no V1 trainer")
 def test_modules_that_bind_compute_advantage_at_import_get_the_seam():
     from verl.experimental.separation import ray_trainer as separation
     from verl.trainer.ppo import ray_trainer
@@ -169,7 +171,7 @@ def test_unknown_estimator_lists_valid_names(compose):
 def test_bad_estimator_options_name_key_and_value(compose, override, message):
     name = "nstep" if "n_step" in override else "gae_ext"
     with pytest.raises(ValueError, match=message):
-        validate(compose(f"algorithm.adv_estimator={name}", "algorithm.n_step=1", override))
+        validate(compose(f"algorithm.adv_estimator={name}", override))
 
 
 def test_nstep_without_n_is_an_error(compose):
@@ -190,6 +192,7 @@ def test_bad_trace_options(compose, overrides, message):
         validate(compose("algorithm.adv_estimator=gae", *overrides))
 
 
+@requires_verl("0.9.0", "validate_config runs inside the Ray TaskRunner, i.e. after ray.init")
 def test_unknown_estimator_stops_the_real_cli_before_ray_starts():
     result = run_python(
         "import sys; from verl.trainer.main_ppo import main; sys.argv = ['main_ppo', 'algorithm.adv_estimator=mcc']; main()"
@@ -209,6 +212,7 @@ PROBE = (
 )
 
 
+@requires_verl("0.9.0", "no entry-point plugins")
 def test_plugin_loads_on_plain_import_verl():
     result = run_python(PROBE)
     assert result.stdout.strip().splitlines()[-1] == "True ['gae_ext', 'mc', 'nstep', 'td0']", result.stderr
@@ -225,7 +229,10 @@ def test_without_plugin_nothing_is_registered():
 
 
 def test_a_broken_plugin_is_loud():
-    result = run_python("import sys; sys.modules['verl_ext.integration.patches'] = None; import verl")
+    result = run_python(
+        "import sys; sys.modules['verl_ext.integration.patches'] = None; import verl",
+        {"VERL_USE_EXTERNAL_MODULES": "verl_ext"},  # what verl < 0.9 needs; 0.9 also loads the entry point
+    )
     assert result.returncode == 0  # verl itself still imports
     assert "verl-ext: plugin failed to load" in result.stderr
     assert "verl-ext doctor" in result.stderr
@@ -237,3 +244,19 @@ def test_plugin_does_not_import_heavy_verl_modules():
     )
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
 
+
+
+@requires_verl("0.8.0", "pkg:// hydra search path of verl.trainer.config")
+def test_verl_ext_yaml_declares_every_added_key_with_the_documented_defaults():
+    """configs/verl_ext_trainer.yaml composes onto ppo_trainer, so no `+` is needed on the CLI."""
+    from hydra import compose, initialize_config_dir
+
+    from verl_ext.options import TRACE_KEYS
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        config = compose(config_name="verl_ext_trainer", overrides=["algorithm.n_step=4", "verl_ext.trace.every=2"])
+    assert config.algorithm.n_step == 4 and config.verl_ext.trace.every == 2
+    assert config.actor_rollout_ref.rollout.n == 1  # verl's own defaults are all there
+    declared = {key: config.algorithm[key] for key in ALGORITHM_KEYS}
+    assert declared == {**ALGORITHM_KEYS, "n_step": 4}
+    assert dict(config.verl_ext.trace) == {**TRACE_KEYS, "every": 2}

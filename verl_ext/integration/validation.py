@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from verl_ext.integration.estimators import estimator_name
@@ -53,15 +52,10 @@ def check_config(config: Any) -> None:
 
 
 def check_trace_dir_writable(directory: str) -> None:
-    """Create the trace directory and write then delete a probe file in it."""
-    import fsspec
+    """Create the trace directory and publish a probe file in it, as the trace writer will."""
+    from verl_ext.trace import storage
 
     try:
-        fs, path = fsspec.core.url_to_fs(directory)
-        fs.makedirs(path, exist_ok=True)
-        probe = f"{path.rstrip('/')}/.verl_ext_probe_{uuid.uuid4().hex}"
-        with fs.open(probe, "wb") as handle:
-            handle.write(b"ok")
-        fs.rm(probe)
+        storage.prepare_directory(*storage.resolve(directory))
     except Exception as exc:
-        raise ValueError(f"verl_ext.trace.dir={directory!r} is not writable: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(f"verl_ext.trace.dir={directory!r} is not writable: {storage.one_line(exc)}") from exc

@@ -1,0 +1,224 @@
+"""capture.py: tensors -> snapshot -> Arrow tables, checked against a row-by-row reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.trace.helpers import MASK, make_capture, reference_rows
+from verl_ext.estimators import masked_whiten
+from verl_ext.trace.capture import FLOAT_SOURCES, SnapshotMemory, prompt_table, take_snapshot, token_table, whiten_stats
+from verl_ext.trace.schema import PROMPT_SCHEMA, TOKEN_FILE_SCHEMA
+
+
+def table_rows(capture, max_samples=None) -> list[dict]:
+    table = token_table(take_snapshot(capture, max_samples))
+    assert table.schema.equals(TOKEN_FILE_SCHEMA, check_metadata=False)
+    return table.to_pylist()
+
+
+def test_rows_follow_the_mask_layout():
+    rows = table_rows(make_capture())
+    # sample 0: 3 rows; 1: 5 (the hole at 1-2 flagged); 2: none; 3: all 6; 4: 3 (up to its only token)
+    assert [(r["sample"], r["token_index"], r["mask"]) for r in rows] == [
+        (0, 0, True), (0, 1, True), (0, 2, True),
+        (1, 0, True), (1, 1, False), (1, 2, False), (1, 3, True), (1, 4, True),
+        (3, 0, True), (3, 1, True), (3, 2, True), (3, 3, True), (3, 4, True), (3, 5, True),
+        (4, 0, False), (4, 1, False), (4, 2, True),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_values_match_the_reference_for_each_input_dtype(dtype):
+    capture = make_capture(dtype=dtype)
+    assert table_rows(capture) == reference_rows(capture)
+
+
+def test_absent_tensors_give_null_columns():
+    missing = ("values", "advantage_raw", "ref_log_prob", "kl", "responses", "uid")
+    capture = make_capture(missing=missing)
+    rows = table_rows(capture)
+    assert rows == reference_rows(capture)
+    assert all(r["value"] is None and r["kl"] is None and r["token_id"] is None and r["uid"] is None for r in rows)
+    assert all(r["advantage"] is not None for r in rows)
+
+
+@pytest.mark.parametrize("max_samples", [1, 2, 4, 5, 100])
+def test_max_samples_keeps_the_first_samples(max_samples):
+    capture = make_capture()
+    snapshot = take_snapshot(capture, max_samples)
+    assert snapshot.samples == min(max_samples, len(MASK)) and snapshot.batch_samples == len(MASK)
+    assert table_rows(capture, max_samples) == reference_rows(capture, max_samples)
+
+
+def test_snapshot_does_not_see_later_changes_to_the_trainers_tensors():
+    capture = make_capture()
+    expected = reference_rows(capture)
+    snapshot = take_snapshot(capture, None)
+    for field in ("response_mask", "responses", "prompts", "prompt_mask", *FLOAT_SOURCES.values()):
+        getattr(capture, field).fill_(7)
+    capture.uid[:] = "changed"
+    assert token_table(snapshot).to_pylist() == expected
+    assert [row["prompt_token_ids"] for row in prompt_table(snapshot).to_pylist()] != [[7] * 4] * len(MASK)
+
+
+def test_mask_may_be_bool_or_float():
+    as_long = make_capture()
+    for dtype in (torch.bool, torch.float32):
+        capture = make_capture()
+        capture.response_mask = capture.response_mask.to(dtype)
+        assert table_rows(capture) == reference_rows(as_long)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mask=st.integers(1, 6).flatmap(
+        lambda batch: st.integers(1, 9).flatmap(
+            lambda length: st.lists(st.lists(st.booleans(), min_size=length, max_size=length), min_size=batch, max_size=batch)
+        )
+    ),
+    max_samples=st.one_of(st.none(), st.integers(1, 7)),
+    seed=st.integers(0, 2**16),
+)
+def test_any_mask_matches_the_reference(mask, max_samples, seed):
+    capture = make_capture(mask=[[int(v) for v in row] for row in mask], seed=seed)
+    assert table_rows(capture, max_samples) == reference_rows(capture, max_samples)
+
+
+def test_prompt_table_strips_left_padding():
+    capture = make_capture()
+    table = prompt_table(take_snapshot(capture, 3))
+    assert table.schema.equals(PROMPT_SCHEMA, check_metadata=False)
+    expected = [
+        {
+            "step": 1,
+            "sample": i,
+            "uid": str(capture.uid[i]),
+            "prompt_token_ids": [int(p) for p, real in zip(capture.prompts[i], capture.prompt_mask[i]) if real],
+        }
+        for i in range(3)
+    ]
+    assert table.to_pylist() == expected
+    assert all(len(row["prompt_token_ids"]) >= 1 for row in expected)
+
+
+def test_prompt_table_without_mask_or_without_prompts():
+    capture = make_capture()
+    capture.prompt_mask = None
+    rows = prompt_table(take_snapshot(capture, None)).to_pylist()
+    assert [r["prompt_token_ids"] for r in rows] == capture.prompts.tolist()
+    capture.prompts = None
+    rows = prompt_table(take_snapshot(capture, None)).to_pylist()
+    assert [r["prompt_token_ids"] for r in rows] == [None] * len(MASK)
+    assert [r["sample"] for r in rows] == list(range(len(MASK)))
+
+
+def numpy_whiten_stats(x: np.ndarray, valid: np.ndarray) -> tuple[float, float]:
+    values = x[valid].astype(np.float64)
+    n = values.size
+    mean = values.sum() / (n + 1e-8)
+    return mean, ((values - mean) ** 2).sum() / (n + 1e-8) * n / (n - 1)
+
+
+def test_whiten_stats_follow_masked_whiten():
+    generator = torch.Generator().manual_seed(3)
+    raw = 2.0 + 3.0 * torch.randn(64, 50, generator=generator)
+    mask = (torch.rand(64, 50, generator=generator) > 0.4).long()
+    stats = whiten_stats(raw, mask)
+    mean, var = numpy_whiten_stats(raw.numpy(), mask.numpy().astype(bool))
+    assert stats["mean"] == pytest.approx(mean, rel=1e-9) and stats["var"] == pytest.approx(var, rel=1e-6)
+    values = raw.numpy()[mask.numpy().astype(bool)]
+    assert stats["mean"] == pytest.approx(values.mean(), rel=1e-6)
+    assert stats["var"] == pytest.approx(values.var(ddof=1), rel=1e-6)
+    # What the record is for: the actor's whitened advantage can be rebuilt from raw and the stats.
+    rebuilt = (raw - stats["mean"]) / math.sqrt(stats["var"] + 1e-8)
+    valid = mask.bool()
+    torch.testing.assert_close(rebuilt[valid], masked_whiten(raw, mask)[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_whiten_stats_cover_the_full_batch_when_samples_are_dropped():
+    capture = make_capture()
+    snapshot = take_snapshot(capture, 2)
+    full = numpy_whiten_stats(capture.advantage_raw.numpy(), capture.response_mask.numpy().astype(bool))
+    first_two = numpy_whiten_stats(capture.advantage_raw[:2].numpy(), capture.response_mask[:2].numpy().astype(bool))
+    assert (snapshot.whiten["mean"], snapshot.whiten["var"]) == pytest.approx(full, rel=1e-6)
+    assert snapshot.whiten["mean"] != pytest.approx(first_two[0], rel=1e-3)
+
+
+def test_whiten_stats_undefined_cases():
+    assert whiten_stats(None, torch.ones(2, 3)) is None
+    assert whiten_stats(torch.ones(2, 3), torch.tensor([[0, 1, 0], [0, 0, 0]])) is None
+    assert take_snapshot(make_capture(missing=("advantage_raw",)), None).whiten is None
+
+
+def test_kl_coef_and_step_are_plain_numbers():
+    capture = make_capture(step=7)
+    capture.kl_coef = torch.tensor(0.25)
+    snapshot = take_snapshot(capture, None)
+    assert snapshot.step == 7 and type(snapshot.kl_coef) is float and snapshot.kl_coef == 0.25
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: setattr(c, "values", torch.zeros(5, 5)), "values has shape"),
+        (lambda c: setattr(c, "responses", torch.zeros(4, 6)), "responses has shape"),
+        (lambda c: setattr(c, "uid", ["a"] * 4), "uid has 4 entries"),
+        (lambda c: setattr(c, "prompts", torch.zeros(4, 3)), "prompts must be"),
+        (lambda c: setattr(c, "prompt_mask", torch.zeros(5, 3)), "prompt_mask has shape"),
+        (lambda c: setattr(c, "response_mask", torch.zeros(6)), "response_mask must be"),
+        (lambda c: setattr(c, "step", -1), "step must be"),
+    ],
+)
+def test_shape_errors_name_the_field(change, message):
+    capture = make_capture()
+    change(capture)
+    with pytest.raises(ValueError, match=message):
+        take_snapshot(capture, None)
+
+
+def test_snapshot_restores_torch_threads():
+    threads = torch.get_num_threads()
+    take_snapshot(make_capture(), None)
+    assert torch.get_num_threads() == threads
+
+
+def test_snapshot_memory_recycles_blocks_and_drops_small_ones():
+    memory = SnapshotMemory()
+    first = memory.take(1000)
+    memory.give_back(first)
+    assert memory.take(1000) is first  # recycled
+    memory.give_back(first)
+    bigger = memory.take(5000)  # the free block is too small: dropped, a new one made
+    assert bigger is not first and bigger.numel() >= 5000
+    memory.give_back(bigger)
+    assert memory.take(10) is bigger and memory.take(10) is not bigger  # nothing else was kept
+
+
+def test_snapshot_in_a_dirty_recycled_block_is_exact():
+    memory = SnapshotMemory()
+    capture = make_capture()
+    dirty = take_snapshot(make_capture(mask=[[1] * 6] * 5, seed=9), None, memory).block
+    dirty.fill_(0xFF)  # NaN floats, True masks, -1 ids everywhere
+    memory.give_back(dirty)
+    snapshot = take_snapshot(capture, None, memory)
+    assert snapshot.block is dirty
+    assert token_table(snapshot).to_pylist() == reference_rows(capture)
+    assert prompt_table(snapshot).to_pylist() == prompt_table(take_snapshot(capture, None)).to_pylist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tensors_on_a_gpu_give_the_same_tables():
+    capture = make_capture(dtype=torch.bfloat16)
+    on_gpu = make_capture(dtype=torch.bfloat16)
+    for field in ("response_mask", "responses", "prompts", "prompt_mask", *FLOAT_SOURCES.values()):
+        setattr(on_gpu, field, getattr(on_gpu, field).cuda())
+    snapshot = take_snapshot(on_gpu, 3)
+    assert token_table(snapshot).to_pylist() == reference_rows(capture, 3)
+    assert prompt_table(snapshot).equals(prompt_table(take_snapshot(capture, 3)))
+    assert snapshot.whiten == pytest.approx(take_snapshot(capture, 3).whiten, rel=1e-6)

@@ -1,0 +1,300 @@
+"""writer.py: publishing, the run record, resume, failures, the bounded queue."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from datetime import datetime, timedelta, timezone
+
+import pyarrow.dataset as ds
+import pytest
+
+from tests.trace.helpers import MASK, Gate, HookedMemoryFileSystem, fail_writes_to, make_capture, reference_rows
+from verl_ext.errors import TraceError, UsageError
+from verl_ext.options import TraceOptions
+from verl_ext.trace.reader import open_trace
+from verl_ext.trace.schema import SCHEMA_VERSION, STEP_RECORD_KEYS
+from verl_ext.trace.writer import TraceWriter
+
+RUN_RECORD = {
+    "verl_ext_version": "0.1.0",
+    "verl_version": "0.9.1",
+    "trainer": "legacy",
+    "created_at": "2025-01-01T00:00:00+00:00",
+    "algorithm": {"adv_estimator": "mc", "gamma": 1.0, "lam": 1.0, "whiten_advantages": True},
+    "model_path": "tiny",
+    "tokenizer_path": "tiny",
+    "rollout_n": 2,
+    "trace": TraceOptions(dir="x").as_dict(),
+}
+
+
+def write(directory: str, captures, **options) -> None:
+    with TraceWriter(TraceOptions(dir=directory, **options), RUN_RECORD) as writer:
+        for capture in captures:
+            writer.submit(capture)
+
+
+def rows_of(directory: str, step: int) -> list[dict]:
+    table = open_trace(directory).read_step(step).drop_columns(["step"])
+    return table.to_pylist()
+
+
+def test_steps_and_run_record(tmp_path):
+    directory = str(tmp_path / "trace")
+    record_given = json.loads(json.dumps(RUN_RECORD))
+    captures = [make_capture(step, seed=step) for step in (2, 4)]
+    started = datetime.now(timezone.utc)
+    with TraceWriter(TraceOptions(dir=directory, max_samples_per_step=4), record_given) as writer:
+        for capture in captures:
+            writer.submit(capture)
+    assert record_given == RUN_RECORD  # the caller's dict is not modified
+
+    record = json.loads((tmp_path / "trace" / "_run.json").read_text())
+    assert {k: v for k, v in record.items() if k not in ("schema_version", "steps")} == RUN_RECORD
+    assert record["schema_version"] == SCHEMA_VERSION
+    assert list(record["steps"]) == ["2", "4"]
+    for capture in captures:
+        entry = record["steps"][str(capture.step)]
+        assert tuple(entry) == STEP_RECORD_KEYS
+        assert entry["rows"] == len(reference_rows(capture, 4)) == 3 + 5 + 0 + 6
+        assert (entry["samples"], entry["batch_samples"], entry["kl_coef"]) == (4, len(MASK), 0.05)
+        assert entry["file"] == f"step={capture.step}/part-0.parquet"
+        assert entry["prompts_file"] == f"_prompts/step={capture.step}.parquet"
+        assert (tmp_path / "trace" / entry["file"]).is_file() and (tmp_path / "trace" / entry["prompts_file"]).is_file()
+        written_at = datetime.fromisoformat(entry["written_at"])
+        assert written_at.utcoffset() == timedelta(0) and started - timedelta(seconds=1) <= written_at <= datetime.now(timezone.utc)
+        raw = capture.advantage_raw[capture.response_mask.bool()].double()  # all 5 samples, not the 4 kept
+        assert entry["whiten"]["mean"] == pytest.approx(raw.mean().item(), rel=1e-6)
+        assert entry["whiten"]["var"] == pytest.approx(raw.var().item(), rel=1e-6)
+        assert rows_of(directory, capture.step) == reference_rows(capture, 4)
+
+
+def test_only_published_files_remain(tmp_path):
+    write(str(tmp_path), [make_capture(1), make_capture(2)])
+    files = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
+    assert files == ["_prompts/step=1.parquet", "_prompts/step=2.parquet", "_run.json", "step=1/part-0.parquet", "step=2/part-0.parquet"]
+
+
+def test_resume_replaces_a_retraced_step_and_keeps_the_others(tmp_path):
+    directory = str(tmp_path)
+    write(directory, [make_capture(step, seed=step) for step in (1, 2, 3)])
+    first_record = json.loads((tmp_path / "_run.json").read_text())
+
+    retraced = make_capture(3, mask=[[1, 1, 1, 1, 1, 1]] * 2, seed=99)
+    resumed_record = {**RUN_RECORD, "created_at": "2025-01-02T00:00:00+00:00"}
+    with TraceWriter(TraceOptions(dir=directory), resumed_record) as writer:
+        writer.submit(retraced)
+        writer.submit(make_capture(4, seed=4))
+
+    trace = open_trace(directory)
+    assert trace.steps == [1, 2, 3, 4]
+    assert trace.record["created_at"] == "2025-01-02T00:00:00+00:00"
+    assert trace.record["steps"]["1"] == first_record["steps"]["1"]
+    assert trace.record["steps"]["3"]["rows"] == 12 != first_record["steps"]["3"]["rows"]
+    assert rows_of(directory, 3) == reference_rows(retraced)
+    assert trace.prompts(3).num_rows == 2
+    by_step = ds.dataset(directory, format="parquet", partitioning="hive").to_table().group_by("step").aggregate([("sample", "count")])
+    assert dict(zip(*by_step.to_pydict().values())) == {1: 17, 2: 17, 3: 12, 4: 17}
+
+
+def test_resume_warns_when_the_algorithm_changed(tmp_path):
+    write(str(tmp_path), [make_capture(1)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TraceWriter(TraceOptions(dir=str(tmp_path)), RUN_RECORD).close()  # same settings: silent
+    changed = {**RUN_RECORD, "algorithm": {**RUN_RECORD["algorithm"], "gamma": 0.99}}
+    with pytest.warns(UserWarning, match=r"gamma: 1\.0 -> 0\.99"):
+        TraceWriter(TraceOptions(dir=str(tmp_path)), changed).close()
+
+
+def test_resume_refuses_another_schema_version(tmp_path):
+    (tmp_path / "_run.json").write_text(json.dumps({"schema_version": SCHEMA_VERSION + 1, "steps": {}}))
+    with pytest.raises(TraceError, match="schema version"):
+        TraceWriter(TraceOptions(dir=str(tmp_path)), RUN_RECORD)
+
+
+def test_unwritable_dir_is_refused_before_training(tmp_path, hooked_url):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(UsageError, match=rf"trace dir {blocker}/trace is not writable: ") as error:
+        TraceWriter(TraceOptions(dir=str(blocker / "trace")), RUN_RECORD)
+    assert "\n" not in str(error.value)
+
+    with pytest.raises(UsageError, match="trace dir nosuchprotocol://x is not writable: "):
+        TraceWriter(TraceOptions(dir="nosuchprotocol://x"), RUN_RECORD)
+
+    HookedMemoryFileSystem.on_write = fail_writes_to("", "permission denied (injected)")
+    with pytest.raises(UsageError, match=rf"trace dir {hooked_url} is not writable: permission denied"):
+        TraceWriter(TraceOptions(dir=hooked_url), RUN_RECORD)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"every": -1}, "every must be an integer >= 1"),
+        ({"queue_size": 0}, "queue_size must be an integer >= 1"),
+        ({"on_error": "ignore"}, "on_error must be 'warn' or 'raise'"),
+        ({"dir": None}, "dir is not set"),
+    ],
+)
+def test_bad_options_are_refused(tmp_path, options, message):
+    with pytest.raises(UsageError, match=message):
+        TraceWriter(TraceOptions(**{"dir": str(tmp_path), **options}), RUN_RECORD)
+
+
+def test_run_record_must_be_json(tmp_path):
+    with pytest.raises(UsageError, match="run record is not JSON"):
+        TraceWriter(TraceOptions(dir=str(tmp_path)), {**RUN_RECORD, "model_path": object()})
+
+
+def test_failed_write_warns_and_training_goes_on(hooked_url):
+    HookedMemoryFileSystem.on_write = fail_writes_to("step=2/part-0.parquet")
+    writer = TraceWriter(TraceOptions(dir=hooked_url), RUN_RECORD)
+    # Reported at the first submit after the failure, or at close if it comes later.
+    with pytest.warns(RuntimeWarning, match=r"writing step 2 to .* failed: disk full \(injected\); training goes on") as caught:
+        for step in (1, 2, 3):
+            writer.submit(make_capture(step))
+        writer.close()
+    assert len([w for w in caught if "writing step" in str(w.message)]) == 1
+    trace = open_trace(hooked_url)
+    assert trace.steps == [1, 3] and sorted(trace.record["steps"]) == ["1", "3"]
+    fs = HookedMemoryFileSystem()
+    assert fs.ls(fs._strip_protocol(hooked_url) + "/_tmp") == []  # the partial file was removed
+
+
+def test_failed_write_raises_at_the_next_submit(hooked_url):
+    fail, gate = fail_writes_to("step=2/part-0.parquet"), Gate("step=3/part-0.parquet")
+
+    def hook(path):
+        fail(path)
+        gate(path)
+
+    HookedMemoryFileSystem.on_write = hook
+    writer = TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), RUN_RECORD)
+    writer.submit(make_capture(1))
+    writer.submit(make_capture(2))
+    writer.submit(make_capture(3))
+    assert gate.reached.wait(10)  # step 2 has failed: the thread is at step 3 now
+    with pytest.raises(TraceError, match=r"writing step 2 of the trace to .* failed: disk full") as error:
+        writer.submit(make_capture(4))
+    assert "\n" not in str(error.value) and isinstance(error.value.__cause__, OSError)
+    gate.open()
+    writer.close()  # the failure was reported once; nothing else failed
+    writer.close()  # idempotent
+    assert open_trace(hooked_url).steps == [1, 3]
+    with pytest.raises(UsageError, match="after close"):
+        writer.submit(make_capture(5))
+
+
+def test_failed_write_raises_at_close(hooked_url):
+    HookedMemoryFileSystem.on_write = fail_writes_to("_prompts/step=2.parquet")
+    writer = TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), RUN_RECORD)
+    writer.submit(make_capture(1))
+    writer.submit(make_capture(2))
+    with pytest.raises(TraceError, match="writing step 2"):
+        writer.close()
+    writer.close()
+    assert open_trace(hooked_url).steps == [1]
+
+
+def test_failed_retrace_leaves_the_old_step_readable(hooked_url):
+    old = make_capture(2, seed=1)
+    write(hooked_url, [old])
+    HookedMemoryFileSystem.on_write = fail_writes_to("step=2/part-0.parquet")
+    with pytest.warns(RuntimeWarning, match="writing step 2 .* failed"):
+        write(hooked_url, [make_capture(2, mask=[[1] * 6] * 3, seed=2)])
+    assert rows_of(hooked_url, 2) == reference_rows(old)
+    # The new prompt file went in before the token file failed: the reader refuses the mixed pair.
+    with pytest.raises(TraceError, match="prompt table of step 2 comes from another write"):
+        open_trace(hooked_url).prompts(2)
+
+
+def test_failed_prompt_write_leaves_the_old_step_whole(hooked_url):
+    old = make_capture(2, seed=1)
+    write(hooked_url, [old])
+    HookedMemoryFileSystem.on_write = fail_writes_to("_prompts/step=2.parquet")
+    with pytest.warns(RuntimeWarning, match="writing step 2 .* failed"):
+        write(hooked_url, [make_capture(2, seed=2)])
+    trace = open_trace(hooked_url)
+    assert rows_of(hooked_url, 2) == reference_rows(old)
+    assert trace.prompts(2).column("prompt_token_ids").to_pylist()[0] == [
+        int(p) for p, real in zip(old.prompts[0], old.prompt_mask[0]) if real
+    ]
+
+
+def test_failed_record_update_keeps_the_step_and_its_entry(hooked_url):
+    writer = TraceWriter(TraceOptions(dir=hooked_url), RUN_RECORD)
+    HookedMemoryFileSystem.on_write = fail_writes_to("_run.json")
+    writer.submit(make_capture(1))
+    with pytest.warns(RuntimeWarning, match=r"writing step 1 .* failed: the step is in the trace but _run.json was not updated"):
+        writer.close()
+    trace = open_trace(hooked_url)
+    assert trace.steps == [1] and trace.record["steps"] == {}
+    assert trace.step_record(1)["rows"] == len(reference_rows(make_capture(1)))
+
+
+def test_invalid_capture_warns_or_raises_at_submit(tmp_path):
+    bad = make_capture(5)
+    bad.values = bad.values[:, :2]
+    with TraceWriter(TraceOptions(dir=str(tmp_path / "warn")), RUN_RECORD) as writer:
+        with pytest.warns(RuntimeWarning, match=r"writing step 5 .* failed: values has shape"):
+            writer.submit(bad)
+        not_a_tensor = make_capture(7)
+        not_a_tensor.returns = [[0.0] * 6] * 5
+        with pytest.warns(RuntimeWarning, match=r"writing step 7 .* failed"):
+            writer.submit(not_a_tensor)
+        writer.submit(make_capture(6))
+    assert open_trace(str(tmp_path / "warn")).steps == [6]
+    with TraceWriter(TraceOptions(dir=str(tmp_path / "raise"), on_error="raise"), RUN_RECORD) as writer:
+        with pytest.raises(TraceError, match="values has shape"):
+            writer.submit(bad)
+
+
+def test_submit_blocks_only_when_the_queue_is_full(hooked_url):
+    gate = Gate("step=1/part-0.parquet")
+    HookedMemoryFileSystem.on_write = gate
+    writer = TraceWriter(TraceOptions(dir=hooked_url, queue_size=1), RUN_RECORD)
+    writer.submit(make_capture(1))
+    assert gate.reached.wait(10)  # step 1 is being written
+    writer.submit(make_capture(2))  # fills the queue, returns at once
+    third = threading.Thread(target=writer.submit, args=(make_capture(3),))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive()  # blocked on the full queue
+    gate.open()
+    third.join(10)
+    assert not third.is_alive()
+    writer.close()
+    assert open_trace(hooked_url).steps == [1, 2, 3]
+
+
+def test_recycled_memory_does_not_change_a_step_being_written(hooked_url):
+    gate = Gate("step=1/part-0.parquet")  # step 1's tables are built, its memory given back
+    HookedMemoryFileSystem.on_write = gate
+    first, second = make_capture(1, seed=1), make_capture(2, mask=[[1] * 6] * 5, seed=2)
+    writer = TraceWriter(TraceOptions(dir=hooked_url), RUN_RECORD)
+    writer.submit(first)
+    assert gate.reached.wait(10)
+    writer.submit(second)  # copies into the block step 1 used
+    gate.open()
+    writer.close()
+    assert rows_of(hooked_url, 1) == reference_rows(first)
+    assert rows_of(hooked_url, 2) == reference_rows(second)
+
+
+def test_exception_in_the_with_block_is_not_hidden(hooked_url):
+    HookedMemoryFileSystem.on_write = fail_writes_to("step=1/part-0.parquet")
+    with pytest.raises(KeyError), pytest.warns(RuntimeWarning, match="writing step 1 .* failed"):
+        with TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), RUN_RECORD) as writer:
+            writer.submit(make_capture(1))
+            raise KeyError("from the trainer")
+
+
+def test_stale_temporaries_are_cleared(tmp_path):
+    (tmp_path / "_tmp").mkdir()
+    (tmp_path / "_tmp" / "step=3~part-0.parquet.dead.tmp").write_bytes(b"partial")
+    TraceWriter(TraceOptions(dir=str(tmp_path)), RUN_RECORD).close()
+    assert os.listdir(tmp_path / "_tmp") == []

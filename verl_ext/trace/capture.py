@@ -1,0 +1,307 @@
+"""From the trainer's batch tensors to the trace's Arrow tables, in two halves.
+
+:func:`take_snapshot` runs on the training thread when a step is submitted. It does the least work
+that makes the trace independent of the trainer's tensors, which the trainer may reuse or modify
+in place once the hook returns:
+
+* checks shapes (B, T) and reduces the mask to each sample's row count L_i (last valid position + 1);
+* computes the whitening statistics of ``advantage_raw`` over the FULL batch (they need all B rows,
+  while only the first N may be kept);
+* copies rows 0 … N − 1 and columns 0 … max L_i − 1 of every tensor into CPU memory recycled from
+  written steps (:class:`SnapshotMemory`), converting to the schema's dtypes in the same pass
+  (float32, int32, bool).
+
+:func:`token_table` and :func:`prompt_table` run on the writer thread: they gather the positions
+``t < L_i`` into the long format of ``TOKEN_FILE_SCHEMA`` and build ``PROMPT_SCHEMA``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from verl_ext.trace.schema import FLOAT_COLUMNS, PROMPT_SCHEMA, TOKEN_FILE_SCHEMA
+
+
+@dataclass
+class StepCapture:
+    """What the integration hands over for one step, right after the advantages are computed.
+
+    All tensors are (B, T) over the response positions unless said otherwise, on any device, of any
+    dtype (bf16, float32, int64, …); ``None`` where the run has no such tensor, which makes the
+    column null. B ≥ 1.
+    """
+
+    step: int
+    response_mask: torch.Tensor  # (B, T) 0/1: 1 on trainable response tokens
+    responses: torch.Tensor | None  # (B, T) response token ids
+    uid: Sequence[str] | None  # B group ids (verl's non_tensor_batch["uid"], a numpy object array)
+    scores: torch.Tensor | None  # token_level_scores
+    rewards: torch.Tensor | None  # token_level_rewards
+    values: torch.Tensor | None  # V(s_t)
+    returns: torch.Tensor | None
+    advantages: torch.Tensor | None  # what the actor trains on
+    advantage_raw: torch.Tensor | None  # before whitening (None when not defined, e.g. grpo)
+    old_log_probs: torch.Tensor | None
+    ref_log_prob: torch.Tensor | None
+    kl: torch.Tensor | None  # kld_t (before β); None when KL-in-reward is off
+    prompts: torch.Tensor | None  # (B, P) prompt token ids, left-padded as in verl
+    prompt_mask: torch.Tensor | None  # (B, P) 1 on real prompt tokens; None: every position is one
+    kl_coef: float | None  # β applied at this step
+
+
+#: The StepCapture field behind each float column of the schema.
+FLOAT_SOURCES = {
+    "score": "scores",
+    "reward": "rewards",
+    "value": "values",
+    "return": "returns",
+    "advantage": "advantages",
+    "advantage_raw": "advantage_raw",
+    "old_log_prob": "old_log_probs",
+    "ref_log_prob": "ref_log_prob",
+    "kl": "kl",
+}
+assert tuple(FLOAT_SOURCES) == FLOAT_COLUMNS
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """The writer thread's own copy of one step (N samples kept of B, W = max L_i positions)."""
+
+    step: int
+    batch_samples: int  # B
+    lengths: np.ndarray  # (N,) int64: rows of each sample, L_i = last valid position + 1 (0: none)
+    mask: np.ndarray  # (N, W) bool
+    token_ids: np.ndarray | None  # (N, W) int32
+    floats: dict[str, np.ndarray | None]  # column name -> (N, W) float32
+    uid: list[str] | None  # N
+    prompt_token_ids: np.ndarray | None  # (N, P) int32
+    prompt_mask: np.ndarray | None  # (N, P) bool
+    kl_coef: float | None
+    whiten: dict[str, float] | None  # {"mean", "var"} of advantage_raw over the full batch
+    block: torch.Tensor  # the memory all arrays above live in (see SnapshotMemory)
+
+    @property
+    def samples(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.sum())
+
+
+def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "SnapshotMemory | None" = None) -> StepSnapshot:
+    """Copy what the step's files need (synchronous part). Keeps the first ``max_samples`` samples.
+
+    The copies go into one block taken from ``memory`` (fresh memory without it); whoever is done
+    with the snapshot gives ``snapshot.block`` back. Raises ValueError naming the field when a
+    shape does not match ``response_mask``'s (B, T).
+    """
+    _check(capture)
+    batch, length = capture.response_mask.shape
+    kept = batch if max_samples is None else min(batch, max_samples)
+    # What is copied: (tensor, dtype in the snapshot) per array, over response or prompt positions.
+    response_arrays = {
+        "mask": (capture.response_mask, torch.bool),
+        "token_ids": (capture.responses, torch.int32),
+        **{name: (getattr(capture, field), torch.float32) for name, field in FLOAT_SOURCES.items()},
+    }
+    prompt_arrays = {"prompt_token_ids": (capture.prompts, torch.int32), "prompt_mask": (capture.prompt_mask, torch.bool)}
+    prompt_shape = None if capture.prompts is None else (kept, capture.prompts.shape[1])
+    # The block is sized for the full length T, not the longest response, so that in a run with a
+    # fixed batch shape every recycled block fits every step.
+    nbytes = _bytes(response_arrays, (kept, length)) + _bytes(prompt_arrays, prompt_shape)
+    block = _Block((memory or SnapshotMemory()).take(nbytes))
+    with _one_cpu_thread():
+        lengths = _row_counts(capture.response_mask[:kept])
+        shape = (kept, int(lengths.max()))
+        copies = {name: block.copy(tensor, shape, dtype) for name, (tensor, dtype) in response_arrays.items()}
+        copies |= {name: block.copy(tensor, prompt_shape, dtype) for name, (tensor, dtype) in prompt_arrays.items()}
+        return StepSnapshot(
+            step=int(capture.step),
+            batch_samples=batch,
+            lengths=lengths.numpy(),
+            mask=copies["mask"],
+            token_ids=copies["token_ids"],
+            floats={name: copies[name] for name in FLOAT_COLUMNS},
+            uid=None if capture.uid is None else [str(u) for u in capture.uid[:kept]],
+            prompt_token_ids=copies["prompt_token_ids"],
+            prompt_mask=copies["prompt_mask"],
+            kl_coef=None if capture.kl_coef is None else float(capture.kl_coef),
+            whiten=whiten_stats(capture.advantage_raw, capture.response_mask),
+            block=block.memory,
+        )
+
+
+class SnapshotMemory:
+    """Recycles the memory of snapshots that were written, for the next ones (thread-safe).
+
+    A snapshot is ~80 MB at 512 × 4096; copying into fresh memory page-faults all of it, which
+    measured 20-50 ms per submit on a busy machine, more than the copies themselves. A block is
+    only created when none is free, so there are never more blocks than the most snapshots alive
+    at once (queue_size + 2 in a writer: queued, being written, being submitted).
+    """
+
+    def __init__(self):
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 block of at least ``nbytes``: a free one, or a new one (free ones too small are dropped)."""
+        with self._lock:
+            while self._free:
+                block = self._free.pop()
+                if block.numel() >= nbytes:
+                    return block
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, block: torch.Tensor) -> None:
+        """Return a block; nothing may use the snapshot it held any more."""
+        with self._lock:
+            self._free.append(block)
+
+
+def whiten_stats(values: torch.Tensor | None, mask: torch.Tensor) -> dict[str, float] | None:
+    """{"mean": μ, "var": σ²} as ``masked_whiten`` computes them over the valid entries of (B, T).
+
+    μ = Σx/(n + 1e-8), σ² = Σ(x − μ)²/(n + 1e-8) · n/(n − 1), sums accumulated in float64.
+    None without values or with fewer than 2 valid entries (where ``masked_whiten`` raises).
+    """
+    if values is None:
+        return None
+    valid_values = values.masked_select(mask.bool())  # compact first: 1 pass over (B, T), not 3
+    count = valid_values.numel()
+    if count < 2:
+        return None
+    n = count + 1e-8
+    mean = valid_values.sum(dtype=torch.float64).item() / n
+    squares = (valid_values.float() - mean).square_().sum(dtype=torch.float64).item()
+    return {"mean": mean, "var": squares / n * (count / (count - 1))}
+
+
+def token_table(snapshot: StepSnapshot) -> pa.Table:
+    """The long-format token table (TOKEN_FILE_SCHEMA), sorted by (sample, token_index)."""
+    rows = snapshot.rows
+    width = snapshot.mask.shape[1]
+    # (N, W) selection of the positions t < L_i; boolean indexing walks it row-major, so every
+    # column comes out in (sample, token_index) order.
+    keep = np.arange(width) < snapshot.lengths[:, None]
+    sample = np.repeat(np.arange(snapshot.samples, dtype=np.int32), snapshot.lengths)
+    first_row = np.cumsum(snapshot.lengths) - snapshot.lengths
+    token_index = (np.arange(rows) - np.repeat(first_row, snapshot.lengths)).astype(np.int32)
+    uid = pa.nulls(rows, pa.string()) if snapshot.uid is None else pa.array(snapshot.uid, pa.string()).take(sample)
+
+    def gather(array: np.ndarray | None, arrow_type: pa.DataType) -> pa.Array:
+        return pa.nulls(rows, arrow_type) if array is None else pa.array(array[keep], arrow_type)
+
+    return pa.Table.from_arrays(
+        [
+            sample,
+            uid,
+            token_index,
+            gather(snapshot.token_ids, pa.int32()),
+            gather(snapshot.mask, pa.bool_()),
+            *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMNS),
+        ],
+        schema=TOKEN_FILE_SCHEMA,
+    )
+
+
+def prompt_table(snapshot: StepSnapshot) -> pa.Table:
+    """One row per kept sample (PROMPT_SCHEMA): its prompt token ids without the padding."""
+    samples = snapshot.samples
+    if snapshot.prompt_token_ids is None:
+        prompt_ids = pa.nulls(samples, PROMPT_SCHEMA.field("prompt_token_ids").type)
+    else:
+        real = np.ones_like(snapshot.prompt_token_ids, bool) if snapshot.prompt_mask is None else snapshot.prompt_mask
+        offsets = np.concatenate([[0], np.cumsum(real.sum(axis=1))]).astype(np.int32)
+        prompt_ids = pa.ListArray.from_arrays(offsets, snapshot.prompt_token_ids[real])
+    return pa.Table.from_arrays(
+        [
+            np.full(samples, snapshot.step, np.int64),
+            np.arange(samples, dtype=np.int32),
+            pa.nulls(samples, pa.string()) if snapshot.uid is None else pa.array(snapshot.uid, pa.string()),
+            prompt_ids,
+        ],
+        schema=PROMPT_SCHEMA,
+    )
+
+
+def _check(capture: StepCapture) -> None:
+    mask = capture.response_mask
+    if mask.dim() != 2 or mask.shape[0] < 1:
+        raise ValueError(f"response_mask must be (B, T) with B >= 1, got shape {tuple(mask.shape)}")
+    if isinstance(capture.step, bool) or not isinstance(capture.step, numbers.Integral) or capture.step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {capture.step!r}")
+    for field in ("responses", *FLOAT_SOURCES.values()):
+        tensor = getattr(capture, field)
+        if tensor is not None and tensor.shape != mask.shape:
+            raise ValueError(f"{field} has shape {tuple(tensor.shape)}, response_mask has {tuple(mask.shape)}")
+    if capture.uid is not None and len(capture.uid) != mask.shape[0]:
+        raise ValueError(f"uid has {len(capture.uid)} entries for a batch of {mask.shape[0]}")
+    prompts, prompt_mask = capture.prompts, capture.prompt_mask
+    if prompts is not None and (prompts.dim() != 2 or prompts.shape[0] != mask.shape[0]):
+        raise ValueError(f"prompts must be (B={mask.shape[0]}, P), got shape {tuple(prompts.shape)}")
+    if prompt_mask is not None and (prompts is None or prompt_mask.shape != prompts.shape):
+        shape = None if prompts is None else tuple(prompts.shape)
+        raise ValueError(f"prompt_mask has shape {tuple(prompt_mask.shape)}, prompts has {shape}")
+
+
+@contextmanager
+def _one_cpu_thread() -> Iterator[None]:
+    """Run torch's CPU ops on the calling thread alone for a moment (restored afterwards).
+
+    The snapshot is memory-bound copies and reductions, which gain little from intra-op threads
+    but lose much when those threads wait for cores the trainer's other processes hold: on a
+    busy 2-core machine the snapshot took ~150 ms with 2 threads and ~15 ms with one.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _row_counts(mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) mask -> (N,) int64 on the CPU: last valid position + 1, 0 for a row without one."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return torch.where(mask.bool(), positions, 0).amax(dim=1).cpu()
+
+
+_ALIGNMENT = 64  # bytes; keeps every array of a block aligned for vectorized copies
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
+
+
+def _bytes(arrays: dict[str, tuple[torch.Tensor | None, torch.dtype]], shape: tuple[int, int] | None) -> int:
+    """Block bytes for the present ``arrays`` at (rows, columns) ``shape``."""
+    return sum(_aligned(shape[0] * shape[1] * dtype.itemsize) for tensor, dtype in arrays.values() if tensor is not None)
+
+
+class _Block:
+    """Carves consecutive arrays out of one uint8 block."""
+
+    def __init__(self, memory: torch.Tensor):
+        self.memory = memory
+        self._used = 0
+
+    def copy(self, tensor: torch.Tensor | None, shape: tuple[int, int] | None, dtype: torch.dtype) -> np.ndarray | None:
+        """``tensor[:rows, :cols]`` converted to ``dtype``, copied into the block, as a numpy array."""
+        if tensor is None:
+            return None
+        rows, cols = shape
+        nbytes = rows * cols * dtype.itemsize
+        array = self.memory[self._used : self._used + nbytes].view(dtype).view(rows, cols)
+        self._used += _aligned(nbytes)
+        return array.copy_(tensor[:rows, :cols]).numpy()

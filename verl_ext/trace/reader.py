@@ -1,0 +1,199 @@
+"""Read a trace: the run record, one step at a time, or all steps as one dataset.
+
+A :class:`Trace` is a view of the directory as it was when opened (reopen it to see steps written
+since). Every problem with the trace itself raises :class:`TraceError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from verl_ext.errors import TraceError, UsageError
+from verl_ext.trace import record, storage
+from verl_ext.trace.schema import (
+    PROMPT_SCHEMA,
+    RUN_RECORD,
+    SCHEMA_VERSION_METADATA_KEY,
+    STEP_RECORD_METADATA_KEY,
+    TOKEN_FILE,
+    TOKEN_FILE_SCHEMA,
+    TOKEN_SCHEMA,
+    WRITE_ID_METADATA_KEY,
+    prompt_file,
+    token_file,
+)
+
+if TYPE_CHECKING:
+    import pandas
+    import polars
+
+_TOKEN_FILE_PATH = re.compile(rf"step=(\d+)/{re.escape(TOKEN_FILE)}")
+
+
+def open_trace(path: str, *, filesystem=None) -> "Trace":
+    """Open the trace at ``path`` (local path or fsspec URL; with ``filesystem``, a
+    ``pyarrow.fs.FileSystem`` or fsspec filesystem, a path inside it).
+
+    Reads only ``_run.json`` and one listing of the directory. Raises TraceError when the path
+    does not exist, is not a trace, or has a schema version this code does not read.
+    """
+    try:
+        fs, root = storage.resolve(path, filesystem)
+        kind = fs.get_file_info(root).type
+    except (OSError, ValueError, ImportError) as error:
+        raise TraceError(f"cannot open trace {path}: {storage.one_line(error)}") from None
+    if kind == pafs.FileType.NotFound:
+        raise TraceError(f"no trace at {path}: the path does not exist")
+    if kind != pafs.FileType.Directory:
+        raise TraceError(f"{path} is not a trace: it is not a directory")
+    run_record = record.read(fs, root, path)
+    if run_record is None:
+        raise TraceError(f"{path} is not a verl-ext trace: it has no {RUN_RECORD}")
+    return Trace(path, run_record, _steps_on_disk(fs, root), fs, root)
+
+
+def _steps_on_disk(fs: pafs.FileSystem, root: str) -> list[int]:
+    steps = []
+    for info in fs.get_file_info(pafs.FileSelector(root, recursive=True)):
+        match = _TOKEN_FILE_PATH.fullmatch(posixpath.relpath(info.path, root))
+        if match and info.type == pafs.FileType.File:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+class Trace:
+    """A trace directory: ``record`` (the run record), ``steps`` (sorted steps whose token file is
+    on disk), and per-step tables. Token tables have TOKEN_SCHEMA's columns in its order (``step``
+    included), rows sorted by (sample, token_index)."""
+
+    def __init__(self, path: str, run_record: dict, steps: list[int], fs: pafs.FileSystem, root: str):
+        self.path = path
+        self.record = run_record
+        self.steps = steps
+        self._fs = fs
+        self._root = root
+        self._footers: dict[int, dict[bytes, bytes]] = {}
+
+    def read_step(self, step: int, columns: list[str] | None = None) -> pa.Table:
+        """The token table of one step: ``columns`` (default all) in TOKEN_SCHEMA order."""
+        names = _known_columns(columns)
+        # With only ``step`` asked for, ``sample`` is still read: it gives the row count.
+        file_columns = [name for name in names if name != "step"] or ["sample"]
+        table = self._read_parquet(step, token_file(step), TOKEN_FILE_SCHEMA, file_columns)
+        arrays = [pa.array(np.full(table.num_rows, step, np.int64)) if name == "step" else table[name] for name in names]
+        return pa.Table.from_arrays(arrays, schema=_subschema(TOKEN_SCHEMA, names))
+
+    def iter_steps(self, columns: list[str] | None = None) -> Iterator[tuple[int, pa.Table]]:
+        """(step, token table) for every step in order, reading one step at a time."""
+        for step in self.steps:
+            yield step, self.read_step(step, columns)
+
+    def prompts(self, step: int) -> pa.Table:
+        """The prompt table of one step (PROMPT_SCHEMA): one row per traced sample."""
+        table = self._read_parquet(step, prompt_file(step), PROMPT_SCHEMA, PROMPT_SCHEMA.names)
+        written_with = (table.schema.metadata or {}).get(WRITE_ID_METADATA_KEY.encode())
+        if written_with != self._footer(step).get(WRITE_ID_METADATA_KEY.encode()):
+            raise TraceError(
+                f"{self.path}: the prompt table of step {step} comes from another write than its token "
+                "table (a re-trace of the step was interrupted); trace the step again"
+            )
+        return table.replace_schema_metadata(PROMPT_SCHEMA.metadata)
+
+    def step_record(self, step: int) -> dict:
+        """The step's entry of the run record (keys STEP_RECORD_KEYS), as stored with its data."""
+        entry = self._footer(step).get(STEP_RECORD_METADATA_KEY.encode())
+        if entry is None:
+            raise TraceError(f"{self.path}/{token_file(step)} has no step record in its footer")
+        return json.loads(entry)
+
+    def dataset(self) -> ds.Dataset:
+        """All steps as one ``pyarrow.dataset`` (TOKEN_SCHEMA, ``step`` from the hive partition)."""
+        return ds.dataset(
+            self._root,
+            filesystem=self._fs,
+            format="parquet",
+            partitioning=ds.partitioning(pa.schema([TOKEN_SCHEMA.field("step")]), flavor="hive"),
+            schema=TOKEN_SCHEMA,
+        )
+
+    def to_pandas(self, step: int | None = None) -> "pandas.DataFrame":
+        """One step, or every step in order, as a pandas DataFrame."""
+        return self._table(step).to_pandas()
+
+    def to_polars(self, step: int | None = None) -> "polars.DataFrame":
+        """One step, or every step in order, as a polars DataFrame."""
+        import polars
+
+        return polars.from_arrow(self._table(step))
+
+    # ------------------------------------------------------------------ internals
+
+    def _table(self, step: int | None) -> pa.Table:
+        if step is not None:
+            return self.read_step(step)
+        return pa.concat_tables([self.read_step(s) for s in self.steps] or [TOKEN_SCHEMA.empty_table()])
+
+    def _require(self, step: int) -> None:
+        if step not in self.steps:
+            present = ", ".join(map(str, self.steps)) if len(self.steps) <= 10 else (
+                f"{self.steps[0]} … {self.steps[-1]}, {len(self.steps)} steps"
+            )
+            raise TraceError(f"{self.path} has no step {step} (steps on disk: {present or 'none'})")
+
+    def _footer(self, step: int) -> dict[bytes, bytes]:
+        """Key-value metadata of the step's token file (cached)."""
+        if step not in self._footers:
+            self._require(step)
+            self._footers[step] = self._attempt(token_file(step), lambda file: pq.read_metadata(file).metadata or {})
+        return self._footers[step]
+
+    def _read_parquet(self, step: int, relative: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
+        """``columns`` of one of the step's files, checked against ``schema`` and cast to its types."""
+        self._require(step)
+
+        def read(file) -> pa.Table:
+            parquet = pq.ParquetFile(file)
+            version = (parquet.schema_arrow.metadata or {}).get(SCHEMA_VERSION_METADATA_KEY.encode())
+            if version is not None and version.decode() not in map(str, record.READABLE_SCHEMA_VERSIONS):
+                raise TraceError(f"{self.path}/{relative}: schema version {version.decode()} is not supported")
+            missing = [name for name in schema.names if name not in parquet.schema_arrow.names]
+            if missing:
+                raise TraceError(f"{self.path}/{relative} lacks column(s) {', '.join(missing)}")
+            table = parquet.read(columns=columns).select(columns)
+            return table.cast(_subschema(schema, columns).with_metadata(table.schema.metadata))
+
+        return self._attempt(relative, read)
+
+    def _attempt(self, relative: str, read):
+        """``read(file)`` on the opened file ``relative``, its failures as one-line TraceErrors."""
+        try:
+            with self._fs.open_input_file(storage.join(self._root, relative)) as file:
+                return read(file)
+        except TraceError:
+            raise
+        except FileNotFoundError:
+            raise TraceError(f"{self.path}/{relative} is missing") from None
+        except (OSError, ValueError, pa.ArrowException) as error:
+            raise TraceError(f"{self.path}/{relative} is not a readable Parquet file ({storage.one_line(error)})") from None
+
+
+def _known_columns(columns: list[str] | None) -> list[str]:
+    if columns is None:
+        return list(TOKEN_SCHEMA.names)
+    unknown = sorted(set(columns) - set(TOKEN_SCHEMA.names))
+    if unknown:
+        raise UsageError(f"unknown trace column(s) {', '.join(unknown)}; the columns are {', '.join(TOKEN_SCHEMA.names)}")
+    return [name for name in TOKEN_SCHEMA.names if name in columns]
+
+
+def _subschema(schema: pa.Schema, names: list[str]) -> pa.Schema:
+    return pa.schema([schema.field(name) for name in names], metadata=schema.metadata)

@@ -1,0 +1,266 @@
+"""The background trace writer: a bounded queue between the training thread and one writer thread.
+
+``submit`` (training thread) copies what the step needs (:func:`capture.take_snapshot`) and queues
+the copy; the writer thread builds the Arrow tables and publishes, for each step, in this order:
+
+1. ``_prompts/step=<n>.parquet``
+2. ``step=<n>/part-0.parquet``: publishing it is what makes the step visible to every reader;
+   its footer holds the step entry (and a write id shared with the prompt file)
+3. ``_run.json`` with the step entry added
+
+Every file is written under ``_tmp/`` and moved into place (:mod:`storage` says what that
+guarantees per filesystem), so a reader never sees a half-written file, a re-traced step replaces
+the old files (one file per step, never duplicates), and a failed or killed write leaves every
+file published before it intact. If a write of a step that already exists is cut between 1 and
+2, the old token file stays next to the new prompt file; the write ids then differ and the
+reader's ``prompts(step)`` refuses the pair instead of mixing runs.
+
+Failures (of a write, or of a capture that cannot be copied) are collected and reported on the
+training thread at the next ``submit``/``flush``/``close``: as one warning per failed step
+(``on_error="warn"``; training goes on and the step is missing from the trace, unless the message
+says that only ``_run.json`` was not updated), or as a :class:`TraceError` (``on_error="raise"``;
+the step being submitted is then not traced). One writer per trace directory at a time.
+
+Memory: at most ``queue_size`` snapshots wait in the queue, one more is being turned into tables
+and one more may be in ``submit`` waiting for room. A snapshot of N samples of length T takes
+N × (41 T + 5 P) bytes (9 float32 columns, int32 ids, bool mask; P prompt positions); this memory
+is recycled from step to step (:class:`capture.SnapshotMemory`), so the writer keeps up to
+``queue_size + 2`` such blocks, fewer when steps never pile up. Add one step's Arrow tables and
+Parquet encoding buffers (about 100 MB for 10⁶ rows) while it is written.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import threading
+import traceback
+import uuid
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from verl_ext.errors import TraceError, UsageError
+from verl_ext.options import TraceOptions
+from verl_ext.trace import record, storage
+from verl_ext.trace.capture import SnapshotMemory, StepCapture, StepSnapshot, prompt_table, take_snapshot, token_table
+from verl_ext.trace.schema import (
+    FLOAT_COLUMNS,
+    RUN_RECORD,
+    STEP_RECORD_METADATA_KEY,
+    WRITE_ID_METADATA_KEY,
+    prompt_file,
+    token_file,
+)
+
+#: Parquet encoding of the token file, chosen by benchmarks/bench_trace.py: float columns as
+#: byte-stream-split (no dictionary, which costs a hash per value and rarely pays on floats) then
+#: zstd level 1; dictionaries only where values repeat. Row groups of 128 Ki rows let readers
+#: skip by ``sample`` statistics and read in parallel.
+TOKEN_PARQUET_OPTIONS = {
+    "compression": "zstd",
+    "compression_level": 1,
+    "use_dictionary": ["uid", "token_id"],
+    "use_byte_stream_split": list(FLOAT_COLUMNS),
+    "row_group_size": 128 * 1024,
+}
+PROMPT_PARQUET_OPTIONS = {"compression": "zstd", "compression_level": 1}
+
+_STOP = object()
+
+
+class TraceWriter:
+    """Writes submitted steps to ``options.dir`` on a background thread.
+
+    Construct it before training starts: the constructor raises :class:`UsageError` when the
+    directory cannot be written (naming it and the reason), the options are invalid, or the run
+    record is not JSON data; it then creates the directory, writes ``_run.json`` (``run_record``
+    plus ``schema_version``; on resume the ``steps`` entries already there are kept) and starts
+    the writer thread. The caller decides which steps to trace (``TraceOptions.traces_step``).
+    Usable as a context manager; ``close()`` also runs at interpreter exit if it was not called.
+    """
+
+    def __init__(self, options: TraceOptions, run_record: dict):
+        try:
+            options = TraceOptions.from_config({"verl_ext": {"trace": options.as_dict()}})
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        if not options.enabled:
+            raise UsageError("verl_ext.trace.dir is not set, so there is nothing to write to")
+        self._options = options
+        try:
+            self._fs, self._root = storage.resolve(options.dir)
+            storage.prepare_directory(self._fs, self._root)
+        except Exception as error:  # noqa: BLE001 - whatever the filesystem raises, the cause is the dir
+            raise UsageError(f"trace dir {options.dir} is not writable: {storage.one_line(error)}") from None
+        try:
+            new_record = json.loads(json.dumps(run_record))
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"the run record is not JSON data: {error}") from None
+        self._record = record.merge(record.read(self._fs, self._root, options.dir), new_record, options.dir)
+        try:
+            self._write_record()
+        except Exception as error:  # noqa: BLE001
+            raise UsageError(f"trace dir {options.dir}: cannot write {RUN_RECORD}: {storage.one_line(error)}") from None
+
+        self._queue: queue.Queue = queue.Queue(maxsize=options.queue_size)
+        self._memory = SnapshotMemory()
+        self._failures: list[tuple[int | None, BaseException]] = []
+        self._failures_lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._work, name="verl-ext-trace-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self._close_at_exit)
+
+    # ------------------------------------------------------------------ training thread
+
+    def submit(self, capture: StepCapture) -> None:
+        """Queue one step. Copies what it needs before returning (the trainer may then reuse its
+        tensors); blocks only while the queue is full. Reports earlier failures first."""
+        if self._closed:
+            raise UsageError("TraceWriter.submit() called after close()")
+        self._report_failures(may_raise=True)
+        try:
+            snapshot = take_snapshot(capture, self._options.max_samples_per_step, self._memory)
+        except Exception as error:  # noqa: BLE001 - a bad capture must not stop training either
+            self._record_failure(getattr(capture, "step", None), error)
+            self._report_failures(may_raise=True)
+            return
+        self._queue.put(snapshot)
+
+    def flush(self) -> None:
+        """Wait until every submitted step is written (or has failed), then report failures."""
+        self._queue.join()
+        self._report_failures(may_raise=True)
+
+    def close(self) -> None:
+        """Write what is queued, stop the thread; idempotent. With ``on_error="raise"``, raises the
+        first failure not reported yet."""
+        self._stop()
+        self._report_failures(may_raise=True)
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # never hide the exception that is already propagating
+            self._close_at_exit()
+
+    def _close_at_exit(self) -> None:
+        if os.getpid() != self._pid:  # a forked child inherits the handler, not the thread
+            return
+        self._stop()
+        self._report_failures(may_raise=False)
+
+    def _stop(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        atexit.unregister(self._close_at_exit)
+
+    def _report_failures(self, *, may_raise: bool) -> None:
+        with self._failures_lock:
+            failures, self._failures = self._failures, []
+        if not failures:
+            return
+        if may_raise and self._options.on_error == "raise":
+            (step, error), others = failures[0], [step for step, _ in failures[1:]]
+            more = f" (steps {', '.join(map(str, others))} failed too)" if others else ""
+            raise TraceError(
+                f"writing step {step} of the trace to {self._options.dir} failed: {storage.one_line(error)}{more}"
+            ) from error
+        for step, error in failures:
+            warnings.warn(
+                f"verl-ext trace: writing step {step} to {self._options.dir} failed: {storage.one_line(error)}; "
+                "training goes on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _work(self) -> None:
+        while True:
+            snapshot = self._queue.get()
+            if snapshot is _STOP:
+                self._queue.task_done()
+                return
+            try:
+                self._write(snapshot)
+            except Exception as error:  # noqa: BLE001 - reported on the training thread
+                self._record_failure(snapshot.step, error)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, snapshot: StepSnapshot) -> None:
+        try:
+            files = _StepFiles.build(snapshot)
+        finally:  # the tables hold their own copies: the snapshot's memory can serve the next step
+            self._memory.give_back(snapshot.block)
+        self._publish(files)
+
+    def _record_failure(self, step: int | None, error: BaseException) -> None:
+        # Keep where it failed but not the frames' locals, which hold a whole step's arrays.
+        traceback.clear_frames(error.__traceback__)
+        with self._failures_lock:
+            self._failures.append((step, error))
+
+    def _publish(self, files: "_StepFiles") -> None:
+        entry = files.entry
+        storage.publish(self._fs, self._root, entry["prompts_file"], lambda out: pq.write_table(files.prompts, out, **PROMPT_PARQUET_OPTIONS))
+        storage.publish(self._fs, self._root, entry["file"], lambda out: pq.write_table(files.tokens, out, **TOKEN_PARQUET_OPTIONS))
+        self._record["steps"][str(files.step)] = entry
+        try:
+            self._write_record()
+        except Exception as error:  # noqa: BLE001 - say that the step itself is safe
+            raise OSError(
+                f"the step is in the trace but {RUN_RECORD} was not updated ({storage.one_line(error)})"
+            ) from error
+
+    def _write_record(self) -> None:
+        storage.publish_bytes(self._fs, self._root, RUN_RECORD, record.dumps(self._record))
+
+
+@dataclass(frozen=True)
+class _StepFiles:
+    """The two tables of one step, with its run record entry in their footers."""
+
+    step: int
+    entry: dict
+    tokens: pa.Table
+    prompts: pa.Table
+
+    @classmethod
+    def build(cls, snapshot: StepSnapshot) -> "_StepFiles":
+        step = snapshot.step
+        entry = {
+            "rows": snapshot.rows,
+            "samples": snapshot.samples,
+            "batch_samples": snapshot.batch_samples,
+            "file": token_file(step),
+            "prompts_file": prompt_file(step),
+            "written_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "kl_coef": snapshot.kl_coef,
+            "whiten": snapshot.whiten,
+        }
+        write_id = {WRITE_ID_METADATA_KEY: uuid.uuid4().hex}
+        tokens = token_table(snapshot)
+        prompts = prompt_table(snapshot)
+        return cls(
+            step=step,
+            entry=entry,
+            tokens=tokens.replace_schema_metadata(
+                {**tokens.schema.metadata, **write_id, STEP_RECORD_METADATA_KEY: json.dumps(entry)}
+            ),
+            prompts=prompts.replace_schema_metadata({**prompts.schema.metadata, **write_id}),
+        )
