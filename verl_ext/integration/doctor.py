@@ -79,8 +79,10 @@ def diagnose(fresh_import: bool = True):
     yield from _critic_findings()
     if fresh_import:
         yield _fresh_import_finding()
-    cpu = os.environ.get(plugin.CPU_SWITCH) == "1"
-    yield Finding(True, "cpu backend", f"{'on' if cpu else 'off'} ({plugin.CPU_SWITCH}={os.environ.get(plugin.CPU_SWITCH, '')!r})")
+    from verl_ext import cpu
+
+    state = "on" if cpu.is_active() else ("requested, not active" if cpu.requested() else "off")
+    yield Finding(cpu.is_active() or not cpu.requested(), "cpu backend", f"{state} ({cpu.ENV_SWITCH}={os.environ.get(cpu.ENV_SWITCH, '')!r})")
 
 
 def _registry_findings():

@@ -12,16 +12,19 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from verl_ext.integration import trace_hook
-from verl_ext.integration.estimators import compute_value_based_advantage, estimator_name, register_estimators
 from verl_ext.integration.seam import Patch
-from verl_ext.integration.validation import check_config, critic_required
 from verl_ext.options import ESTIMATOR_NAMES
+
+# The wrappers import what they need when the patched verl module is imported (verl has torch
+# loaded by then), so that loading the plugin, or `import verl_ext` for the CLI, stays light.
 
 SUPPORTED = "0.6.1 - 0.9.1"
 
 
 def _wrap_compute_advantage(original: Callable) -> Callable:
+    from verl_ext.integration import trace_hook
+    from verl_ext.integration.estimators import compute_value_based_advantage, estimator_name
+
     signature = inspect.signature(original)  # bind by name: the positional order differs across versions
 
     @functools.wraps(original)
@@ -44,6 +47,8 @@ def _wrap_compute_advantage(original: Callable) -> Callable:
 
 
 def _wrap_need_critic(original: Callable) -> Callable:
+    from verl_ext.integration.validation import critic_required
+
     @functools.wraps(original)
     def need_critic(config) -> bool:
         return critic_required(config) or original(config)
@@ -52,6 +57,8 @@ def _wrap_need_critic(original: Callable) -> Callable:
 
 
 def _wrap_validate_config(original: Callable) -> Callable:
+    from verl_ext.integration.validation import check_config
+
     @functools.wraps(original)
     def validate_config(config, *args, **kwargs):
         check_config(config)
@@ -61,6 +68,8 @@ def _wrap_validate_config(original: Callable) -> Callable:
 
 
 def _wrap_apply_kl_penalty(original: Callable) -> Callable:
+    from verl_ext.integration import trace_hook
+
     @functools.wraps(original)
     def apply_kl_penalty(data, kl_ctrl, *args, **kwargs):
         beta = kl_ctrl.value  # read before the call: the adaptive controller updates itself inside
@@ -73,6 +82,8 @@ def _wrap_apply_kl_penalty(original: Callable) -> Callable:
 
 def _wrap_fit(trainer_kind: str) -> Callable[[Callable], Callable]:
     def wrap(original: Callable) -> Callable:
+        from verl_ext.integration import trace_hook
+
         @functools.wraps(original)
         def fit(self, *args, **kwargs):
             with trace_hook.session(self, trainer_kind):
@@ -84,6 +95,8 @@ def _wrap_fit(trainer_kind: str) -> Callable[[Callable], Callable]:
 
 
 def _wrap_v1_compute_advantage(original: Callable) -> Callable:
+    from verl_ext.integration import trace_hook
+
     @functools.wraps(original)
     def _compute_advantage(self, batch, metrics):
         batch = original(self, batch, metrics)
@@ -149,7 +162,13 @@ PLUGIN_PATCHES = [
     ),
 ]
 
+def _register_estimators(core_algos: Any) -> None:
+    from verl_ext.integration.estimators import register_estimators
+
+    register_estimators(core_algos)
+
+
 #: Registrations (not patches): run right after the module is first imported.
 PLUGIN_HOOKS: list[tuple[str, Callable[[Any], None]]] = [
-    ("verl.trainer.ppo.core_algos", register_estimators),
+    ("verl.trainer.ppo.core_algos", _register_estimators),
 ]

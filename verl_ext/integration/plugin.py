@@ -13,14 +13,10 @@ reported on stderr and kept in :data:`LOAD_ERROR` for ``verl-ext doctor``.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 LOADED = False
 LOAD_ERROR: str | None = None
-
-#: Environment switch of the CPU backend; inherited by a local Ray cluster's processes.
-CPU_SWITCH = "VERL_EXT_CPU"
 
 
 def activate() -> None:
@@ -31,10 +27,10 @@ def activate() -> None:
     seam.install(PLUGIN_PATCHES)
     for module_name, hook in PLUGIN_HOOKS:
         seam.when_imported(module_name, hook)
-    if os.environ.get(CPU_SWITCH) == "1":
-        from verl_ext.cpu import activate as activate_cpu_backend
+    from verl_ext import cpu
 
-        activate_cpu_backend()
+    if cpu.requested():
+        cpu.activate()
     LOADED = True
 
 

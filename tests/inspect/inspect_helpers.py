@@ -1,0 +1,271 @@
+"""Synthetic traces for the inspection tests, with expected values that do not come from the code
+under test: direct sums written from DEFINITIONS.md §3 on each row's compacted valid tokens, or
+verl's own functions. Traces are written with the real TraceWriter (the format is its contract).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from verl_ext.options import TraceOptions
+from verl_ext.trace.capture import StepCapture
+from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, token_file
+from verl_ext.trace.writer import TraceWriter
+
+# ---------------------------------------------------------------- definitions, as direct sums
+
+
+def ref_mc(r: list[float], gamma: float) -> list[float]:
+    """G_t = Σ_{k=t}^{L-1} γ^{k-t} r_k"""
+    L = len(r)
+    return [sum(gamma ** (k - t) * r[k] for k in range(t, L)) for t in range(L)]
+
+
+def ref_td0(r: list[float], v: list[float], gamma: float) -> list[float]:
+    """r_t + γ V_{t+1}, V_L = 0"""
+    L = len(r)
+    return [r[t] + gamma * (v[t + 1] if t + 1 < L else 0.0) for t in range(L)]
+
+
+def ref_nstep(r: list[float], v: list[float], gamma: float, n: int) -> list[float]:
+    """Σ_{k=t}^{min(t+n,L)-1} γ^{k-t} r_k + γ^n V_{t+n} (only if t+n < L)"""
+    L = len(r)
+    out = []
+    for t in range(L):
+        g = sum(gamma ** (k - t) * r[k] for k in range(t, min(t + n, L)))
+        if t + n < L:
+            g += gamma**n * v[t + n]
+        out.append(g)
+    return out
+
+
+def ref_gae(r: list[float], v: list[float], gamma: float, lam: float) -> list[float]:
+    """A_t = Σ_l (γλ)^l δ_{t+l}, δ_t = r_t + γ V_{t+1} − V_t, V_L = 0"""
+    L = len(r)
+    delta = [r[t] + gamma * (v[t + 1] if t + 1 < L else 0.0) - v[t] for t in range(L)]
+    return [sum((gamma * lam) ** (k - t) * delta[k] for k in range(t, L)) for t in range(L)]
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's own masked_whiten."""
+    from verl.utils.torch_functional import masked_whiten
+
+    return masked_whiten(x, mask)
+
+
+# ---------------------------------------------------------------- a tokenizer
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
+#: Every character is one token; ids 4 … 21 are ASCII (random_batch draws ids 7 … 19).
+CHARACTERS = "0123456789+-=?.,*/ " + "请问是的，等于！？"
+EOS = SPECIAL_TOKENS.index("</s>")
+
+
+def token_ids(text: str) -> list[int]:
+    return [len(SPECIAL_TOKENS) + CHARACTERS.index(ch) for ch in text]
+
+
+def save_char_tokenizer(path: Path) -> str:
+    """A character-level Hugging Face tokenizer, saved as a tokenizer directory."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# ---------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    """One step's tensors, (B, T), as verl holds them after compute_advantage."""
+
+    mask: torch.Tensor
+    responses: torch.Tensor
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    scores: torch.Tensor
+    kl: torch.Tensor | None
+    rewards: torch.Tensor
+    values: torch.Tensor | None
+    returns: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    advantage_raw: torch.Tensor | None = None
+    kl_coef: float | None = None
+
+
+def random_batch(
+    seed: int, B: int = 6, T: int = 24, kl_coef: float | None = None, interior: bool = True, dense_scores: bool = False
+) -> Batch:
+    """Responses of random lengths (trailing padding), a few interior masked tokens (tool output),
+    an outcome score on the last valid token (or, ``dense_scores``, a process score on every valid
+    token), KL-shaped small per-token terms, bf16-quantised values. Masked positions hold junk
+    (large numbers), as verl may leave there."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(T // 3, T + 1, (B,), generator=g)
+    lengths[0] = T  # one full-length row
+    positions = torch.arange(T)
+    mask = (positions < lengths[:, None]).float()
+    if interior:
+        for b in range(1, B, 2):  # an observation span inside every other response
+            start = int(torch.randint(1, max(2, int(lengths[b]) - 3), (1,), generator=g))
+            mask[b, start : start + 2] = 0
+        mask[:, 0] = 1  # keep the first token valid
+    last = (mask * (positions + 1)).argmax(dim=1)
+    scores = torch.zeros(B, T)
+    scores[torch.arange(B), last] = torch.randint(0, 2, (B,), generator=g).float() + 0.25
+    if dense_scores:
+        scores = (torch.rand(B, T, generator=g) + 0.2) * torch.sign(torch.rand(B, T, generator=g) - 0.3) * mask
+    junk = 100.0 * (1 - mask)
+    values = (torch.rand(B, T, generator=g) * 2 - 0.5).to(torch.bfloat16).float() * mask + junk
+    kl = None
+    rewards = scores.clone()
+    if kl_coef is not None:
+        kl = torch.rand(B, T, generator=g).mul(0.2).sub(0.05) * mask  # kld * response_mask, as verl
+        rewards = scores - kl_coef * kl
+    responses = torch.randint(7, 20, (B, T), generator=g)
+    prompts = torch.randint(7, 20, (B, 5), generator=g)
+    prompt_mask = torch.ones(B, 5, dtype=torch.bool)
+    prompt_mask[:, :2] = torch.rand(B, 2, generator=g) > 0.5  # left padding
+    return Batch(mask, responses, prompts, prompt_mask, scores, kl, rewards, values, kl_coef=kl_coef)
+
+
+def by_definition(
+    batch: Batch,
+    name: str,
+    gamma: float,
+    lam: float = 1.0,
+    n: int | None = None,
+    lam_actor: float | None = None,
+    alpha: float | None = None,
+    whitened: bool = True,
+) -> Batch:
+    """Returns, raw advantages and advantages from the direct sums, row by row on valid tokens."""
+    B, T = batch.mask.shape
+    returns = torch.full((B, T), 55.0)  # junk at masked positions
+    raw = torch.full((B, T), -55.0)
+    for b in range(B):
+        idx = torch.nonzero(batch.mask[b]).flatten().tolist()
+        r = [float(batch.rewards[b, i]) for i in idx]
+        v = [float(batch.values[b, i]) for i in idx]
+        if name == "mc":
+            g = ref_mc(r, gamma)
+        elif name == "td0":
+            g = ref_td0(r, v, gamma)
+        elif name == "nstep":
+            g = ref_nstep(r, v, gamma, n)
+        else:
+            g = [a + vi for a, vi in zip(ref_gae(r, v, gamma, lam), v)]
+        a = [gi - vi for gi, vi in zip(g, v)]
+        if name == "gae_ext" and (lam_actor is not None or alpha is not None):
+            actor_lam = lam_actor if alpha is None else min(1.0, max(0.0, 1 - 1 / (alpha * len(idx))))
+            a = ref_gae(r, v, gamma, actor_lam)
+        returns[b, idx] = torch.tensor(g, dtype=torch.float64).float()
+        raw[b, idx] = torch.tensor(a, dtype=torch.float64).float()
+    advantages = whiten(raw, batch.mask) if whitened else raw.clone()
+    return replace(batch, returns=returns, advantage_raw=raw, advantages=advantages)
+
+
+def by_verl_gae(batch: Batch, gamma: float, lam: float) -> Batch:
+    """verl's compute_gae_advantage_return; raw advantage rebuilt as returns − values, as traced."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    advantages, returns = compute_gae_advantage_return(batch.rewards, batch.values, batch.mask, gamma, lam)
+    return replace(batch, returns=returns, advantages=advantages, advantage_raw=returns - batch.values)
+
+
+# ---------------------------------------------------------------- traces
+
+
+def algorithm(name: str, gamma: float = 1.0, lam: float = 1.0, kl: str | None = None, **extra) -> dict:
+    record = {
+        "adv_estimator": name,
+        "gamma": gamma,
+        "lam": lam,
+        "n_step": None,
+        "lam_critic": None,
+        "lam_actor": None,
+        "lam_length_alpha": None,
+        "whiten_advantages": True if name in ("mc", "td0", "nstep", "gae_ext", "gae") else None,
+        "norm_adv_by_std_in_grpo": True,
+        "use_kl_in_reward": kl is not None,
+        "kl_penalty": kl or "kl",
+        "kl_ctrl": {"type": "fixed", "kl_coef": 0.001},
+    }
+    record.update(extra)
+    return record
+
+
+def write_trace(
+    directory: Path, algo: dict, batches: dict[int, Batch], max_samples: int | None = None, tokenizer_path: str = ""
+) -> str:
+    options = TraceOptions(dir=str(directory), max_samples_per_step=max_samples)
+    run_record = {
+        "verl_ext_version": "test",
+        "verl_version": "0.9.1",
+        "trainer": "legacy",
+        "created_at": "2026-01-01T00:00:00+00:00",
+        "algorithm": algo,
+        "model_path": tokenizer_path,
+        "tokenizer_path": tokenizer_path,
+        "rollout_n": 1,
+        "trace": options.as_dict(),
+    }
+    with TraceWriter(options, run_record) as writer:
+        for step, b in batches.items():
+            writer.submit(
+                StepCapture(
+                    step=step,
+                    response_mask=b.mask,
+                    responses=b.responses,
+                    uid=[f"u{i}" for i in range(len(b.mask))],
+                    scores=b.scores,
+                    rewards=b.rewards,
+                    values=b.values,
+                    returns=b.returns,
+                    advantages=b.advantages,
+                    advantage_raw=b.advantage_raw,
+                    old_log_probs=None,
+                    ref_log_prob=None,
+                    kl=b.kl,
+                    prompts=b.prompts,
+                    prompt_mask=b.prompt_mask,
+                    kl_coef=b.kl_coef,
+                )  # fmt: skip
+            )
+    return str(directory)
+
+
+def valid_positions(batch: Batch) -> list[tuple[int, int]]:
+    return [tuple(p) for p in torch.nonzero(batch.mask).tolist()]
+
+
+def nudge(tensor: torch.Tensor, sample: int, token: int, relative: float = 1e-2) -> None:
+    """Change one entry by ``relative`` of its value: the planted violation."""
+    tensor[sample, token] = float(tensor[sample, token]) * (1 + relative)
+
+
+def rewrite_step(trace_dir: str, step: int, table=None, entry=None) -> None:
+    """Replace a step's token table and/or its footer step entry: ``table(t) -> t``, ``entry(d) -> d``."""
+    path = f"{trace_dir}/{token_file(step)}"
+    original = pq.ParquetFile(path).read()
+    metadata = dict(original.schema.metadata)
+    new = table(original) if table else original
+    if entry:
+        key = STEP_RECORD_METADATA_KEY.encode()
+        metadata[key] = json.dumps(entry(json.loads(metadata[key]))).encode()
+    pq.write_table(new.replace_schema_metadata(metadata), path)

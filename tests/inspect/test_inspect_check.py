@@ -1,0 +1,267 @@
+"""The checker passes traces whose numbers come from the definitions (direct sums) or from verl's own
+functions, and catches a single token changed by 1e-2 relative in each identity, naming its place."""
+
+from dataclasses import replace
+
+import pyarrow.compute as pc
+import pytest
+import torch
+from inspect_helpers import (
+    algorithm,
+    by_definition,
+    by_verl_gae,
+    nudge,
+    random_batch,
+    rewrite_step,
+    write_trace,
+)
+
+from verl_ext import estimators
+from verl_ext.inspect.check import IDENTITIES, check_trace
+from verl_ext.options import EstimatorOptions
+
+# (estimator name, extra record keys, by_definition arguments)
+DEFINED = {
+    "mc": ("mc", {}, dict(name="mc", gamma=1.0)),
+    "mc-discounted": ("mc", {"gamma": 0.9}, dict(name="mc", gamma=0.9)),
+    "td0": ("td0", {"gamma": 0.99}, dict(name="td0", gamma=0.99)),
+    "nstep-3": ("nstep", {"n_step": 3}, dict(name="nstep", gamma=1.0, n=3)),
+    "nstep-long": ("nstep", {"n_step": 100, "gamma": 0.95}, dict(name="nstep", gamma=0.95, n=100)),
+    "gae_ext": ("gae_ext", {"lam": 0.95}, dict(name="gae_ext", gamma=1.0, lam=0.95)),
+    "gae_ext-decoupled": (
+        "gae_ext", {"lam_critic": 1.0, "lam_actor": 0.9}, dict(name="gae_ext", gamma=1.0, lam=1.0, lam_actor=0.9),
+    ),
+    "gae_ext-length-adaptive": (
+        "gae_ext", {"lam_length_alpha": 0.5, "gamma": 0.99}, dict(name="gae_ext", gamma=0.99, lam=1.0, alpha=0.5),
+    ),
+    "mc-not-whitened": ("mc", {"whiten_advantages": False}, dict(name="mc", gamma=1.0, whitened=False)),
+}  # fmt: skip
+
+
+def defined_trace(tmp_path, case: str, kl_coef: float | None = 0.05, **write) -> str:
+    name, extra, args = DEFINED[case]
+    algo = algorithm(name, kl="low_var_kl" if kl_coef is not None else None, **extra)
+    batches = {step: by_definition(random_batch(step, kl_coef=kl_coef), **args) for step in (1, 2)}
+    return write_trace(tmp_path / "trace", algo, batches, **write)
+
+
+def statuses(report) -> dict[str, str]:
+    return {r.identity: r.status for r in report.identities}
+
+
+@pytest.mark.parametrize("case", DEFINED)
+def test_passes_traces_built_from_the_definitions(tmp_path, case):
+    report = check_trace(defined_trace(tmp_path, case))
+    expected = {key: "pass" for key in IDENTITIES}
+    if case == "mc-not-whitened":
+        expected["whitening_stats"] = "skipped"
+    assert statuses(report) == expected, [str(r.first) for r in report.identities if r.first]
+    assert report.passed
+    assert report.tokens == sum(int(random_batch(s).mask.sum()) for s in (1, 2))
+
+
+def test_passes_verl_gae_with_kl_interior_masks_and_padding(tmp_path):
+    batches = {step: by_verl_gae(random_batch(step, kl_coef=0.02), gamma=0.99, lam=0.95) for step in (1, 2, 3)}
+    path = write_trace(tmp_path / "t", algorithm("gae", gamma=0.99, lam=0.95, kl="kl"), batches)
+    report = check_trace(path)
+    assert statuses(report) == {key: "pass" for key in IDENTITIES}
+    assert report["rewards"].notes == ("all steps: β = 0.02",)
+
+
+@pytest.mark.parametrize("name", ["mc", "td0", "nstep", "gae_ext"])
+def test_passes_what_verl_ext_estimators_produce_in_float32(tmp_path, name):
+    """The production path: verl-ext's float32 estimators (blocked scan) must not trip the tolerances."""
+    options = EstimatorOptions(name=name, gamma=0.99, lam=0.9, n_step=4 if name == "nstep" else None)
+    batches = {}
+    for step in (1, 2):
+        b = random_batch(step, B=8, T=300)
+        result = estimators.estimate(b.rewards, b.values, b.mask, options)
+        batches[step] = replace(
+            b, returns=result.returns, advantages=result.advantages, advantage_raw=result.advantage_raw
+        )
+    extra = {"n_step": 4} if name == "nstep" else {}
+    report = check_trace(write_trace(tmp_path / "t", algorithm(name, gamma=0.99, lam=0.9, **extra), batches))
+    assert report.passed, [str(r.first) for r in report.identities if r.first]
+
+
+def test_long_rows_pass_and_a_planted_change_is_still_caught(tmp_path):
+    """Constant per-token rewards over 4096 tokens make verl's float32 loop drift the most (errors
+    grow linearly): the tolerance must absorb that and still see a 1e-2 relative change."""
+    T = 4096
+    b = random_batch(0, B=2, T=T, interior=False)
+    mask = torch.ones(2, T)
+    rewards = torch.full((2, T), -0.0013)
+    rewards[:, -1] = 1.0
+    values = torch.linspace(0, 1, T).repeat(2, 1).to(torch.bfloat16).float()
+    b = by_verl_gae(replace(b, mask=mask, scores=rewards, rewards=rewards, values=values), gamma=1.0, lam=1.0)
+    clean = {1: b}
+    planted = {1: replace(b, returns=b.returns.clone())}
+    nudge(planted[1].returns, 1, 2000)
+    assert check_trace(write_trace(tmp_path / "clean", algorithm("gae"), clean)).passed
+    report = check_trace(write_trace(tmp_path / "planted", algorithm("gae"), planted))
+    assert report["returns"].status == "fail"
+    assert (report["returns"].first.location.sample, report["returns"].first.location.token_index) == (1, 2000)
+
+
+# -------------------------------------------------------------------------------- planted violations
+
+
+def a_valid_token(batch, sample: int = 3) -> tuple[int, int]:
+    """A valid token in the middle of ``sample`` whose returns and advantages are far from 0."""
+    valid = torch.nonzero(batch.mask[sample]).flatten().tolist()
+    for t in valid[len(valid) // 2 :]:
+        if min(abs(float(batch.returns[sample, t])), abs(float(batch.advantage_raw[sample, t])),
+               abs(float(batch.advantages[sample, t])), abs(float(batch.rewards[sample, t]))) > 0.05:  # fmt: skip
+            return sample, t
+    raise AssertionError("no suitable token")
+
+
+PLANTS = {
+    # identity: (tensor to corrupt, estimator case)
+    "advantage_raw": ("advantage_raw", "gae_ext"),
+    "advantage_raw decoupled": ("advantage_raw", "gae_ext-decoupled"),
+    "whitening": ("advantages", "mc"),
+    "returns": ("returns", "td0"),
+    "returns nstep": ("returns", "nstep-3"),
+    "rewards": ("rewards", "mc"),
+}
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+def test_catches_one_token_changed_by_one_percent(tmp_path, plant):
+    field, case = PLANTS[plant]
+    identity = plant.split()[0]
+    name, extra, args = DEFINED[case]
+    batches = {step: by_definition(random_batch(step, kl_coef=0.5, dense_scores=True), **args) for step in (1, 2)}
+    sample, token = a_valid_token(batches[2])
+    nudge(getattr(batches[2], field), sample, token)  # after the returns: for "rewards", r ≠ s − β·kl
+    report = check_trace(write_trace(tmp_path / "t", algorithm(name, kl="kl", **extra), batches))
+    result = report[identity]
+    assert result.status == "fail"
+    loc = result.first.location
+    assert (loc.step, loc.sample, loc.token_index) == (2, sample, token)
+    assert f"step 2, sample {sample}, token {token}" in str(result.first)
+    assert result.max_abs_error > result.first.tolerance
+
+
+def test_catches_corrupt_whitening_statistics(tmp_path):
+    path = defined_trace(tmp_path, "gae_ext")
+
+    def shift_mean(entry):
+        entry["whiten"]["mean"] *= 1.01
+        return entry
+
+    rewrite_step(path, 1, entry=shift_mean)
+    report = check_trace(path)
+    assert report["whitening_stats"].status == "fail"
+    assert str(report["whitening_stats"].first.location) == "step 1"
+    assert report["whitening"].status == "pass"  # the advantages themselves are right
+
+
+def test_truncated_steps_are_whitened_with_the_recorded_statistics(tmp_path):
+    path = defined_trace(tmp_path, "gae_ext", max_samples=3)
+    report = check_trace(path)
+    assert report.passed
+    assert report["whitening"].status == "pass"
+    assert report["whitening"].notes == ("all steps: traced 3 of 6 samples: checked with the recorded batch μ, σ²",)
+    assert report["whitening_stats"].status == "skipped"
+
+    rewrite_step(
+        path, 2, entry=lambda e: {**e, "whiten": {"mean": e["whiten"]["mean"] + 0.05, "var": e["whiten"]["var"]}}
+    )
+    report = check_trace(path)
+    assert report["whitening"].status == "fail"  # proves the recorded statistics are what is used
+    assert report["whitening"].first.location.step == 2
+
+
+def test_a_sample_without_valid_tokens_is_not_a_truncation(tmp_path):
+    name, extra, args = DEFINED["gae_ext"]
+    b = random_batch(1)
+    b.mask[4] = 0  # no rows in the trace for sample 4, but it is in the batch
+    report = check_trace(write_trace(tmp_path / "t", algorithm(name, **extra), {1: by_definition(b, **args)}))
+    assert report.passed
+    assert report["whitening_stats"].status == "pass" and report["whitening"].notes == ()
+
+
+def test_kl_in_reward_without_a_recorded_beta_fails(tmp_path):
+    path = defined_trace(tmp_path, "mc")
+    rewrite_step(path, 1, entry=lambda e: {**e, "kl_coef": None})
+    result = check_trace(path)["rewards"]
+    assert result.status == "fail"
+    assert "no β" in result.first.detail
+
+
+# -------------------------------------------------------------------------------- layout and finiteness
+
+
+def test_catches_a_missing_row(tmp_path):
+    path = defined_trace(tmp_path, "mc")
+
+    def drop_row_5_of_sample_2(table):
+        drop = pc.and_(pc.equal(table["sample"], 2), pc.equal(table["token_index"], 5))
+        return table.filter(pc.invert(drop))
+
+    rewrite_step(path, 1, table=drop_row_5_of_sample_2)
+    result = check_trace(path)["mask_layout"]
+    assert result.status == "fail"
+    assert (result.first.location.sample, result.first.location.token_index) == (2, 6)
+    assert "rows run 0…n−1" in result.first.detail
+
+
+def test_catches_rows_past_the_last_valid_token(tmp_path):
+    path = defined_trace(tmp_path, "mc")
+
+    def mask_last_row_of_sample_0(table):
+        last = pc.max(pc.filter(table["token_index"], pc.equal(table["sample"], 0))).as_py()
+        hit = pc.and_(pc.equal(table["sample"], 0), pc.equal(table["token_index"], last))
+        return table.set_column(table.schema.get_field_index("mask"), "mask", pc.and_(table["mask"], pc.invert(hit)))
+
+    rewrite_step(path, 2, table=mask_last_row_of_sample_0)
+    result = check_trace(path)["mask_layout"]
+    assert result.status == "fail"
+    assert result.first.location.step == 2 and result.first.location.sample == 0
+    assert "last valid token" in result.first.detail
+
+
+def test_catches_a_non_finite_value(tmp_path):
+    name, extra, args = DEFINED["gae_ext"]
+    batches = {1: by_definition(random_batch(1), **args)}
+    batches[1].values[2, 3] = float("nan")
+    report = check_trace(write_trace(tmp_path / "t", algorithm(name, **extra), batches))
+    assert report["finite"].status == "fail"
+    assert str(report["finite"].first) == "step 1, sample 2, token 3: value = nan: not finite"
+
+
+def test_a_value_based_run_without_values_fails(tmp_path):
+    name, extra, args = DEFINED["mc"]
+    b = by_definition(random_batch(1), **args)
+    report = check_trace(write_trace(tmp_path / "t", algorithm(name, **extra), {1: replace(b, values=None)}))
+    assert report["finite"].status == "fail"
+    assert report["finite"].first.column == "value"
+    assert report["returns"].status == "fail"
+
+
+# -------------------------------------------------------------------------------- critic-free estimators
+
+
+def test_grpo_identities_that_need_a_critic_are_not_applicable(tmp_path):
+    b = random_batch(1, kl_coef=0.01)
+    scores = (b.scores * b.mask).sum(dim=1, keepdim=True) * b.mask  # grpo: advantages = returns, no values
+    b = replace(b, values=None, returns=scores, advantages=scores, advantage_raw=None)
+    report = check_trace(write_trace(tmp_path / "t", algorithm("grpo", kl="kl"), {1: b}))
+    for identity in ("advantage_raw", "whitening", "whitening_stats", "returns"):
+        assert report[identity].status == "skipped"
+        assert "not applicable: verl's 'grpo' estimator" in report[identity].notes[0]
+    for identity in ("rewards", "mask_layout", "finite"):
+        assert report[identity].status == "pass"
+    assert report.passed
+
+
+def test_report_as_data(tmp_path):
+    report = check_trace(defined_trace(tmp_path, "td0"))
+    table = report.to_arrow()
+    assert table.num_rows == 2 * len(IDENTITIES)
+    assert set(table.column("status").to_pylist()) == {"pass"}
+    as_dict = report.to_dict()
+    assert as_dict["passed"] is True and as_dict["steps"] == [1, 2]
+    assert [i["identity"] for i in as_dict["identities"]] == list(IDENTITIES)

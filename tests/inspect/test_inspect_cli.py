@@ -1,0 +1,99 @@
+"""``verl-ext check|show|summary|plot``: exit codes, and one line (no traceback) for bad input."""
+
+import io
+import json
+
+import pytest
+from inspect_helpers import algorithm, by_definition, nudge, random_batch, rewrite_step, write_trace
+
+from verl_ext.inspect.check import check_trace
+from verl_ext.inspect.progress import ProgressPrinter
+from verl_ext.trace.schema import RUN_RECORD, token_file
+
+COMMANDS = ["check", "show", "summary", "plot"]
+
+
+def good_trace(directory, plant: bool = False) -> str:
+    batches = {step: by_definition(random_batch(step, kl_coef=0.1), "td0", gamma=1.0) for step in (1, 2, 3)}
+    if plant:
+        nudge(batches[2].advantages, 4, 6)
+    return write_trace(directory, algorithm("td0", kl="kl"), batches)
+
+
+def break_schema_version(path):
+    record = json.loads((path / RUN_RECORD).read_text())
+    (path / RUN_RECORD).write_text(json.dumps({**record, "schema_version": 99}))
+
+
+def corrupt_parquet(path):
+    (path / token_file(2)).write_bytes(b"PAR1 this is not parquet")
+
+
+def drop_a_column(path):
+    rewrite_step(str(path), 2, table=lambda t: t.drop_columns(["advantage"]))
+
+
+def remove_steps(path):
+    for step in (1, 2, 3):
+        (path / token_file(step)).unlink()
+
+
+BAD_INPUTS = {
+    "missing dir": (lambda path: None, "no trace at {missing}: the path does not exist"),
+    "not a trace": (lambda path: None, "{plain} is not a verl-ext trace: it has no _run.json"),
+    "unknown schema version": (break_schema_version, "trace schema version 99 is not supported"),
+    "corrupt parquet": (corrupt_parquet, "step=2/part-0.parquet is not a readable Parquet file"),
+    "missing column": (drop_a_column, "step=2/part-0.parquet lacks column(s) advantage"),
+    "no steps": (remove_steps, "has no traced steps yet"),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, run_cli, command, case):
+    damage, message = BAD_INPUTS[case]
+    path = tmp_path / "trace"
+    good_trace(path)
+    damage(path)
+    target = {"missing dir": tmp_path / "missing", "not a trace": tmp_path / "plain"}.get(case, path)
+    (tmp_path / "plain").mkdir()
+    extra = {"show": ["--step", "2"], "plot": ["--out", str(tmp_path / "plots"), "--step", "2"]}.get(command, [])
+    code, out, err = run_cli(command, str(target), *extra)
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"verl-ext {command}: ")
+    assert message.format(missing=tmp_path / "missing", plain=tmp_path / "plain") in err
+
+
+def test_check_exit_codes_and_report(tmp_path, run_cli):
+    code, out, err = run_cli("check", good_trace(tmp_path / "good"), "--quiet")
+    assert code == 0 and err == ""
+    assert out.splitlines()[-1] == "PASS (7 passed, 0 failed, 0 skipped)"
+    assert "returns = r + γV' (γ=1)" in out
+
+    code, out, err = run_cli("check", good_trace(tmp_path / "bad", plant=True), "--quiet")
+    assert code == 1
+    assert "advantages = masked_whiten(raw advantage)" in out
+    assert "§2 advantages = masked_whiten(raw advantage): step 2, sample 4, token 6: advantage = " in out
+    assert out.splitlines()[-1] == "FAIL: 1 violated (6 passed, 1 failed, 0 skipped)"
+
+    code, out, _ = run_cli("check", str(tmp_path / "bad"), "--json", "--step", "1", "--step", "2")
+    report = json.loads(out)
+    assert code == 1 and report["steps"] == [1, 2] and report["passed"] is False
+    whitening = next(i for i in report["identities"] if i["identity"] == "whitening")
+    assert whitening["first_violation"]["location"] == {"step": 2, "sample": 4, "token_index": 6}
+
+    code, _, err = run_cli("check", str(tmp_path / "bad"), "--step", "9")
+    assert code == 2 and err == f"verl-ext check: {tmp_path / 'bad'} has no step 9 (traced steps: 1, 2, 3)\n"
+
+
+def test_progress_lines_on_long_scans(tmp_path):
+    stream = io.StringIO()
+    check_trace(good_trace(tmp_path / "t"), progress=ProgressPrinter("check", stream, interval=0.0))
+    lines = stream.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["check: step 1/3", "check: step 2/3", "check: step 3/3"]
+    assert "tokens/s" in lines[-1]
+
+    quiet = io.StringIO()
+    check_trace(str(tmp_path / "t"), progress=ProgressPrinter("check", quiet, interval=3600))
+    assert quiet.getvalue() == ""  # a scan shorter than the interval prints nothing

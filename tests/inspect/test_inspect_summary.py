@@ -1,0 +1,55 @@
+import pytest
+import torch
+from inspect_helpers import Batch, algorithm, by_definition, write_trace
+
+from verl_ext.inspect.summary import summarize
+
+
+def small_trace(directory) -> str:
+    """Two samples, MC returns (γ = 1), no whitening, no KL:
+    sample 0: scores [0, 0, 1],      values [0.2, 0.4, 0.6]      -> returns [1, 1, 1]
+    sample 1: scores [0, ·, 0.5, ·], values [0.1, ·, 0.3, ·]     -> returns [0.5, ·, 0.5]  (· masked)"""
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 1, 0]])
+    scores = torch.tensor([[0.0, 0, 1, 0], [0, 0, 0.5, 0]])
+    values = torch.tensor([[0.2, 0.4, 0.6, 0], [0.1, 7, 0.3, 7]])
+    ids, prompt = torch.ones(2, 4, dtype=torch.long), torch.ones(2, 1, dtype=torch.long)
+    b = Batch(mask, ids, prompt, torch.ones(2, 1) > 0, scores, None, scores.clone(), values)
+    b = by_definition(b, "mc", gamma=1.0, whitened=False)
+    return write_trace(directory, algorithm("mc", whiten_advantages=False), {3: b})
+
+
+def test_summary_numbers_by_hand(tmp_path):
+    row = summarize(small_trace(tmp_path / "t")).to_pylist()[0]
+    # raw advantages R − V = [0.8, 0.6, 0.4, 0.4, 0.2]: mean 0.48, Σ(x − x̄)² = 0.208
+    # Var(R) = Σ([.2, .2, .2, −.3, −.3]²)/4 = 0.075, Var(R − V) = 0.208/4 = 0.052
+    expected = {
+        "step": 3, "samples": 2, "tokens": 5, "score": 0.75, "reward": 0.75, "kl": None, "value": 0.32,
+        "return": 0.8, "adv_raw_mean": 0.48, "adv_raw_std": (0.208 / 4) ** 0.5, "adv_mean": 0.48,
+        "adv_std": (0.208 / 4) ** 0.5, "explained_var": 1 - 0.052 / 0.075,
+    }  # fmt: skip
+    assert row == pytest.approx(expected, abs=1e-6)
+
+
+def test_summary_command(tmp_path, run_cli):
+    path = small_trace(tmp_path / "t")
+    code, out, err = run_cli("summary", path)
+    assert code == 0 and err == ""
+    header, line = out.splitlines()
+    assert header.split() == [
+        "step",
+        "samples",
+        "tokens",
+        "score",
+        "reward",
+        "value",
+        "return",
+        "adv_raw_mean",
+        "adv_raw_std",
+        "adv_mean",
+        "adv_std",
+        "explained_var",
+    ]  # fmt: skip  (kl: none)
+    assert line.split()[:4] == ["3", "2", "5", "0.7500"]
+    assert line.split()[-1] == "0.3067"
+    code, out, _ = run_cli("summary", path, "--format", "csv")
+    assert out.splitlines()[0].startswith("step,samples,tokens,score,reward,kl,")

@@ -1,0 +1,285 @@
+"""Every number in docs/definitions.md is checked here, against values computed independently:
+direct sums written from the definitions, verl's own functions, and (for the command output shown
+in the document) the real ``verl-ext show`` and ``verl-ext check`` on a trace of the example.
+
+Numbers live in blocks between ``<!-- verified: NAME -->`` and ``<!-- /verified -->``; each NAME has a
+test below, and a test fails if a verified block disappears from the document.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "definitions.md"
+
+# The "是的，等于2！" example (seed dialogue 000): six response tokens, the outcome score on the last.
+TOKENS = ["是", "的", "，", "等于", "2", "！"]
+SCORES = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+KL = [0.1, 0.05, -0.05, 0.1, 0.2, 0.05]
+BETA = 0.1
+VALUES = [0.20, 0.25, 0.30, 0.35, 0.45, 0.60]
+REWARDS = [s - BETA * k for s, k in zip(SCORES, KL)]
+
+
+# ------------------------------------------------------------------ the definitions, as direct sums
+
+
+def td_residuals(r, v, gamma=1.0):
+    n = len(r)
+    return [r[t] + gamma * (v[t + 1] if t + 1 < n else 0.0) - v[t] for t in range(n)]
+
+
+def mc_return(r, gamma=1.0):
+    return [sum(gamma ** (k - t) * r[k] for k in range(t, len(r))) for t in range(len(r))]
+
+
+def nstep_return(r, v, n, gamma=1.0):
+    L = len(r)
+    return [
+        sum(gamma ** (k - t) * r[k] for k in range(t, min(t + n, L))) + (gamma**n * v[t + n] if t + n < L else 0.0)
+        for t in range(L)
+    ]
+
+
+def gae(r, v, lam, gamma=1.0):
+    delta = td_residuals(r, v, gamma)
+    return [sum((gamma * lam) ** (k - t) * delta[k] for k in range(t, len(r))) for t in range(len(r))]
+
+
+def whiten(x):
+    """verl's masked_whiten over one fully valid row: (x − μ)/sqrt(σ² + 1e-8), σ² unbiased."""
+    mean, var = statistics.mean(x), statistics.variance(x)
+    return [(xi - mean) / (var + 1e-8) ** 0.5 for xi in x]
+
+
+def verl_gae(r, v, lam):
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    mask = torch.ones(1, len(r), dtype=torch.float64)
+    adv, ret = compute_gae_advantage_return(
+        torch.tensor([r], dtype=torch.float64), torch.tensor([v], dtype=torch.float64), mask, 1.0, lam
+    )
+    return adv[0].tolist(), ret[0].tolist()
+
+
+# ------------------------------------------------------------------ reading the document
+
+
+def doc_text() -> str:
+    return DOC.read_text(encoding="utf-8")
+
+
+def verified_block(name: str) -> str:
+    """The text between ``<!-- verified: name -->`` and the next ``<!-- /verified -->``."""
+    match = re.search(rf"<!-- verified: {re.escape(name)} -->\n(.*?)\n<!-- /verified -->", doc_text(), re.S)
+    assert match, f"docs/definitions.md has no block marked 'verified: {name}'"
+    return match.group(1).strip("\n")
+
+
+def verified_table(name: str) -> dict[str, list[str]]:
+    """Columns of a Markdown table, by header (cells stripped, ``**`` removed)."""
+    lines = [line for line in verified_block(name).splitlines() if line.startswith("|")]
+    rows = [[cell.strip().replace("**", "") for cell in line.strip("|").split("|")] for line in lines]
+    header, body = rows[0], rows[2:]
+    return {h: [row[i] for row in body] for i, h in enumerate(header)}
+
+
+def numbers(cells: list[str]) -> list[float]:
+    return [float(c.replace("−", "-")) for c in cells]
+
+
+def assert_shown(cells: list[str], expected: list[float]) -> None:
+    """Each cell equals the expected number to the decimals the cell shows."""
+    assert len(cells) == len(expected)
+    for cell, value in zip(cells, expected):
+        decimals = len(cell.split(".")[1]) if "." in cell else 0
+        assert abs(float(cell.replace("−", "-")) - value) <= 0.5 * 10**-decimals + 1e-12, (cell, value)
+
+
+def test_every_verified_block_has_a_test():
+    names = set(re.findall(r"<!-- verified: ([\w-]+) -->", doc_text()))
+    tested = {name.removeprefix("test_").replace("_", "-") for name in globals() if name.startswith("test_")}
+    assert names and names <= tested, names - tested
+
+
+# ------------------------------------------------------------------ the tables
+
+
+def test_three_token_example():
+    """DEFINITIONS.md §5: r = [0, 0, 1], V = [0.3, 0.4, 0.6], γ = 1."""
+    table = verified_table("three-token-example")
+    r, v = numbers(table["r_t"]), numbers(table["V_t"])
+    assert (r, v) == ([0, 0, 1], [0.3, 0.4, 0.6])
+    assert_shown(table["δ_t"], td_residuals(r, v))
+    assert_shown(table["MC return G_t"], mc_return(r))
+    assert_shown(table["MC advantage"], [g - vi for g, vi in zip(mc_return(r), v)])
+    assert_shown(table["TD(0) advantage = δ_t"], td_residuals(r, v))
+    assert_shown(table["GAE λ=0.95 advantage"], gae(r, v, 0.95))
+    assert_shown(table["GAE λ=0.95 return"], [a + vi for a, vi in zip(gae(r, v, 0.95), v)])
+    verl_adv, verl_ret = verl_gae(r, v, 0.95)
+    assert_shown(table["GAE λ=0.95 return"], verl_ret)  # verl agrees
+
+
+def test_seed_example_rewards():
+    table = verified_table("seed-example-rewards")
+    assert table["token"] == TOKENS
+    assert_shown(table["score s_t"], SCORES)
+    assert_shown(table["kl_t"], KL)
+    assert_shown(table["reward r_t = s_t − 0.1·kl_t"], REWARDS)
+    assert_shown(table["value V_t"], VALUES)
+    assert_shown(table["δ_t"], td_residuals(REWARDS, VALUES))
+
+
+def test_seed_example_credit():
+    table = verified_table("seed-example-credit")
+    assert table["token"] == TOKENS
+    assert_shown(table["MC"], [g - v for g, v in zip(mc_return(REWARDS), VALUES)])
+    assert_shown(table["2-step"], [g - v for g, v in zip(nstep_return(REWARDS, VALUES, 2), VALUES)])
+    assert_shown(table["TD(0)"], td_residuals(REWARDS, VALUES))
+    assert_shown(table["GAE λ=0.5"], gae(REWARDS, VALUES, 0.5))
+    assert_shown(table["GAE λ=0.95"], gae(REWARDS, VALUES, 0.95))
+    # the identities the text states, on this example
+    assert gae(REWARDS, VALUES, 0.0) == pytest.approx(td_residuals(REWARDS, VALUES))
+    assert gae(REWARDS, VALUES, 1.0) == pytest.approx([g - v for g, v in zip(mc_return(REWARDS), VALUES)])
+    assert nstep_return(REWARDS, VALUES, 6) == pytest.approx(mc_return(REWARDS))
+    lam, L = 0.95, len(REWARDS)
+    for t in range(L):  # λ-return = (1−λ) Σ λ^{n−1} G^(n) + λ^{L−t−1} G
+        mixture = (1 - lam) * sum(lam ** (n - 1) * nstep_return(REWARDS, VALUES, n)[t] for n in range(1, L - t))
+        mixture += lam ** (L - t - 1) * mc_return(REWARDS)[t]
+        assert mixture == pytest.approx(gae(REWARDS, VALUES, lam)[t] + VALUES[t])
+
+
+def test_seed_example_whitening():
+    table = verified_table("seed-example-whitening")
+    raw = gae(REWARDS, VALUES, 0.95)
+    assert_shown(table["return = raw + V"], [a + v for a, v in zip(raw, VALUES)])
+    assert_shown(table["raw advantage"], raw)
+    assert_shown(table["whitened advantage"], whiten(raw))
+    verl_adv, _ = verl_gae(REWARDS, VALUES, 0.95)
+    assert_shown(table["whitened advantage"], verl_adv)
+
+
+def test_seed_example_whitening_stats():
+    stats = verified_table("seed-example-whitening-stats")
+    raw = gae(REWARDS, VALUES, 0.95)
+    assert_shown(stats["μ"], [statistics.mean(raw)])
+    assert_shown(stats["σ"], [statistics.stdev(raw)])
+
+
+def test_value_includes_reward():
+    """Seed 003's own table (question 3): V(t) = r(t) + … + r(6), so V(t) − V(t+1) = r(t)."""
+    table = verified_table("value-includes-reward")
+    r = numbers(table["r(t)"])
+    assert_shown(table["V(t) = r(t) + V(t+1)"], mc_return(r))
+    assert_shown(table["V(t) − V(t+1)"], r)
+
+
+def test_seed_000_gae_slip():
+    """Seed 000 question 3 dropped V_{t+1} − V_t from δ_t."""
+    table = verified_table("seed-000-gae-slip")
+    r = [-0.01] * 5 + [0.99]
+    assert table["in the dialogue"] == ["0.27", "0.28", "0.30", "0.33", "0.36", "0.39"]  # quoted, A_1 … A_6
+    assert_shown(table["δ_t"], td_residuals(r, VALUES))
+    assert_shown(table["A_t"], gae(r, VALUES, 0.95))
+    slipped = [float(c) for c in table["in the dialogue"]]
+    assert all(abs(a - b) > 0.02 for a, b in zip(slipped[:5], gae(r, VALUES, 0.95)[:5]))
+
+
+# ------------------------------------------------------------------ the command output shown
+
+
+def example_trace(directory: Path) -> str:
+    """The seed example as verl computes it (GAE γ = 1, λ = 0.95, KL in reward, β = 0.1), traced."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    from verl_ext.options import TraceOptions
+    from verl_ext.trace.capture import StepCapture
+    from verl_ext.trace.writer import TraceWriter
+
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<unk>", "<s>", "</s>", *"请问1+=2？是的，", "等于", "！"])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("等于|."), behavior="isolated")  # 等于 is one token
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(directory / "tokenizer")
+    response = torch.tensor([tokenizer.convert_tokens_to_ids(TOKENS)])
+    prompt = torch.tensor([tokenizer("请问1+1=2？")["input_ids"]])
+
+    scores, kl, values = torch.tensor([SCORES]), torch.tensor([KL]), torch.tensor([VALUES])
+    rewards = scores - BETA * kl
+    mask = torch.ones(1, 6)
+    advantages, returns = compute_gae_advantage_return(rewards, values, mask, 1.0, 0.95)
+    options = TraceOptions(dir=str(directory / "trace"))
+    algorithm = {
+        "adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "n_step": None, "lam_critic": None, "lam_actor": None,
+        "lam_length_alpha": None, "whiten_advantages": True, "norm_adv_by_std_in_grpo": True,
+        "use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": {"type": "fixed", "kl_coef": BETA},
+    }  # fmt: skip
+    record = {
+        "verl_ext_version": "docs", "verl_version": "0.9.1", "trainer": "legacy", "created_at": "",
+        "algorithm": algorithm, "model_path": "", "tokenizer_path": str(directory / "tokenizer"), "rollout_n": 1,
+        "trace": options.as_dict(),
+    }  # fmt: skip
+    with TraceWriter(options, record) as writer:
+        writer.submit(
+            StepCapture(
+                step=1,
+                response_mask=mask,
+                responses=response,
+                uid=["q1"],
+                scores=scores,
+                rewards=rewards,
+                values=values,
+                returns=returns,
+                advantages=advantages,
+                advantage_raw=returns - values,
+                old_log_probs=None,
+                ref_log_prob=None,
+                kl=kl,
+                prompts=prompt,
+                prompt_mask=None,
+                kl_coef=BETA,
+            )  # fmt: skip
+        )
+    return str(directory / "trace")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    from verl_ext import cli
+
+    with mock.patch.dict(cli.SUBCOMMANDS, {argv[0]: cli.SUBCOMMANDS[argv[0]]}, clear=True):
+        code = cli.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_show_output(tmp_path, capsys):
+    """The `verl-ext show` output printed in the document is what the command prints."""
+    trace = example_trace(tmp_path)
+    code, out = run_cli(capsys, "show", trace, "--format", "markdown")
+    assert code == 0
+    shown = verified_block("show-output")
+    assert shown.strip() == out.strip()
+
+
+def test_check_output(tmp_path, capsys):
+    """The document's example trace passes `verl-ext check`; the table shown is its table (the
+    max abs error column, float rounding of this machine, aside)."""
+    code, out = run_cli(capsys, "check", example_trace(tmp_path), "--quiet")
+    assert code == 0
+
+    def without_errors(text: str) -> list[list[str]]:
+        return [[c for i, c in enumerate(re.split(r"\s{2,}", line.strip())) if i != 2] for line in text.splitlines()]
+
+    shown = verified_block("check-output").split("\n", 1)[1].rsplit("\n", 1)[0]  # inside the ``` fence
+    assert without_errors(shown) == without_errors(out.split("\n\n")[1])
+    assert out.splitlines()[-1] == "PASS (7 passed, 0 failed, 0 skipped)"

@@ -1,0 +1,48 @@
+"""Inspect a trace from Python (a notebook needs no CLI).
+
+    from verl_ext.inspect import open_trace, check_trace, sample_view, summarize, plots
+
+    trace = open_trace("/runs/ppo/trace")          # lazy: reads _run.json and a listing
+    trace.read_step(3)                             # pyarrow.Table; trace.to_pandas(3), trace.to_polars(3)
+    report = check_trace(trace)                    # CheckReport: .passed, report["returns"], .to_arrow()
+    sample_view(trace, 3, 0).table.to_pandas()     # the per-token table with decoded tokens
+    summarize(trace).to_pandas()                   # one row per step
+    plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
+
+Every function takes an open trace or a path. Modules: ``check`` (the identities of
+docs/definitions.md §8) with ``report`` (its results as data), ``recompute`` and ``tolerance``;
+``recorded`` (what the run record says); ``stepdata`` and ``layout`` (a step as arrays, and back to
+padded rows); ``table`` (per-token table) with ``tokens`` (decoding); ``summary``; ``plots`` with
+``fonts``; ``render`` (text, CSV, Markdown); ``progress``; ``commands`` (the CLI).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: Public name -> module defining it. Imported on first use, so that the CLI's subcommand modules
+#: (under this package) load nothing heavy.
+_EXPORTS = {
+    "open_trace": "verl_ext.trace.reader",
+    "Trace": "verl_ext.trace.reader",
+    "check_trace": "verl_ext.inspect.check",
+    "CheckReport": "verl_ext.inspect.check",
+    "IdentityResult": "verl_ext.inspect.check",
+    "StepResult": "verl_ext.inspect.check",
+    "Violation": "verl_ext.inspect.check",
+    "Location": "verl_ext.inspect.check",
+    "sample_view": "verl_ext.inspect.table",
+    "SampleView": "verl_ext.inspect.table",
+    "summarize": "verl_ext.inspect.summary",
+    "TokenDecoder": "verl_ext.inspect.tokens",
+    "render": "verl_ext.inspect.render",
+}
+__all__ = [*_EXPORTS, "plots"]
+
+
+def __getattr__(name: str):
+    if name == "plots":
+        return importlib.import_module("verl_ext.inspect.plots")
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

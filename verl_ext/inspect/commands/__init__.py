@@ -1,0 +1,1 @@
+"""The ``verl-ext check | show | summary | plot`` subcommands (see :mod:`verl_ext.cli`)."""

@@ -1,0 +1,277 @@
+"""Figures of a trace, as functions that return ``matplotlib.figure.Figure`` objects.
+
+The figures are built without pyplot (no global state, no GUI backend), so they work the same in a
+notebook (a returned Figure displays itself) and in ``verl-ext plot`` (Agg, saved as PNG):
+
+* :func:`position_curves`: per token position, the mean value, return and advantage over samples
+* :func:`over_steps`: mean score and explained variance (and KL) over training steps
+* :func:`value_vs_return`: every valid token's value against its return
+* :func:`advantage_heatmap`: one sample's advantages token by token, with the decoded tokens
+
+A figure that draws token text says so in a footnote when a character had to be shown as a code
+point, and warns (``FontFallbackWarning``, a :class:`PlotNote`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
+
+from verl_ext.errors import UsageError
+from verl_ext.inspect.fonts import FIX, LabelFont, label_font
+from verl_ext.inspect.progress import Progress
+from verl_ext.inspect.render import display_width
+from verl_ext.inspect.source import as_trace
+from verl_ext.inspect.stepdata import StepData
+from verl_ext.inspect.summary import explained_variance, summarize
+from verl_ext.inspect.table import sample_view
+from verl_ext.inspect.tokens import CONTINUATION, EMPTY, decoder_for
+
+VALUE_COLOR, RETURN_COLOR, RAW_COLOR, ADVANTAGE_COLOR = "#1f77b4", "#d62728", "#2ca02c", "#9467bd"
+#: Tokens per line of the heatmap, and tokens drawn at most.
+HEATMAP_COLUMNS = 16
+HEATMAP_MAX_TOKENS = 512
+#: Height / width of a heatmap cell: room for the token above its value.
+CELL_ASPECT = 0.8
+SCATTER_MAX_POINTS = 20_000
+
+
+class PlotNote(UserWarning):
+    """Something a person looking at the figures should know (``verl-ext plot`` prints it)."""
+
+
+class FontFallbackWarning(PlotNote):
+    """Some characters of the token text cannot be drawn with the installed fonts."""
+
+
+def position_curves(trace, step: int | None = None) -> Figure:
+    """Mean value, return and advantages at each token position over the samples of a step."""
+    trace = as_trace(trace)
+    step = _step(trace, step)
+    data = StepData.read(trace, step, ("value", "return", "advantage_raw", "advantage"))
+    positions = data.layout.position[data.layout.valid_rows]
+    counts = np.bincount(positions)
+    x = np.flatnonzero(counts)
+
+    def mean(name: str) -> np.ndarray | None:
+        values = data.columns[name]
+        return None if values is None else np.bincount(positions, weights=values)[x] / counts[x]
+
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    top, middle, bottom = fig.subplots(3, 1, sharex=True, height_ratios=[3, 3, 1.4])
+    for name, label, color, axis in (
+        ("value", "value V(s_t)", VALUE_COLOR, top),
+        ("return", "return (critic target)", RETURN_COLOR, top),
+        ("advantage_raw", "raw advantage", RAW_COLOR, middle),
+        ("advantage", "advantage (trained on)", ADVANTAGE_COLOR, middle),
+    ):
+        curve = mean(name)
+        if curve is not None:
+            axis.plot(x, curve, color=color, label=label, linewidth=1.4)
+    middle.axhline(0, color="grey", linewidth=0.8)
+    top.set_ylabel("mean over samples")
+    middle.set_ylabel("mean over samples")
+    for axis in (top, middle):
+        if axis.lines[int(axis is middle) :]:
+            axis.legend(loc="best", frameon=False)
+        else:
+            axis.text(0.5, 0.5, "not in this run", transform=axis.transAxes, ha="center", color="grey")
+        axis.grid(alpha=0.3)
+    bottom.fill_between(x, counts[x], step="mid", color="grey", alpha=0.5)
+    bottom.set_ylabel("samples")
+    bottom.set_xlabel("token position t (0 = first response token)")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(f"Step {step}: per-position means over {data.layout.samples} samples ({data.tokens:,} valid tokens)")
+    return fig
+
+
+def over_steps(trace, progress: Progress | None = None) -> Figure:
+    """Mean sequence score (and reward), explained variance of values vs returns, and KL, per step."""
+    summary = summarize(as_trace(trace), progress=progress).to_pydict()
+    steps = summary["step"]
+    has_kl = any(v is not None for v in summary["kl"])
+    fig = Figure(figsize=(9, 7.5 if has_kl else 5.5), layout="constrained")
+    axes = fig.subplots(3 if has_kl else 2, 1, sharex=True)
+    marker = "o" if len(steps) <= 50 else None
+    _series(axes[0], steps, summary["score"], "score (task)", RETURN_COLOR, marker)
+    _series(axes[0], steps, summary["reward"], "reward (score − β·KL)", "#ff7f0e", marker, dashed=True)
+    axes[0].set_ylabel("mean per sample")
+    axes[0].legend(loc="best", frameon=False)
+    _series(axes[1], steps, summary["explained_var"], "explained variance", VALUE_COLOR, marker)
+    axes[1].axhline(0, color="grey", linewidth=0.8)
+    axes[1].set_ylabel("1 − Var(R−V)/Var(R)")
+    if all(v is None for v in summary["explained_var"]):
+        axes[1].text(0.5, 0.5, "no values in this run", transform=axes[1].transAxes, ha="center", color="grey")
+    if has_kl:
+        _series(axes[2], steps, summary["kl"], "KL per token", "#8c564b", marker)
+        axes[2].set_ylabel("mean kl per token")
+    axes[-1].set_xlabel("training step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    fig.suptitle("Over training steps")
+    return fig
+
+
+def value_vs_return(trace, step: int | None = None, max_points: int = SCATTER_MAX_POINTS) -> Figure:
+    """Each valid token's value V(s_t) against its return, coloured by position in the response."""
+    trace = as_trace(trace)
+    step = _step(trace, step)
+    data = StepData.read(trace, step, ("value", "return"))
+    value, returns = data.columns["value"], data.columns["return"]
+    if value is None or returns is None:
+        raise UsageError(f"step {step} has no values or returns: nothing to compare (a critic-free estimator?)")
+    layout = data.layout
+    lengths = layout.valid_counts[layout.valid_sample_index()]
+    rank = np.arange(data.tokens) - np.repeat(layout.valid_starts, layout.valid_counts)
+    relative = rank / np.maximum(lengths - 1, 1)
+    shown = np.arange(data.tokens)
+    if data.tokens > max_points:  # a fixed subsample, so the picture is reproducible
+        shown = np.sort(np.random.default_rng(0).choice(data.tokens, max_points, replace=False))
+    fig = Figure(figsize=(7.5, 6.5), layout="constrained")
+    axis = fig.subplots()
+    points = axis.scatter(value[shown], returns[shown], c=relative[shown], cmap="viridis", s=6, alpha=0.6, linewidths=0)
+    low = float(min(value.min(), returns.min()))
+    high = float(max(value.max(), returns.max()))
+    axis.plot([low, high], [low, high], color="grey", linestyle="--", linewidth=1, label="return = value")
+    axis.set_xlabel("value V(s_t)")
+    axis.set_ylabel("return (the critic's target)")
+    axis.legend(loc="upper left", frameon=False)
+    axis.grid(alpha=0.3)
+    fig.colorbar(points, ax=axis, label="position in response (0 first token, 1 last)")
+    ev = explained_variance(value, returns)
+    subsample = f", {len(shown):,} shown" if len(shown) < data.tokens else ""
+    ev_text = "n/a" if ev is None else f"{ev:.3f}"
+    fig.suptitle(f"Step {step}: value vs return, {data.tokens:,} tokens{subsample}; explained variance {ev_text}")
+    return fig
+
+
+def advantage_heatmap(
+    trace,
+    step: int | None = None,
+    sample: int = 0,
+    tokenizer=None,
+    column: str = "advantage",
+    max_tokens: int = HEATMAP_MAX_TOKENS,
+) -> Figure:
+    """One sample's ``column`` (advantage, advantage_raw, return, …) token by token, with the tokens."""
+    trace = as_trace(trace)
+    step = _step(trace, step)
+    view = sample_view(trace, step, sample, decoder_for(trace, tokenizer))
+    table = view.table.slice(0, max_tokens).to_pydict()
+    values = np.array([np.nan if v is None else v for v in table[column]], dtype=float)
+    mask = np.array(table["mask"], dtype=bool)
+    tokens = table["token"]
+    prompt = (view.prompt_text or "").replace("\n", " ")
+    font = label_font([*tokens, prompt])
+
+    n = len(tokens)
+    columns = min(HEATMAP_COLUMNS, max(n, 1))
+    lines = max(1, math.ceil(n / columns))
+    fig = Figure(figsize=(1.0 + 0.8 * columns, 1.9 + 0.8 * CELL_ASPECT * lines), layout="constrained")
+    axis = fig.subplots()
+    shown = values[mask & np.isfinite(values)]
+    limit = float(np.abs(shown).max()) if len(shown) and np.abs(shown).max() > 0 else 1.0
+    norm = TwoSlopeNorm(vcenter=0.0, vmin=-limit, vmax=limit)
+    cmap = colormaps["RdBu"]
+    for i in range(n):
+        row, col = divmod(i, columns)
+        valid = mask[i] and np.isfinite(values[i])
+        face = cmap(norm(values[i])) if valid else (0.92, 0.92, 0.92, 1.0)
+        axis.add_patch(
+            Rectangle((col, row), 0.96, 0.92, facecolor=face, edgecolor="white", hatch=None if mask[i] else "//")
+        )
+        ink = "white" if valid and abs(norm(values[i]) - 0.5) > 0.33 else "black" if valid else "grey"
+        label = tokens[i] if tokens[i] in (CONTINUATION, EMPTY) else font.label(tokens[i])
+        axis.text(col + 0.48, row + 0.40, label, ha="center", va="center", color=ink,
+                  fontsize=_fit(label), fontfamily=list(font.families))  # fmt: skip
+        axis.text(
+            col + 0.06, row + 0.12, str(table["t"][i]), ha="left", va="center", color=ink, fontsize=5.5, alpha=0.8
+        )
+        if valid:
+            axis.text(col + 0.48, row + 0.74, f"{values[i]:+.2f}", ha="center", va="center", color=ink, fontsize=6.5)
+    axis.set_xlim(0, columns)
+    axis.set_ylim(lines, 0)
+    axis.set_aspect(CELL_ASPECT)
+    axis.set_axis_off()
+    fig.colorbar(
+        ScalarMappable(norm=norm, cmap=cmap), ax=axis, label=column, orientation="horizontal", shrink=0.5, aspect=40
+    )
+    more = f" (first {max_tokens} of {view.table.num_rows} tokens)" if view.table.num_rows > max_tokens else ""
+    title = f"Step {step}, sample {sample}: {column} per token{more}" + ("; hatched = masked" if not mask.all() else "")
+    if prompt:
+        title += "\nprompt: " + font.label(prompt[:100] + ("…" if len(prompt) > 100 else ""))
+    fig.suptitle(title, fontfamily=list(font.families), fontsize=10)
+    _footnote(fig, font)
+    return fig
+
+
+def save_plots(
+    trace, out_dir, step: int | None = None, sample: int = 0, tokenizer=None, progress: Progress | None = None
+) -> list[Path]:
+    """Write every figure as a PNG under ``out_dir``; return the paths written.
+
+    Figures that do not apply to the run (value vs return without values) are left out.
+    """
+    trace = as_trace(trace)
+    step = _step(trace, step)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {
+        f"positions_step{step}.png": lambda: position_curves(trace, step),
+        "over_steps.png": lambda: over_steps(trace, progress),
+        f"value_vs_return_step{step}.png": lambda: value_vs_return(trace, step),
+        f"advantages_step{step}_sample{sample}.png": lambda: advantage_heatmap(trace, step, sample, tokenizer),
+    }
+    written = []
+    for name, build in figures.items():
+        try:
+            fig = build()
+        except UsageError as skipped:
+            if name.startswith("value_vs_return"):
+                warnings.warn(f"{name} left out: {skipped}", PlotNote, stacklevel=2)
+                continue
+            raise
+        fig.savefig(out / name, dpi=130)
+        written.append(out / name)
+    return written
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _step(trace, step: int | None) -> int:
+    if not trace.steps:
+        raise UsageError(f"{trace.path} has no traced steps yet")
+    if step is None:
+        return trace.steps[-1]
+    if step not in trace.steps:
+        raise UsageError(f"{trace.path} has no step {step}")
+    return step
+
+
+def _series(axis, steps, values, label, color, marker, dashed=False) -> None:
+    y = np.array([np.nan if v is None else v for v in values], dtype=float)
+    if np.isfinite(y).any():
+        axis.plot(steps, y, marker=marker, markersize=3, color=color, label=label, linestyle="--" if dashed else "-")
+
+
+def _fit(label: str) -> float:
+    """Font size that keeps a token label inside its cell."""
+    width = max(display_width(label), 1)
+    return 10.0 if width <= 4 else max(4.5, 10.0 * 4 / width)
+
+
+def _footnote(fig: Figure, font: LabelFont) -> None:
+    if font.note:
+        fig.supxlabel(f"Characters without a glyph in the installed fonts are\n{FIX}.", fontsize=7, color="dimgrey")
+        warnings.warn(font.note, FontFallbackWarning, stacklevel=3)
