@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# verl's real PPO trainer, `python -m verl.trainer.main_ppo`, on a CPU-only machine, on Ray.
+#
+# verl-ext's CPU backend (VERL_EXT_CPU=1) supplies what verl 0.9.1 lacks there: a CPU platform, an
+# HF-generate rollout and a few patches. The model is a tiny random llama, the tokenizer works on
+# characters and the prompts are "a+b=": all built locally on first use, no download.
+#
+#   recipes/cpu_demo.sh                                   # 5 steps of verl's gae (critic on), legacy trainer
+#   ESTIMATOR=grpo ROLLOUT_N=4 recipes/cpu_demo.sh         # verl's grpo, 4 samples per prompt
+#   V1=1 recipes/cpu_demo.sh                               # verl 0.9's default V1 trainer
+#   recipes/cpu_demo.sh algorithm.use_kl_in_reward=True    # any hydra override; it wins
+#   CONFIG_PATH=$PWD/configs CONFIG_NAME=verl_ext_trainer ESTIMATOR=mc recipes/cpu_demo.sh \
+#       algorithm.use_kl_in_reward=True verl_ext.trace.dir=$PWD/outputs/cpu_demo/trace
+#                                                          # verl-ext's estimator and trace
+#
+# Outputs under OUTPUT_DIR: train.log (verl's full output), metrics.jsonl (one line per step),
+# checkpoints/, outputs/ (hydra's run directory). Needs verl==0.9.1 and this package (`make setup`).
+set -euo pipefail
+
+python_found=$(command -v "${PYTHON:-python}") || { echo "[cpu-demo] no python at '${PYTHON:-python}'" >&2; exit 1; }
+PYTHON=$(realpath -s "$python_found")  # absolute: the trainer runs in OUTPUT_DIR
+OUTPUT_DIR=${OUTPUT_DIR:-outputs/cpu_demo}
+STEPS=${STEPS:-5}
+ESTIMATOR=${ESTIMATOR:-gae}
+ROLLOUT_N=${ROLLOUT_N:-1}
+TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
+V1=${V1:-}
+CONFIG_ARGS=()  # verl's own ppo_trainer.yaml unless CONFIG_PATH names a directory with another config
+if [[ -n ${CONFIG_PATH:-} ]]; then
+  CONFIG_ARGS=(--config-path="$(realpath "$CONFIG_PATH")" --config-name="${CONFIG_NAME:-verl_ext_trainer}")
+fi
+
+mkdir -p "$OUTPUT_DIR"
+OUTPUT_DIR=$(cd "$OUTPUT_DIR" && pwd)
+
+echo "[cpu-demo] tiny model, tokenizer and prompts (built once, then cached) ..."
+# One override (and one NAME=value) per line; a failure here stops the script (set -e).
+overrides=$(
+  "$PYTHON" -m verl_ext.cpu.overrides --output-dir "$OUTPUT_DIR" --steps "$STEPS" --estimator "$ESTIMATOR" \
+    --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" ${V1:+--v1} -- "$@"
+)
+environment=$("$PYTHON" -m verl_ext.cpu.overrides --output-dir "$OUTPUT_DIR" --env)
+mapfile -t OVERRIDES <<<"$overrides"
+mapfile -t ENVIRONMENT <<<"$environment"
+
+echo "[cpu-demo] python -m verl.trainer.main_ppo: $STEPS steps of $ESTIMATOR on Ray, CPU only"
+rm -f "$OUTPUT_DIR/metrics.jsonl"
+status=0
+(
+  cd "$OUTPUT_DIR"  # hydra writes its run directory (outputs/) under the working directory
+  env "${ENVIRONMENT[@]}" "$PYTHON" -m verl.trainer.main_ppo "${CONFIG_ARGS[@]}" "${OVERRIDES[@]}" 2>&1
+) | "$PYTHON" -m verl_ext.cpu.progress "$OUTPUT_DIR/train.log" --steps "$STEPS" || status=$?
+if [[ $status -ne 0 ]]; then
+  echo "[cpu-demo] failed (exit $status); the full output is in $OUTPUT_DIR/train.log" >&2
+  exit "$status"
+fi
+echo "[cpu-demo] done. Outputs in $OUTPUT_DIR:"
+echo "  train.log      verl's full output"
+echo "  metrics.jsonl  verl's metrics, one JSON line per step (step 0: validation before training)"
+echo "  checkpoints/   where trainer.save_freq > 0 writes checkpoints"
+echo "  outputs/       hydra's run directory: the composed config of the run"

@@ -1,0 +1,117 @@
+"""Scenarios the CPU tests run, each in a fresh interpreter (platform, registries and patches are
+process-global). Usage::
+
+    python tests/cpu/scenarios.py in-process OUTPUT_DIR --estimator gae --steps 2 [-- OVERRIDE ...]
+    python tests/cpu/scenarios.py in-process OUTPUT_DIR --estimator mc --config-dir configs \
+        --config-name verl_ext_trainer -- algorithm.use_kl_in_reward=True
+    python tests/cpu/scenarios.py hf-server OUTPUT_DIR
+
+Each writes its results under OUTPUT_DIR for the test to assert on: ``batches.pt`` (the batch the
+trainer used at each step, see ``BatchRecorder``) and verl's ``metrics.jsonl``, or ``server.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def in_process(args: argparse.Namespace, extra: list[str]):
+    import torch
+
+    from verl_ext.cpu.assets import build_assets
+    from verl_ext.cpu.in_process import BatchRecorder, run_in_process
+    from verl_ext.cpu.overrides import cpu_overrides, merge_overrides
+
+    overrides = cpu_overrides(
+        build_assets(),
+        args.output_dir,
+        steps=args.steps,
+        estimator=args.estimator,
+        rollout_n=args.rollout_n,
+        train_batch_size=args.batch_size,
+        use_ray=False,
+    )
+    recorder = BatchRecorder()
+    trainer = run_in_process(
+        merge_overrides(overrides, extra), on_batch=recorder, config_dir=args.config_dir, config_name=args.config_name
+    )
+    torch.save(
+        {"steps": recorder.steps, "gamma": trainer.config.algorithm.gamma, "lam": trainer.config.algorithm.lam},
+        args.output_dir / "batches.pt",
+    )
+
+
+def hf_server(output_dir: Path):
+    """Drive HFGenerationServer directly: concurrent requests, EOS handling, weight updates."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import verl_ext.cpu
+
+    verl_ext.cpu.activate()
+    import torch
+    from transformers import AutoTokenizer
+
+    from verl_ext.cpu.assets import build_assets
+    from verl_ext.cpu.rollout import HFGenerationServer
+
+    assets = build_assets()
+    tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
+    chats = [[{"role": "user", "content": question}] for question in ("1+2=", "3+4=", "请问1+1=2？")]
+    prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+        for chat in chats
+    ]
+    config = SimpleNamespace(prompt_length=16, response_length=12, max_model_len=None, seed=0)
+    server = HFGenerationServer(str(assets.model_dir), config)
+    calls = []
+    generate = server.model.generate
+    server.model.generate = lambda **kwargs: calls.append(kwargs["input_ids"].shape) or generate(**kwargs)
+
+    async def requests(sampling):
+        return await asyncio.gather(*[server.generate(f"r{i}", p, sampling) for i, p in enumerate(prompts)])
+
+    sampled = asyncio.run(requests({"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}))
+    greedy_a = asyncio.run(requests({"temperature": 0, "logprobs": False}))
+    greedy_b = asyncio.run(requests({"temperature": 0, "logprobs": False}))
+    state = {name: torch.zeros_like(p) for name, p in server.model.state_dict().items()}
+    asyncio.run(server.update_weights(state, global_steps=7))
+    after = asyncio.run(requests({"temperature": 0, "logprobs": False}))
+    result = {
+        "generate_calls": [list(shape) for shape in calls],
+        "eos_token_id": server.eos_token_id,
+        "sampled": [o.model_dump() for o in sampled],
+        "greedy_a": [o.token_ids for o in greedy_a],
+        "greedy_b": [o.token_ids for o in greedy_b],
+        "after_update": [o.model_dump() for o in after],
+        "response_length": config.response_length,
+        "prompt_lengths": [len(p) for p in prompts],
+    }
+    (output_dir / "server.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["in-process", "hf-server"])
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--estimator", default="gae")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rollout-n", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--config-dir", default=None, help="a config directory (default: verl's own)")
+    parser.add_argument("--config-name", default="ppo_trainer")
+    argv = sys.argv[1:]
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []  # hydra overrides after "--"
+    args = parser.parse_args(argv[: len(argv) - len(overrides) - (1 if "--" in argv else 0)])
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    if args.scenario == "in-process":
+        in_process(args, overrides)
+    else:
+        hf_server(args.output_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The switch: cheap to import, refuses where it must, and installs everything when active.
+
+Each case runs in a fresh interpreter: the platform, registries and patches are process-global.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verl_ext.cpu.patches import CPU_PATCHES, CPU_REGISTRATIONS
+from verl_ext.integration.seam import Patch
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if key != "VERL_EXT_CPU"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**environment, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def last_json(completed: subprocess.CompletedProcess):
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_backend_imports_no_verl_module():
+    code = "import sys, json, verl_ext.cpu; print(json.dumps([m for m in sys.modules if m.split('.')[0] == 'verl']))"
+    assert last_json(python(code, VERL_EXT_CPU="1")) == []
+
+
+def test_refuses_another_verl_version():
+    code = (
+        "import importlib.metadata as m; real = m.version\n"
+        "m.version = lambda name: '0.9.0' if name == 'verl' else real(name)\n"
+        "import verl_ext.cpu\n"
+        "try:\n    verl_ext.cpu.activate()\nexcept RuntimeError as e:\n    print(e)"
+    )
+    completed = python(code)
+    assert "supports verl 0.9.1 only" in completed.stdout and "verl 0.9.0 is installed" in completed.stdout
+
+
+def test_refuses_a_host_with_a_gpu():
+    code = (
+        "import torch; torch.cuda.is_available = lambda: True\n"
+        "import verl_ext.cpu\n"
+        "try:\n    verl_ext.cpu.activate()\nexcept RuntimeError as e:\n    print(e)"
+    )
+    assert "host with a CUDA GPU" in python(code).stdout
+
+
+INSPECT = """
+import json, verl
+from verl.utils.device import get_device_name, get_nccl_backend
+from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+from verl.workers.engine.base import EngineRegistry
+import verl.workers.engine.fsdp.transformer_impl, verl.utils.distributed, verl.utils.model
+from verl_ext.integration.seam import states
+from verl_ext.cpu import is_active
+print(json.dumps({
+    "active": is_active(),
+    "device": get_device_name(),
+    "backend": get_nccl_backend(),
+    "hf_rollout": ("hf", "async") in _ROLLOUT_REGISTRY,
+    "hf_replica": "hf" in RolloutReplicaRegistry._registry,
+    "cpu_engines": sorted(m for m, b in EngineRegistry._engines.items() if "cpu" in b.get("fsdp2", {})),
+    "patches": {s.patch.name: [s.applied, s.error] for s in states() if s.patch.module in PATCHED},
+}))
+"""
+
+
+def test_with_the_switch_on_import_verl_brings_up_the_cpu_backend():
+    patched = sorted({patch.module for patch in CPU_PATCHES})
+    report = last_json(python(f"PATCHED = {patched!r}\n" + INSPECT, VERL_EXT_CPU="1"))
+    assert report["active"] and report["device"] == "cpu" and report["backend"] == "gloo"
+    assert report["hf_rollout"] and report["hf_replica"]
+    assert report["cpu_engines"] == ["language_model", "value_model"]
+    assert report["patches"] == {patch.name: [True, None] for patch in CPU_PATCHES}
+
+
+def test_without_the_switch_verl_is_untouched():
+    report = last_json(python("PATCHED = []\n" + INSPECT))
+    assert not report["active"] and report["device"] == "cuda"  # verl's own fallback on a GPU-less host
+    assert not report["hf_rollout"] and not report["hf_replica"] and report["cpu_engines"] == []
+
+
+@pytest.mark.parametrize("patch", CPU_PATCHES, ids=lambda p: p.name)
+def test_every_patch_says_why_and_for_which_verl(patch):
+    assert isinstance(patch, Patch) and patch.module.startswith("verl.")
+    assert patch.versions == "0.9.1" and len(patch.why) > 40
+
+
+def test_registrations_target_verl_modules():
+    assert all(module.startswith("verl.") and callable(callback) for module, callback in CPU_REGISTRATIONS)

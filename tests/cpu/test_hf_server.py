@@ -1,0 +1,49 @@
+"""The HF-generate rollout server, driven directly (in its own interpreter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.cpu.helpers import SCENARIOS, run
+
+
+@pytest.fixture(scope="module")
+def server_run(tmp_path_factory, assets, assets_dir):
+    output = tmp_path_factory.mktemp("hf_server")
+    env = {**os.environ, "VERL_EXT_CPU": "1", "VERL_EXT_CPU_ASSETS": str(assets_dir)}
+    run([sys.executable, str(SCENARIOS), "hf-server", str(output)], env, output, timeout=180)
+    return json.loads((output / "server.json").read_text())
+
+
+def test_concurrent_requests_share_one_generate_call(server_run):
+    # 4 rounds of 3 concurrent requests (sampled, greedy twice, greedy after update): 4 calls of 3 rows
+    assert [shape[0] for shape in server_run["generate_calls"]] == [3, 3, 3, 3]
+    # left-padded to the longest prompt of the batch
+    assert {shape[1] for shape in server_run["generate_calls"]} == {max(server_run["prompt_lengths"])}
+
+
+def test_responses_end_at_eos_or_the_length_limit(server_run):
+    eos = server_run["eos_token_id"]
+    for output in server_run["sampled"]:
+        tokens = output["token_ids"]
+        assert 1 <= len(tokens) <= server_run["response_length"]
+        assert eos not in tokens[:-1]
+        assert tokens[-1] == eos or len(tokens) == server_run["response_length"]
+        assert len(output["log_probs"]) == len(tokens)
+        assert all(lp <= 0.0 for lp in output["log_probs"])
+
+
+def test_greedy_decoding_is_deterministic(server_run):
+    assert server_run["greedy_a"] == server_run["greedy_b"]
+
+
+def test_weight_updates_take_effect_and_report_the_step(server_run):
+    assert all(output["extra_fields"]["global_steps"] is None for output in server_run["sampled"])
+    for output in server_run["after_update"]:
+        assert output["extra_fields"]["global_steps"] == 7  # verl's V1 trainer reads this
+        # all-zero weights: every logit is 0, greedy picks token 0 until the length limit
+        assert output["token_ids"] == [0] * server_run["response_length"]

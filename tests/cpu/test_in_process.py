@@ -1,0 +1,132 @@
+"""verl's real RayPPOTrainer.fit() in process (verl's own workers), asserted on what it trained on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests import reference
+from tests.cpu.helpers import read_batches, read_metrics
+
+GAMMA, LAM = 0.99, 0.9
+
+
+@pytest.fixture(scope="module")
+def gae_run(tmp_path_factory, scenario):
+    """verl's gae with a critic and the KL penalty in the reward, 2 steps."""
+    overrides = [f"algorithm.gamma={GAMMA}", f"algorithm.lam={LAM}", "algorithm.use_kl_in_reward=True"]
+    return scenario("in-process", tmp_path_factory.mktemp("gae"), "--estimator", "gae", "--", *overrides)
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, scenario):
+    """verl's grpo: 4 prompts x 4 samples, no critic, 2 steps."""
+    return scenario(
+        "in-process", tmp_path_factory.mktemp("grpo"), "--estimator", "grpo", "--rollout-n", "4", "--batch-size", "4"
+    )
+
+
+def _valid(mask):
+    return mask.bool()
+
+
+def test_each_step_reports_the_batch_it_trained_on(gae_run):
+    steps = read_batches(gae_run)["steps"]
+    assert sorted(steps) == [1, 2]
+    for record in steps.values():
+        for key in ("responses", "response_mask", "token_level_scores", "token_level_rewards", "values",
+                    "old_log_probs", "ref_log_prob", "advantages", "returns"):
+            assert key in record, key
+    assert sorted(read_metrics(gae_run)) == [0, 1, 2]  # 0: validation before training
+
+
+def test_scores_sit_on_the_last_valid_token(gae_run):
+    for record in read_batches(gae_run)["steps"].values():
+        mask, scores = record["response_mask"], record["token_level_scores"]
+        last = mask.sum(-1) - 1
+        off_last = scores.clone()
+        off_last[torch.arange(len(last)), last] = 0
+        assert torch.all(off_last == 0)
+        assert torch.all((scores.sum(-1) >= 0) & (scores.sum(-1) <= 1))
+
+
+def test_values_are_present_and_the_critic_trains(gae_run):
+    steps = read_batches(gae_run)["steps"]
+    for record in steps.values():
+        values = record["values"][_valid(record["response_mask"])]
+        assert torch.isfinite(values).all() and values.abs().sum() > 0
+        assert values.dtype == torch.float32 and values.unique().numel() > 10  # not bf16-quantised
+    metrics = read_metrics(gae_run)
+    for step in (1, 2):
+        assert np.isfinite(metrics[step]["critic/vf_loss"]) and metrics[step]["critic/grad_norm"] > 0
+    # the mean predicted value moves between steps because the critic was updated in between
+    assert metrics[1]["critic/values/mean"] != pytest.approx(metrics[2]["critic/values/mean"], abs=1e-4)
+
+
+def test_gae_returns_and_advantages_match_the_definition(gae_run):
+    recorded = read_batches(gae_run)
+    assert (recorded["gamma"], recorded["lam"]) == (GAMMA, LAM)
+    for record in recorded["steps"].values():
+        mask = record["response_mask"].numpy()
+        rewards, values = record["token_level_rewards"].numpy(), record["values"].numpy()
+        raw = reference.gae_advantages(rewards, values, mask, GAMMA, LAM)  # direct sum over δ
+        valid = mask != 0
+        np.testing.assert_allclose(record["returns"].numpy()[valid], (raw + values)[valid], atol=1e-5)
+        np.testing.assert_allclose(
+            record["advantages"].numpy()[valid], reference.whiten(np.where(valid, raw, 0), mask)[valid], atol=1e-4
+        )
+
+
+def test_kl_in_reward_makes_rewards_differ_from_scores(gae_run):
+    steps = read_batches(gae_run)["steps"]
+    for step, record in steps.items():
+        mask = record["response_mask"]
+        kld = (record["old_log_probs"] - record["ref_log_prob"]) * mask  # algorithm.kl_penalty=kl
+        expected = record["token_level_scores"] - record["kl_coef"] * kld
+        torch.testing.assert_close(record["token_level_rewards"], expected, atol=1e-6, rtol=0)
+    # step 1: the actor still equals the reference, so the penalty is 0; after one update it is not
+    assert not torch.equal(steps[2]["token_level_rewards"], steps[2]["token_level_scores"])
+
+
+def test_grpo_advantages_match_the_group_normalised_score(grpo_run):
+    steps = read_batches(grpo_run)["steps"]
+    assert sorted(steps) == [1, 2]
+    for record in steps.values():
+        assert "values" not in record  # no critic for grpo
+        scores = record["token_level_rewards"].sum(-1).double()
+        expected = torch.empty_like(scores)
+        uids = np.array(record["uid"])
+        assert len(set(uids)) == 4 and all((uids == uid).sum() == 4 for uid in set(uids))
+        for uid in set(uids):
+            group = torch.from_numpy(uids == uid)
+            expected[group] = (scores[group] - scores[group].mean()) / (scores[group].std() + 1e-6)
+        mask = _valid(record["response_mask"])
+        advantages = record["advantages"]
+        torch.testing.assert_close(advantages, (expected[:, None] * mask).float(), atol=1e-5, rtol=0)
+
+
+def _saved_weight(checkpoint, role: str, name: str) -> torch.Tensor:
+    state = torch.load(checkpoint / role / "model_world_size_1_rank_0.pt", weights_only=False)
+    return state[name].to_local()  # an FSDP2 DTensor on a one-rank mesh: the local shard is the tensor
+
+
+def test_checkpoint_save_then_resume_continues_from_the_saved_step(scenario, tmp_path, assets):
+    from safetensors.torch import load_file
+
+    scenario("in-process", tmp_path, "--steps", "2", "--", "trainer.save_freq=2", "trainer.val_before_train=False")
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    saved = tmp_path / "checkpoints" / "global_step_2"
+    # both the actor and the critic trained: their saved weights moved away from the initial model
+    name = "model.layers.0.self_attn.q_proj.weight"
+    initial = load_file(assets.model_dir / "model.safetensors")[name]
+    for role in ("actor", "critic"):
+        assert not torch.equal(_saved_weight(saved, role, name), initial), role
+    (tmp_path / "metrics.jsonl").unlink()
+
+    scenario("in-process", tmp_path, "--steps", "3", "--", "trainer.save_freq=2", "trainer.val_before_train=False")
+    assert sorted(read_batches(tmp_path)["steps"]) == [3]  # steps 1-2 came from the checkpoint
+    assert sorted(read_metrics(tmp_path)) == [3]
+    log = (tmp_path / "output.log").read_text()
+    assert "Resuming from" in log and "global_step_2" in log
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "3"

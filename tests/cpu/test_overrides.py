@@ -1,0 +1,61 @@
+"""The CPU overrides: merge rules, and they compose against verl's own config and pass its validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from verl_ext.cpu.overrides import cpu_overrides, merge_overrides, override_key
+
+
+def test_merge_keeps_the_last_setting_of_a_key():
+    merged = merge_overrides(["a.b=1", "+c.d=2", "e=3"], ["a.b=4", "c.d=5"])
+    assert merged == ["a.b=4", "+c.d=5", "e=3"]
+    assert override_key("+x.y=z=w") == "x.y"
+
+
+def test_overrides_name_each_key_once(assets, tmp_path):
+    for use_v1 in (False, True):
+        keys = [override_key(o) for o in cpu_overrides(assets, tmp_path, use_v1=use_v1)]
+        assert len(keys) == len(set(keys))
+
+
+VALIDATE = """
+import json, sys
+from verl_ext.cpu.in_process import compose_config
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import validate_config
+reports = []
+for overrides in json.loads(sys.argv[1]):
+    config = compose_config(overrides)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    reports.append({"rollout": config.actor_rollout_ref.rollout.name, "critic": need_critic(config),
+                    "strategy": config.critic.strategy, "n": config.actor_rollout_ref.rollout.n})
+print(json.dumps(reports))
+"""
+
+CASES = [  # (estimator, rollout_n, use_ray, use_v1) -> critic expected
+    (("gae", 1, True, False), True),
+    (("gae", 1, True, True), True),
+    (("grpo", 4, True, False), False),
+    (("gae", 1, False, False), True),
+]
+
+
+def test_overrides_compose_and_pass_verls_validation(assets, tmp_path):
+    override_lists = [
+        cpu_overrides(assets, tmp_path, estimator=estimator, rollout_n=n, use_ray=use_ray, use_v1=use_v1)
+        for (estimator, n, use_ray, use_v1), _ in CASES
+    ]
+    completed = subprocess.run(
+        [sys.executable, "-c", VALIDATE, json.dumps(override_lists)],
+        env={**os.environ, "VERL_EXT_CPU": "1"}, capture_output=True, text=True, timeout=180,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    reports = json.loads(completed.stdout.strip().splitlines()[-1])
+    expected = [
+        {"rollout": "hf", "critic": critic, "strategy": "fsdp2", "n": n} for (_, n, _, _), critic in CASES
+    ]
+    assert reports == expected

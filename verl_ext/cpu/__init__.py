@@ -1,0 +1,108 @@
+"""CPU backend: run verl 0.9.1's real PPO trainers on a CPU-only machine.
+
+Off unless asked for: set ``VERL_EXT_CPU=1`` (the verl-ext plugin then calls :func:`activate` in
+every verl process; a local Ray cluster inherits the variable, a pre-started one needs it in
+``ray_kwargs.ray_init.runtime_env.env_vars``). Importing this package is cheap: nothing of verl
+is imported until verl itself imports the modules the backend registers into or patches.
+
+Public entry points (imported lazily):
+
+* :func:`activate`: install the platform, the patches and the ``hf`` rollout in this process;
+* :func:`verl_ext.cpu.assets.build_assets`: the tiny model, tokenizer, prompts (cached);
+* :func:`verl_ext.cpu.overrides.cpu_overrides` / ``cpu_environment`` / ``merge_overrides``: the
+  hydra overrides and environment variables of a CPU run;
+* :func:`verl_ext.cpu.in_process.run_in_process`: verl's real ``RayPPOTrainer.fit()`` without Ray,
+  with an ``on_batch`` hook (e.g. :class:`verl_ext.cpu.in_process.BatchRecorder`) per step.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: The switch. Any of 1/true/yes (case-insensitive) turns the backend on.
+ENV_SWITCH = "VERL_EXT_CPU"
+SUPPORTED_VERL_VERSION = "0.9.1"
+PLATFORM_NAME = "cpu"
+ROLLOUT_NAME = "hf"
+
+#: Set in every process where the backend is active (inherited by a local Ray cluster's workers).
+CPU_PROCESS_ENV = {
+    "VERL_PLATFORM": PLATFORM_NAME,  # verl's platform_manager picks the registered "cpu" platform
+    "HF_HUB_OFFLINE": "1",  # assets are built locally; never reach for a hub
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+_active = False
+
+
+def requested() -> bool:
+    """True when ``VERL_EXT_CPU`` asks for the CPU backend."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("1", "true", "yes")
+
+
+def activate() -> None:
+    """Install the CPU backend in this process (idempotent).
+
+    Raises ``RuntimeError`` on a verl other than 0.9.1 and on a host with a usable CUDA GPU
+    (a GPU run is meant there; unset ``VERL_EXT_CPU``).
+    """
+    global _active
+    if _active:
+        return
+    _check_host()
+    os.environ[ENV_SWITCH] = "1"  # so Ray workers started from this process activate too
+    os.environ.update(CPU_PROCESS_ENV)
+
+    from verl_ext.cpu.patches import CPU_PATCHES, CPU_REGISTRATIONS
+    from verl_ext.integration.seam import install, when_imported
+
+    install(CPU_PATCHES)
+    for module_name, callback in CPU_REGISTRATIONS:
+        when_imported(module_name, callback)
+    _active = True
+
+
+def is_active() -> bool:
+    """True once :func:`activate` ran in this process."""
+    return _active
+
+
+def _check_host() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("verl")
+    except PackageNotFoundError as exc:
+        raise RuntimeError("verl-ext's CPU backend needs verl 0.9.1, and verl is not installed") from exc
+    if installed != SUPPORTED_VERL_VERSION:
+        raise RuntimeError(
+            f"verl-ext's CPU backend supports verl {SUPPORTED_VERL_VERSION} only (its patches target that "
+            f"version's code), but verl {installed} is installed. Unset {ENV_SWITCH} or install "
+            f"verl=={SUPPORTED_VERL_VERSION}."
+        )
+    import torch
+
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            f"{ENV_SWITCH}=1 on a host with a CUDA GPU: the CPU backend is for CPU-only machines and "
+            f"would hide the GPU from verl. Unset {ENV_SWITCH} to train on the GPU."
+        )
+
+
+_LAZY = {
+    "build_assets": "verl_ext.cpu.assets",
+    "CpuAssets": "verl_ext.cpu.assets",
+    "cpu_overrides": "verl_ext.cpu.overrides",
+    "cpu_environment": "verl_ext.cpu.overrides",
+    "merge_overrides": "verl_ext.cpu.overrides",
+    "run_in_process": "verl_ext.cpu.in_process",
+    "BatchRecorder": "verl_ext.cpu.in_process",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,348 @@
+"""verl's real ``RayPPOTrainer.fit()`` in one process, without Ray: the fast path for tests.
+
+Everything that computes is verl's own: ``RayPPOTrainer.fit()``, ``ActorRolloutRefWorker`` (actor,
+reference, rollout adapter), ``TrainingWorker`` (critic), ``AgentLoopWorker``, ``RewardLoopWorker``
+with the ``naive`` reward manager, the dataset and the dataloader. Only the plumbing that Ray
+provides is replaced, by :class:`InProcessPPOTrainer.init_workers` (the counterpart of
+``RayPPOTrainer.init_workers``, ray_trainer.py:772-981):
+
+* a one-rank gloo process group on an in-memory store, instead of one per Ray worker;
+* :class:`InProcessWorkerGroup` for ``RayWorkerGroup`` (world size 1: dispatch and collect are the
+  identity);
+* verl's actor-like objects (agent-loop worker, reward-loop worker, load balancer, generation
+  server) on one persistent event loop (:mod:`verl_ext.cpu.local_actor`), as inside Ray actors;
+* :class:`InProcessWeightSync` for ``CheckpointEngineManager`` (the ``naive`` backend: the worker
+  pushes its weights to the rollout directly).
+
+A test gets at what the trainer actually trained on through ``on_batch``: it is called once per
+step with the batch after advantages and returns are computed, before the critic and actor updates
+(see :class:`BatchRecorder`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import verl_ext.cpu
+
+# Before any verl import: verl resolves its device (transformer_impl.py:89) and binds the names the
+# CPU backend patches (engine_workers.py imports initialize_global_process_group_ray) at import time.
+verl_ext.cpu.activate()
+
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.experimental.agent_loop import AgentLoopManager  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker  # noqa: E402
+from verl.experimental.reward_loop.reward_loop import RewardLoopWorker  # noqa: E402
+from verl.single_controller.base.decorator import MAGIC_ATTR  # noqa: E402
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer  # noqa: E402
+from verl.trainer.ppo.utils import (  # noqa: E402
+    Role,
+    create_rl_dataset,
+    create_rl_sampler,
+    need_critic,
+    need_reference_policy,
+)
+from verl.utils.config import omega_conf_to_dataclass, validate_config  # noqa: E402
+from verl.workers.rollout.llm_server import LLMServerManager  # noqa: E402
+from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer  # noqa: E402
+
+from verl_ext.cpu.local_actor import LocalActorHandle, actor_loop  # noqa: E402
+from verl_ext.cpu.rollout import HFGenerationServer, HFReplica, register_local_server  # noqa: E402
+
+#: Called once per step: ``on_batch(step, batch, trainer)``; ``batch`` is the trainer's live batch.
+BatchHook = Callable[[int, DataProto, "InProcessPPOTrainer"], None]
+
+
+class _Ready:
+    """A finished result with ``.get()``, as verl's non-blocking worker-group calls return."""
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def get(self) -> Any:
+        return self._value
+
+
+class InProcessWorkerGroup:
+    """``RayWorkerGroup``'s interface over one worker object in this process.
+
+    Only the worker's ``@register``-ed methods are exposed, as on a real worker group. With one rank
+    verl's dispatch functions split nothing and its collect functions gather one output, so a call is
+    the method call itself; ``ONE_TO_ALL``-style methods return a one-element list, non-blocking
+    methods an object with ``.get()``, and ``async`` methods run on the actor loop.
+    """
+
+    world_size = 1
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.workers = [worker]
+        self._dispatch_info: dict[str, list[int]] = {}
+
+    def __getattr__(self, name: str):
+        method = getattr(self.worker, name)
+        attrs = getattr(method, MAGIC_ATTR, None)
+        if attrs is None:
+            raise AttributeError(f"{type(self.worker).__name__}.{name} is not a registered worker-group method")
+        per_rank_list = not isinstance(attrs["dispatch_mode"], dict)  # nd-compute dispatch returns the output
+
+        def call(*args, **kwargs):
+            if inspect.iscoroutinefunction(method):
+                result = actor_loop().call(method, *args, **kwargs)
+            else:
+                result = method(*args, **kwargs)
+            if per_rank_list:
+                result = [result]
+            return result if attrs["blocking"] else _Ready(result)
+
+        return call
+
+
+class InProcessWeightSync:
+    """``CheckpointEngineManager`` with the ``naive`` backend, for an in-process worker."""
+
+    def __init__(self, actor_rollout_wg: InProcessWorkerGroup, replicas: list):
+        self.actor_rollout_wg = actor_rollout_wg
+        self.replicas = replicas
+
+    def update_weights(self, global_steps: int | None = None) -> dict:
+        self.actor_rollout_wg.update_weights(global_steps=global_steps, mode="naive")
+        return {}
+
+    def sleep_replicas(self) -> None:
+        async def sleep_all():
+            await asyncio.gather(*[replica.sleep() for replica in self.replicas])
+
+        actor_loop().call(sleep_all)
+
+
+class LocalHFReplica(HFReplica):
+    """The ``hf`` replica with its generation server on the actor loop instead of a Ray actor."""
+
+    async def launch_servers(self):
+        loop = actor_loop()
+        instance = await asyncio.wrap_future(
+            loop.submit(HFGenerationServer, self.model_path(), self.config, self.replica_rank)
+        )
+        server = LocalActorHandle(instance, loop)
+        register_local_server(self.replica_rank, server)
+        self._attach(server)
+
+
+class InProcessLLMServerManager(LLMServerManager):
+    rollout_replica_class = LocalHFReplica  # verl's hook "for recipe to change" (llm_server.py)
+
+    async def _init_global_load_balancer(self) -> None:
+        self.global_load_balancer = LocalActorHandle.create(
+            GlobalRequestLoadBalancer,
+            servers=dict(zip(self.server_addresses, self.server_handles, strict=True)),
+            max_cache_size=DEFAULT_ROUTING_CACHE_SIZE,
+        )
+
+
+class InProcessAgentLoopManager(AgentLoopManager):
+    async def _init_agent_loop_workers(self):
+        self.agent_loop_workers = [
+            LocalActorHandle.create(
+                AgentLoopWorker, self.config, self.llm_client, self.teacher_client, self.reward_loop_worker_handles
+            )
+            for _ in range(self.rollout_config.agent.num_workers)
+        ]
+
+
+class _OneDevice:
+    """What fit() asks of the resource pool manager: the device count for throughput metrics."""
+
+    def get_n_gpus(self) -> int:
+        return 1
+
+
+class InProcessPPOTrainer(RayPPOTrainer):
+    """verl's legacy trainer with its workers built in this process (see the module docstring)."""
+
+    def __init__(self, *args, on_batch: BatchHook | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_batch = on_batch
+        self._hooked_step: int | None = None
+
+    def init_workers(self):
+        from verl.workers.config import CriticConfig
+        from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker, TrainingWorkerConfig
+        from verl.workers.utils.losses import value_loss
+
+        _init_single_rank_process_group()
+        actor_role = Role.ActorRolloutRef if Role.ActorRolloutRef in self.role_worker_mapping else Role.ActorRollout
+
+        if self.use_critic:  # as RayPPOTrainer.init_workers builds the critic's TrainingWorkerConfig
+            critic_cfg: CriticConfig = omega_conf_to_dataclass(self.config.critic)
+            engine_config = critic_cfg.engine
+            engine_config.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+            engine_config.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
+            critic_worker = TrainingWorker(
+                config=TrainingWorkerConfig(
+                    model_type="value_model",
+                    model_config=critic_cfg.model,
+                    engine_config=engine_config,
+                    optimizer_config=critic_cfg.optim,
+                    checkpoint_config=critic_cfg.checkpoint,
+                )
+            )
+            self.critic_wg = InProcessWorkerGroup(critic_worker)
+            self.critic_wg.reset()
+            self.critic_wg.set_loss_fn(partial(value_loss, config=critic_cfg))
+
+        self.actor_rollout_wg = InProcessWorkerGroup(
+            ActorRolloutRefWorker(
+                config=self.config.actor_rollout_ref,
+                distillation_config=self.config.get("distillation"),
+                role=str(actor_role),
+            )
+        )
+        self.actor_rollout_wg.init_model()
+        if self.use_reference_policy:
+            self.ref_policy_wg = self.actor_rollout_wg  # the reference model lives in the same worker
+
+        self.reward_loop_manager = None  # only used with a reward model
+        reward_loop_workers = [
+            LocalActorHandle.create(RewardLoopWorker, self.config, None) for _ in range(self.config.reward.num_workers)
+        ]
+        self.async_rollout_mode = True
+        self.teacher_model_manager = None
+        self.distillation_config = None
+        self.llm_server_manager = InProcessLLMServerManager.create(
+            config=self.config, worker_group=self.actor_rollout_wg
+        )
+        self.async_rollout_manager = InProcessAgentLoopManager.create(
+            config=self.config,
+            llm_client=self.llm_server_manager.get_client(),
+            teacher_client=None,
+            reward_loop_worker_handles=reward_loop_workers,
+        )
+        self.checkpoint_manager = InProcessWeightSync(self.actor_rollout_wg, self.llm_server_manager.get_replicas())
+        self.checkpoint_manager.sleep_replicas()
+
+    # The step hook: _update_critic runs right after compute_advantage when there is a critic,
+    # _update_actor otherwise; whichever comes first in a step reports the batch.
+    def _update_critic(self, batch: DataProto) -> DataProto:
+        self._report_batch(batch)
+        return super()._update_critic(batch)
+
+    def _update_actor(self, batch: DataProto) -> DataProto:
+        self._report_batch(batch)
+        return super()._update_actor(batch)
+
+    def _report_batch(self, batch: DataProto) -> None:
+        if self.on_batch is not None and self._hooked_step != self.global_steps:
+            self._hooked_step = self.global_steps
+            self.on_batch(self.global_steps, batch, self)
+
+
+def _init_single_rank_process_group() -> None:
+    """A one-rank gloo group on an in-memory store (no port), plus the env verl's Worker reads."""
+    os.environ.update(
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RAY_LOCAL_WORLD_SIZE": "1"}
+    )
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "0")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+
+
+def compose_config(
+    overrides: list[str], config_dir: str | os.PathLike | None = None, config_name: str = "ppo_trainer"
+) -> DictConfig:
+    """The trainer config as ``python -m verl.trainer.main_ppo`` composes it: verl's own
+    ``ppo_trainer.yaml``, or ``config_name`` in ``config_dir`` (``--config-path``), plus ``overrides``."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    if config_dir is None:
+        context = initialize_config_module(config_module="verl.trainer.config", version_base=None)
+    else:
+        context = initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
+    with context:
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def build_trainer(config: DictConfig, on_batch: BatchHook | None = None) -> InProcessPPOTrainer:
+    """What ``main_ppo.main`` and ``main_ppo_v0.TaskRunner.run`` do up to ``init_workers()``, without Ray."""
+    from verl.utils.dataset.rl_dataset import collate_fn
+    from verl.utils.device import auto_set_device
+    from verl.workers.config import HFModelConfig
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    OmegaConf.resolve(config)
+    role_worker_mapping = {
+        (Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout): ActorRolloutRefWorker,
+        Role.Critic: TrainingWorker,
+    }
+    model_config: HFModelConfig = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+    tokenizer, processor = model_config.tokenizer, model_config.processor
+    train_dataset = create_rl_dataset(config.data.train_files, config.data, tokenizer, processor, is_train=True)
+    val_dataset = create_rl_dataset(config.data.val_files, config.data, tokenizer, processor, is_train=False)
+    return InProcessPPOTrainer(
+        config=config,
+        tokenizer=tokenizer,
+        processor=processor,
+        role_worker_mapping=role_worker_mapping,
+        resource_pool_manager=_OneDevice(),
+        train_dataset=train_dataset,
+        val_dataset=val_dataset,
+        collate_fn=collate_fn,
+        train_sampler=create_rl_sampler(config.data, train_dataset),
+        on_batch=on_batch,
+    )
+
+
+def run_in_process(
+    overrides: list[str],
+    on_batch: BatchHook | None = None,
+    config_dir: str | os.PathLike | None = None,
+    config_name: str = "ppo_trainer",
+) -> InProcessPPOTrainer:
+    """Compose the config (see :func:`compose_config`), build the trainer and its workers here, run ``fit()``.
+
+    The CPU backend is active in this process (importing this module activates it). The platform,
+    the registries and the patches are process-global: run one scenario per process.
+    """
+    config = compose_config(overrides, config_dir, config_name)
+    if "file" in config.trainer.logger and "VERL_FILE_LOGGER_PATH" not in os.environ:
+        # verl's file logger would write to ./<project>/<experiment>.jsonl; put it next to the
+        # checkpoints instead, where cpu_environment() puts it for a run on Ray.
+        from verl_ext.cpu.overrides import METRICS_FILE
+
+        output_dir = Path(config.trainer.default_local_dir).parent
+        output_dir.mkdir(parents=True, exist_ok=True)
+        os.environ["VERL_FILE_LOGGER_PATH"] = str(output_dir / METRICS_FILE)
+    trainer = build_trainer(config, on_batch=on_batch)
+    trainer.init_workers()
+    trainer.fit()
+    return trainer
+
+
+class BatchRecorder:
+    """An ``on_batch`` hook that keeps a CPU copy of each step's batch tensors and of the KL coefficient."""
+
+    def __init__(self, keys: list[str] | None = None):
+        self.keys = keys
+        self.steps: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, step: int, batch: DataProto, trainer: InProcessPPOTrainer) -> None:
+        keys = self.keys if self.keys is not None else list(batch.batch.keys())
+        record: dict[str, Any] = {key: batch.batch[key].detach().clone() for key in keys if key in batch.batch.keys()}
+        kl_controller = getattr(trainer, "kl_ctrl_in_reward", None)
+        # apply_kl_penalty updates the controller after using it; the fixed controller never changes.
+        record["kl_coef"] = kl_controller.value if kl_controller is not None else None
+        record["uid"] = list(batch.non_tensor_batch.get("uid", []))
+        self.steps[step] = record
+

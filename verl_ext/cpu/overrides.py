@@ -1,0 +1,184 @@
+"""The hydra overrides and environment that make verl's own ``ppo_trainer.yaml`` a CPU run.
+
+One list serves the real CLI (``python -m verl.trainer.main_ppo <overrides>``), the in-process
+runner and the tests. Every entry is there for a reason given next to it; what verl cannot be
+configured into is patched instead (:mod:`verl_ext.cpu.patches`).
+
+From a shell, one override per line (``recipes/cpu_demo.sh`` reads them with ``mapfile``)::
+
+    python -m verl_ext.cpu.overrides --output-dir outputs/cpu --steps 5 --estimator gae
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from verl_ext.cpu import CPU_PROCESS_ENV, ENV_SWITCH, ROLLOUT_NAME
+from verl_ext.cpu.assets import CpuAssets, build_assets
+
+#: Prompts are "<|user|>a+b=<|assistant|>" (6 tokens with one-digit operands).
+PROMPT_LENGTH = 16
+METRICS_FILE = "metrics.jsonl"
+
+
+def cpu_environment(output_dir: str | os.PathLike) -> dict[str, str]:
+    """Environment variables of a CPU run: the switch, offline hubs, verl's metrics file."""
+    return {
+        ENV_SWITCH: "1",
+        **CPU_PROCESS_ENV,
+        # verl's "file" logger (trainer.logger) writes one JSON line of metrics per step here
+        "VERL_FILE_LOGGER_PATH": str(Path(output_dir).resolve() / METRICS_FILE),
+    }
+
+
+def cpu_overrides(
+    assets: CpuAssets,
+    output_dir: str | os.PathLike,
+    *,
+    steps: int = 2,
+    estimator: str = "gae",
+    train_batch_size: int = 8,
+    rollout_n: int = 1,
+    response_length: int = 16,
+    use_v1: bool = False,
+    use_ray: bool = True,
+) -> list[str]:
+    """Overrides for ``steps`` PPO steps of ``estimator`` on CPU; checkpoints go under ``output_dir``.
+
+    ``use_ray=False`` leaves out the Ray-only settings (the in-process runner starts no Ray).
+    Adjust the result with :func:`merge_overrides` (hydra rejects a key given twice).
+    """
+    output = Path(output_dir).resolve()
+    micro_batch = train_batch_size * rollout_n  # one micro-batch per step: fewest forward passes
+    overrides = [
+        f"algorithm.adv_estimator={estimator}",
+        # data: the generated arithmetic prompts
+        f"data.train_files={assets.train_file}",
+        f"data.val_files={assets.val_file}",
+        f"data.train_batch_size={train_batch_size}",
+        f"data.max_prompt_length={PROMPT_LENGTH}",
+        f"data.max_response_length={response_length}",
+        "data.dataloader_num_workers=0",  # no loader subprocesses on a 2-core machine
+        "data.seed=0",
+        # model: the tiny llama; sdpa attention (verl's default, flash_attention_2, needs CUDA)
+        f"actor_rollout_ref.model.path={assets.model_dir}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=False",  # packed sequences need flash-attn varlen
+        # actor and reference: FSDP2 (FSDP1 passes an integer CUDA device_id), no torch.compile
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+        # full fp32 (verl's default computes in bf16): exact values and log-probs, and fast on any CPU
+        *_fp32("actor_rollout_ref.actor.fsdp_config"),
+        *_fp32("actor_rollout_ref.ref.fsdp_config"),
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={train_batch_size}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro_batch}",
+        "actor_rollout_ref.actor.optim.lr=1e-3",  # a random 87k-parameter model: a large step is fine
+        # rollout: the HF-generate backend (verl_ext.cpu.rollout), one replica, one agent-loop worker
+        f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}",
+        f"actor_rollout_ref.rollout.n={rollout_n}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_batch}",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        # critic: the same tiny model with a value head, the same CPU settings
+        f"critic.model.path={assets.model_dir}",
+        "+critic.model.override_config.attn_implementation=sdpa",
+        "critic.model.use_remove_padding=False",
+        "critic.strategy=fsdp2",
+        "critic.fsdp.use_torch_compile=False",
+        *_fp32("critic.fsdp"),
+        f"critic.ppo_micro_batch_size_per_gpu={micro_batch}",
+        "critic.optim.lr=1e-3",
+        # reward: the rule-based arithmetic reward, one reward-loop worker
+        f"reward.custom_reward_function.path={assets.reward_file}",
+        f"reward.custom_reward_function.name={assets.reward_name}",
+        "reward.num_workers=1",
+        # trainer: one logical device, a fixed number of steps, metrics to a local file
+        "trainer.device=cpu",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=verl_ext_cpu",
+        f"trainer.experiment_name={estimator}",
+        f"trainer.default_local_dir={output / 'checkpoints'}",
+        f"trainer.use_v1={use_v1}",
+        # V1 only: one TransferQueue storage actor instead of 8 (each reserves a Ray CPU)
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    ]
+    if use_ray:
+        overrides += [
+            # verl's ResourcePoolManager counts Ray GPU resources: declare one logical GPU.
+            "+ray_kwargs.ray_init.num_gpus=1",
+            # Logical CPUs for scheduling only: every verl actor reserves one (task runner, agent
+            # loop, reward loop, load balancer, TransferQueue controller and storage).
+            "ray_kwargs.ray_init.num_cpus=8",
+            "+ray_kwargs.ray_init.include_dashboard=False",  # one process and ~0.5 GiB less
+            # The CPU switch and the metrics path reach every actor, also on a pre-started cluster
+            # (quoted: Ray wants string values, hydra would read "1" as an int).
+            *(
+                f"+ray_kwargs.ray_init.runtime_env.env_vars.{name}='{value}'"
+                for name, value in cpu_environment(output).items()
+            ),
+        ]
+    return overrides
+
+
+def _fp32(engine_config: str) -> list[str]:
+    """FSDP mixed-precision settings for fp32 everywhere (absent from verl's yaml, hence ``+``)."""
+    return [f"+{engine_config}.mixed_precision.{name}=fp32" for name in ("param_dtype", "reduce_dtype", "buffer_dtype")]
+
+
+def override_key(override: str) -> str:
+    """The config key an override sets: ``+a.b=1`` -> ``a.b``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def merge_overrides(*override_lists: list[str]) -> list[str]:
+    """Concatenate override lists; for a key set more than once the last setting wins.
+
+    A ``+key`` (add) keeps its ``+`` when a later plain ``key=`` replaces its value.
+    """
+    merged: dict[str, str] = {}
+    for overrides in override_lists:
+        for override in overrides:
+            key = override_key(override)
+            previous = merged.get(key)
+            if previous is not None and previous.startswith("+") and not override.startswith(("+", "~")):
+                override = "+" + override
+            merged[key] = override
+    return list(merged.values())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Print the overrides of a verl CPU run, one per line.")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--assets-dir", default=None, help="asset cache (default: $VERL_EXT_CPU_ASSETS or ~/.cache)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--estimator", default="gae")
+    parser.add_argument("--train-batch-size", type=int, default=8)
+    parser.add_argument("--rollout-n", type=int, default=1)
+    parser.add_argument("--v1", action="store_true", help="verl's V1 trainer (the default trainer of verl 0.9)")
+    parser.add_argument("--env", action="store_true", help="print the environment as NAME=value lines instead")
+    parser.add_argument("extra", nargs="*", help="more overrides; they win over the generated ones")
+    args = parser.parse_args(argv)
+    if args.env:
+        print("\n".join(f"{name}={value}" for name, value in cpu_environment(args.output_dir).items()))
+        return
+    overrides = cpu_overrides(
+        build_assets(args.assets_dir),
+        args.output_dir,
+        steps=args.steps,
+        estimator=args.estimator,
+        train_batch_size=args.train_batch_size,
+        rollout_n=args.rollout_n,
+        use_v1=args.v1,
+    )
+    print("\n".join(merge_overrides(overrides, args.extra)))
+
+
+if __name__ == "__main__":
+    main()

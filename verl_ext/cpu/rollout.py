@@ -1,0 +1,301 @@
+"""A rollout backend for verl 0.9.1 that generates with transformers' ``generate`` on CPU.
+
+verl only registers vLLM, SGLang and TensorRT-LLM rollouts, none of which runs on a CPU-only host.
+This backend plugs into the same two registries they use, under the name ``hf``
+(``actor_rollout_ref.rollout.name=hf``; the registrations are in :mod:`verl_ext.cpu.patches`):
+
+* ``HFGenerationServer``: the token-in/token-out server verl's ``LLMServerClient`` calls
+  (``generate(request_id, prompt_ids, sampling_params) -> TokenOutput``). It batches the requests
+  that arrive together into one ``generate`` call and reports the weights version in
+  ``extra_fields["global_steps"]``, which verl's V1 trainer requires.
+* ``HFReplica`` (``RolloutReplicaRegistry``): starts one server per replica; on Ray a named actor.
+* ``HFServerAdapter`` (``_ROLLOUT_REGISTRY``): the rollout object inside verl's hybrid
+  ``ActorRolloutRefWorker``; it forwards the trainer's weights to its replica's server.
+
+The in-process runner (:mod:`verl_ext.cpu.in_process`) uses the same classes without Ray: it
+registers a local server handle with :func:`register_local_server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Generator
+
+import torch
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+SERVER_NAME_PREFIX = "verl_ext_hf_server_"
+
+#: Requests that arrive within this quiet period of each other are generated as one batch.
+BATCH_QUIET_SECONDS = 0.01
+BATCH_MAX_WAIT_SECONDS = 0.2
+
+#: replica_rank -> server handle, for servers living in this process (the in-process runner).
+_LOCAL_SERVERS: dict[int, Any] = {}
+
+
+def register_local_server(replica_rank: int, handle: Any) -> None:
+    """Make an in-process server reachable by the adapters of this process (no Ray)."""
+    _LOCAL_SERVERS[replica_rank] = handle
+
+
+def server_actor_name(replica_rank: int) -> str:
+    return f"{SERVER_NAME_PREFIX}{replica_rank}"
+
+
+def locate_server(replica_rank: int) -> Any:
+    """The handle of replica ``replica_rank``'s server: in-process if registered, else a Ray named actor."""
+    if replica_rank in _LOCAL_SERVERS:
+        return _LOCAL_SERVERS[replica_rank]
+    import ray
+
+    return ray.get_actor(server_actor_name(replica_rank))
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """The sampling settings one ``generate`` call can share (requests are grouped by them)."""
+
+    greedy: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    logprobs: bool
+
+    @classmethod
+    def from_request(cls, sampling_params: dict[str, Any], room: int) -> "_Sampling":
+        """``room``: the most new tokens this prompt may get (response_length, model length)."""
+        temperature = float(sampling_params.get("temperature", 1.0))
+        requested = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
+        return cls(
+            greedy=temperature == 0.0,
+            temperature=temperature,
+            top_p=float(sampling_params.get("top_p", 1.0)),
+            top_k=int(sampling_params.get("top_k", -1)),
+            max_new_tokens=room if requested is None else max(1, min(int(requested), room)),
+            logprobs=bool(sampling_params.get("logprobs", False)),
+        )
+
+
+class HFGenerationServer:
+    """Generates with a float32 copy of the policy; weights arrive from the trainer each step."""
+
+    def __init__(self, model_path: str, rollout_config, replica_rank: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        self.replica_rank = replica_rank
+        self.config = rollout_config
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+        self._parameter_names = {name for name, _ in self.model.named_parameters()}
+        generation_config = self.model.generation_config
+        self.eos_token_id = generation_config.eos_token_id
+        self.pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
+        self.max_model_len = rollout_config.max_model_len or (
+            rollout_config.prompt_length + rollout_config.response_length
+        )
+        # A private RNG stream: sampling neither consumes nor resets the process' global torch RNG,
+        # which the in-process runner shares with training.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rollout_config.seed + replica_rank)
+            self._rng_state = torch.get_rng_state()
+        self.global_steps: int | None = None
+        self._pending: list[tuple[list[int], _Sampling, asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
+
+    # ---- token-in, token-out generation (called by verl's LLMServerClient) ----
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], **unused_multimodal
+    ) -> TokenOutput:
+        room = min(self.config.response_length, self.max_model_len - len(prompt_ids))
+        if room < 1:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room within {self.max_model_len}")
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((list(prompt_ids), _Sampling.from_request(sampling_params, room), future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        token_ids, log_probs = await future
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs,
+            stop_reason="completed",
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    async def _drain(self) -> None:
+        waited = 0.0
+        while True:  # wait for a quiet period so concurrent requests share one generate() call
+            seen = len(self._pending)
+            await asyncio.sleep(BATCH_QUIET_SECONDS)
+            waited += BATCH_QUIET_SECONDS
+            if len(self._pending) == seen or waited >= BATCH_MAX_WAIT_SECONDS:
+                break
+        while self._pending:
+            batch, self._pending = self._pending, []
+            groups: dict[_Sampling, list[tuple[list[int], asyncio.Future]]] = {}
+            for prompt, sampling, future in batch:
+                groups.setdefault(sampling, []).append((prompt, future))
+            for sampling, requests in groups.items():
+                try:
+                    results = self._generate_batch([prompt for prompt, _ in requests], sampling)
+                except Exception as exc:  # fail the waiting requests, not the server
+                    for _, future in requests:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for (_, future), result in zip(requests, results, strict=True):
+                    if not future.done():  # a request cancelled by its caller
+                        future.set_result(result)
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], sampling: _Sampling):
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding, as decoder-only generation requires
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        kwargs: dict[str, Any] = {"do_sample": False} if sampling.greedy else {
+            "do_sample": True,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else 0,
+        }
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng_state)
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=sampling.max_new_tokens,
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id,
+                return_dict_in_generate=True,
+                output_logits=sampling.logprobs,
+                **kwargs,
+            )
+            self._rng_state = torch.get_rng_state()
+        generated = output.sequences[:, width:]
+        if sampling.logprobs:
+            logits = torch.stack(output.logits, dim=1).float() / (sampling.temperature or 1.0)
+            token_log_probs = torch.log_softmax(logits, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for row in range(len(prompts)):
+            tokens = generated[row].tolist()
+            length = _length_through_eos(tokens, self.eos_token_id)
+            log_probs = token_log_probs[row, :length].tolist() if sampling.logprobs else None
+            results.append((tokens[:length], log_probs))
+        return results
+
+    # ---- weights (called by HFServerAdapter inside the trainer's worker) ----
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], global_steps: int | None = None) -> None:
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if unexpected or self._parameter_names.intersection(missing):  # buffers (rotary) are not sent
+            raise RuntimeError(f"weights do not match the rollout model: missing={missing}, unexpected={unexpected}")
+        self.global_steps = global_steps
+
+    # ---- lifecycle calls verl makes on every rollout server: nothing to free or resume on CPU ----
+
+    async def wake_up(self, *args, **kwargs) -> None:
+        pass
+
+    async def sleep(self, *args, **kwargs) -> None:
+        pass
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        pass
+
+    async def resume_generation(self) -> None:
+        pass
+
+    async def clear_kv_cache(self) -> None:
+        pass
+
+    async def release_kv_cache(self) -> None:
+        pass
+
+    async def resume_kv_cache(self) -> None:
+        pass
+
+    async def start_profile(self, **kwargs) -> None:
+        pass
+
+    async def stop_profile(self) -> None:
+        pass
+
+
+def _length_through_eos(tokens: list[int], eos_token_id) -> int:
+    """Length of the response up to and including the first EOS (verl keeps EOS in the response)."""
+    eos_ids = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
+    for position, token in enumerate(tokens):
+        if token in eos_ids:
+            return position + 1
+    return len(tokens)
+
+
+class HFReplica(RolloutReplica):
+    """One generation server per replica; on Ray a named actor the workers' adapters look up."""
+
+    async def launch_servers(self):
+        import ray
+
+        server = (
+            ray.remote(HFGenerationServer)
+            .options(name=server_actor_name(self.replica_rank) + self.name_suffix, num_cpus=0)
+            .remote(self.model_path(), self.config, self.replica_rank)
+        )
+        await server.wake_up.remote()  # wait until the model is loaded
+        self._attach(server)
+
+    def model_path(self) -> str:
+        from verl.utils.fs import copy_to_local
+
+        return copy_to_local(self.model_config.path)
+
+    def _attach(self, server: Any) -> None:
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"hf-generate/replica-{self.replica_rank}"  # a label: there is no HTTP endpoint
+
+
+class HFServerAdapter(BaseRollout):
+    """The rollout inside verl's hybrid worker: forwards each weight update to its replica's server."""
+
+    def __init__(self, config, model_config, device_mesh, *args, replica_rank: int = -1, **kwargs):
+        super().__init__(config, model_config, device_mesh)
+        rollout_world_size = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
+        rank = int(os.environ.get("RANK", "0"))
+        self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
+        self.owns_server = rank % rollout_world_size == 0  # one rank per replica sends the weights
+
+    async def update_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None],
+        wire_format: str = "named_tensors",
+        global_steps: int | None = None,
+        **kwargs,
+    ):
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"the hf rollout receives full tensors only, not {wire_format!r}")
+        state_dict = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+        if self.owns_server:
+            await locate_server(self.replica_rank).update_weights.remote(state_dict, global_steps)
+
+    async def resume(self, tags: list[str]):
+        pass
+
+    async def release(self):
+        pass
