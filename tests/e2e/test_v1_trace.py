@@ -1,0 +1,91 @@
+"""verl 0.9's default V1 trainer, through the real CLI on Ray: the trace equals what the actor
+update read from TransferQueue (captured by tests/e2e/v1_capture.py), and it passes the checker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def v1_run(tmp_path_factory):
+    from verl_ext.cpu.assets import build_assets
+    from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
+
+    out = tmp_path_factory.mktemp("v1")
+    capture = out / "captured"
+    capture.mkdir()
+    overrides = merge_overrides(
+        cpu_overrides(build_assets(), out, steps=2, estimator="gae", use_v1=True),
+        [
+            "algorithm.use_kl_in_reward=True",
+            "algorithm.kl_ctrl.kl_coef=0.05",
+            "algorithm.lam=0.9",
+            f"verl_ext.trace.dir={out / 'trace'}",
+            "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=tests.e2e.v1_capture",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",
+        ],
+    )
+    command = [
+        sys.executable, "-m", "verl.trainer.main_ppo",
+        f"--config-path={ROOT / 'verl_ext' / 'configs'}", "--config-name=verl_ext_trainer", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, **cpu_environment(out), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    (out / "train.log").write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    return out
+
+
+def test_v1_run_record(v1_run):
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(v1_run / "trace"))
+    assert trace.record["trainer"] == "v1"
+    assert trace.steps == [1, 2]
+    assert [trace.step_record(s)["kl_coef"] for s in trace.steps] == [pytest.approx(0.05)] * 2
+
+
+def test_v1_trace_equals_what_the_actor_update_read(v1_run):
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(v1_run / "trace"))
+    columns = {
+        "score": "rm_scores",
+        "reward": "token_level_rewards",
+        "value": "values",
+        "return": "returns",
+        "advantage": "advantages",
+        "old_log_prob": "old_log_probs",
+        "ref_log_prob": "ref_log_prob",
+    }
+    for step in trace.steps:
+        used = torch.load(v1_run / "captured" / f"step{step}.pt")
+        table = trace.read_step(step).to_pandas()
+        mask = used["response_mask"].numpy()
+        assert table["sample"].nunique() == mask.shape[0]
+        positions = (table["sample"].to_numpy(), table["token_index"].to_numpy())
+        assert (table["mask"].to_numpy() == (mask[positions] != 0)).all()
+        assert (table["token_id"].to_numpy() == used["responses"].numpy()[positions]).all()
+        for column, key in columns.items():
+            np.testing.assert_array_equal(table[column].to_numpy(np.float32), used[key].float().numpy()[positions])
+        raw = (used["returns"] - used["values"]).numpy()[positions]
+        np.testing.assert_allclose(table["advantage_raw"].to_numpy(), raw, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(table["reward"], table["score"]) or step == 1  # actor == reference at step 1
+
+
+def test_v1_trace_passes_the_checker(v1_run):
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_ext.cli", "check", str(v1_run / "trace"), "--quiet"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

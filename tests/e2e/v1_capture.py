@@ -1,0 +1,40 @@
+"""Test-only verl plugin (loaded with VERL_USE_EXTERNAL_MODULES in every process of a V1 run):
+when the V1 trainer updates the actor, save what that update reads from TransferQueue.
+
+This is the test's own copy of "the tensors the trainer actually used", taken at a different
+moment and by different code than verl-ext's trace (which reads them right after the advantages
+are computed). Files: $VERL_EXT_TEST_CAPTURE_DIR/step<N>.pt.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from verl_ext.integration.seam import when_imported
+
+FIELDS = [
+    "response_mask", "responses", "rm_scores", "token_level_rewards", "values",
+    "returns", "advantages", "old_log_probs", "ref_log_prob",
+]  # fmt: skip
+
+
+def _capture_before_actor_update(trainer_base) -> None:
+    original = trainer_base.PPOTrainer._update_actor
+
+    @functools.wraps(original)
+    def _update_actor(self, batch, metrics):
+        import torch
+        import transfer_queue as tq
+
+        stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=FIELDS)
+        tensors = {name: stored[name].to_padded_tensor(padding=0) for name in FIELDS}
+        directory = os.environ["VERL_EXT_TEST_CAPTURE_DIR"]
+        torch.save({"keys": list(batch.keys), **tensors}, os.path.join(directory, f"step{self.global_steps}.pt"))
+        return original(self, batch, metrics)
+
+    trainer_base.PPOTrainer._update_actor = _update_actor
+
+
+if os.environ.get("VERL_EXT_TEST_CAPTURE_DIR"):
+    when_imported("verl.trainer.ppo.v1.trainer_base", _capture_before_actor_update)
