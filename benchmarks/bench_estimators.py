@@ -1,15 +1,23 @@
 """Speed and memory of the estimators against verl's loop GAE, on one CPU thread.
 
-    .venv/bin/python benchmarks/bench_estimators.py [--repeats 5]
+    .venv/bin/python benchmarks/bench_estimators.py [--repeats 7]
 
 Batches have mixed lengths (25-100 % of T valid) and two interior holes of 8-32 tokens per
 row, like multi-turn rollouts, so the general (compaction) path is what is measured. Baselines
 run in the same process: verl's ``compute_gae_advantage_return`` (a Python loop over T, with
 returns and whitening) and one ``torch.cumsum`` over a tensor of the same size (a memory-bound
-floor). Extra peak memory is the growth of the peak RSS of a fresh process running the
-estimator once, relative to the bytes of its inputs (rewards, values and mask): Linux's peak
-RSS (VmHWM) is reset after the inputs exist (``/proc/self/clear_refs``), so the growth is what
-the estimator allocates, outputs included.
+floor).
+
+Each table is printed twice, from two fresh processes: with glibc's default allocator settings,
+and with ``MALLOC_TOP_PAD_`` = 256 MiB, which keeps freed memory in the heap instead of returning it
+to the OS. On this VM a page fault costs ~1.7 µs, so a function that returns three fresh 8 MiB
+tensors pays ~10 ms of faults whenever glibc has given the previous call's memory back; the
+second table is the steady state of a long-running process (or of jemalloc/tcmalloc). The
+"faults" column is minor page faults per call.
+
+Extra peak memory is the growth of the peak RSS (VmHWM, reset with ``/proc/self/clear_refs``
+after the inputs exist) of a fresh process running the function once, over the bytes of its
+inputs (rewards, values and mask); outputs are included.
 
 Prints figures and ratios; asserts nothing.
 """
@@ -17,6 +25,8 @@ Prints figures and ratios; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,6 +35,7 @@ import time
 import torch
 
 SIZES = [(512, 4096), (128, 16384)]
+WARM_ALLOCATOR = {"MALLOC_TOP_PAD_": str(256 << 20)}
 
 
 def make_batch(rows: int, length: int, seed: int = 0):
@@ -41,16 +52,6 @@ def make_batch(rows: int, length: int, seed: int = 0):
     return rewards, values, mask
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def candidates(rewards, values, mask):
     from verl.trainer.ppo.core_algos import compute_gae_advantage_return
 
@@ -65,12 +66,42 @@ def candidates(rewards, values, mask):
         "torch.cumsum (floor)": lambda: torch.cumsum(rewards, dim=1),
         "verl loop GAE (+returns, whiten)": lambda: compute_gae_advantage_return(rewards, values, mask, 0.99, 0.95),
         "gae_ext (+returns, whiten)": full("gae_ext"),
-        "gae_ext core (+returns, no whiten)": full("gae_ext", whiten_advantages=False),
+        "gae_ext (+returns, no whiten)": full("gae_ext", whiten_advantages=False),
         "mc (+whiten)": full("mc"),
         "td0 (+whiten)": full("td0"),
         "nstep n=8 (+whiten)": full("nstep"),
         "masked_whiten alone": lambda: E.masked_whiten(values, mask),
     }
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """(median seconds, minor page faults per call)."""
+    fn()
+    times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / repeats
+
+
+def print_times(repeats: int, with_memory: bool) -> None:
+    for rows, length in SIZES:
+        rewards, values, mask = make_batch(rows, length)
+        input_bytes = sum(t.numel() * t.element_size() for t in (rewards, values, mask))
+        valid = int(mask.sum())
+        print(f"\nB x T = {rows} x {length} ({valid / mask.numel():.0%} valid, inputs {input_bytes >> 20} MiB)")
+        fns = candidates(rewards, values, mask)
+        results = {name: timed(fn, 2 if name.startswith("verl") else repeats) for name, fn in fns.items()}
+        floor, verl = results["torch.cumsum (floor)"][0], results["verl loop GAE (+returns, whiten)"][0]
+        header = f"{'':34s} {'median ms':>9s} {'faults':>7s} {'x cumsum':>8s} {'verl / this':>11s}"
+        print(header + (f" {'extra peak / inputs':>19s}" if with_memory else ""))
+        for name, (seconds, faults) in results.items():
+            line = f"{name:34s} {seconds * 1e3:9.1f} {faults:7.0f} {seconds / floor:8.1f} {verl / seconds:11.1f}"
+            if with_memory:
+                line += f" {extra_peak_bytes(rows, length, name) / input_bytes:19.2f}"
+            print(line, flush=True)
 
 
 def peak_rss_bytes() -> int:
@@ -99,28 +130,25 @@ def extra_peak_bytes(rows: int, length: int, name: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--peak-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--table", choices=["default", "warm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.peak_child:
         rows, length, name = args.peak_child
         return peak_memory_child(int(rows), int(length), name)
-
-    for rows, length in SIZES:
-        rewards, values, mask = make_batch(rows, length)
-        input_bytes = sum(t.numel() * t.element_size() for t in (rewards, values, mask))
-        valid = int(mask.sum())
-        print(f"\nB x T = {rows} x {length}  ({valid / mask.numel():.0%} valid, inputs {input_bytes / 2**20:.0f} MiB), 1 thread")
-        fns = candidates(rewards, values, mask)
-        times = {
-            name: timed(fn, 2 if name.startswith("verl") else args.repeats) for name, fn in fns.items()
-        }
-        floor, verl = times["torch.cumsum (floor)"], times["verl loop GAE (+returns, whiten)"]
-        print(f"{'':36s} {'median ms':>10s} {'x cumsum':>9s} {'verl / this':>12s} {'extra peak / inputs':>20s}")
-        for name, seconds in times.items():
-            extra = extra_peak_bytes(rows, length, name) / input_bytes
-            print(f"{name:36s} {seconds * 1e3:10.1f} {seconds / floor:9.1f} {verl / seconds:12.1f} {extra:20.2f}")
+    if args.table:
+        return print_times(args.repeats, with_memory=args.table == "default")
+    for table, env, title in (
+        ("default", {}, "glibc defaults (one thread)"),
+        ("warm", WARM_ALLOCATOR, "MALLOC_TOP_PAD_=256MiB: freed memory stays in the heap (one thread)"),
+    ):
+        print(f"\n=== {title}", flush=True)
+        subprocess.run(
+            [sys.executable, __file__, "--table", table, "--repeats", str(args.repeats)],
+            env={**os.environ, **env}, check=True,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

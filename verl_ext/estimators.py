@@ -117,9 +117,9 @@ class Compaction:
         buffer[:, 0] = 0  # masked tokens' values (possibly inf/nan) must not reach the scan
         return buffer
 
-    def scatter(self, buffer: torch.Tensor) -> torch.Tensor:
-        """Compacted buffer -> (B, T); masked positions get unspecified values."""
-        return torch.gather(buffer, 1, self.column)
+    def scatter(self, buffer: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Compacted buffer -> (B, T) (into ``out`` if given); masked positions get unspecified values."""
+        return torch.gather(buffer, 1, self.column, out=out)
 
 
 def _float_inputs(rewards: torch.Tensor, values: torch.Tensor | None, response_mask: torch.Tensor):
@@ -163,15 +163,19 @@ def _per_row_group(compute, like: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- kernels on compacted rows
 
 
-def _mc(c: Compaction, r: torch.Tensor, gamma: float) -> torch.Tensor:
-    return c.scatter(discounted_reverse_cumsum(c.gather(r), gamma))
+# Each kernel takes one group of rows and its Compaction, and writes into ``out`` when given
+# (saving a copy of the result into the caller's output tensor).
 
 
-def _td0(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float) -> torch.Tensor:
-    return c.scatter(torch.add(c.gather(r), c.gather(v, extra=1)[:, 1:], alpha=gamma))
+def _mc(c: Compaction, r: torch.Tensor, gamma: float, out=None) -> torch.Tensor:
+    return c.scatter(discounted_reverse_cumsum(c.gather(r), gamma), out)
 
 
-def _nstep(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float, n: int) -> torch.Tensor:
+def _td0(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float, out=None) -> torch.Tensor:
+    return c.scatter(torch.add(c.gather(r), c.gather(v, extra=1)[:, 1:], alpha=gamma), out)
+
+
+def _nstep(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float, n: int, out=None) -> torch.Tensor:
     # G_t - γ^n G_{t+n} in float64, so the subtraction loses nothing at float32 precision even
     # for long undiscounted responses; G_{t+n} and V_{t+n} are 0 beyond L (zero-padded rows).
     g = discounted_reverse_cumsum(c.gather(r.double()), gamma)
@@ -180,14 +184,15 @@ def _nstep(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float, n: int
     g_ahead = torch.nn.functional.pad(g[:, n:], (0, ahead))
     v_ahead = torch.nn.functional.pad(v[:, n:], (0, ahead))
     decay = float(gamma) ** n
-    return c.scatter(g - decay * g_ahead + decay * v_ahead).to(r.dtype)
+    result = (g - decay * g_ahead + decay * v_ahead).to(r.dtype)
+    return c.scatter(result, out)
 
 
-def _gae(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float, lam: float | torch.Tensor) -> torch.Tensor:
+def _gae(c: Compaction, r: torch.Tensor, v: torch.Tensor, gamma: float, lam: float | torch.Tensor, out=None):
     v = c.gather(v, extra=1)
     delta = torch.add(c.gather(r), v[:, 1:], alpha=gamma).sub_(v[:, :-1])
     discount = gamma * (lam.to(r.dtype) if isinstance(lam, torch.Tensor) else lam)
-    return c.scatter(discounted_reverse_cumsum(delta, discount))
+    return c.scatter(discounted_reverse_cumsum(delta, discount), out)
 
 
 # --------------------------------------------------------------------------- returns and advantages
@@ -265,11 +270,12 @@ class _Moments:
         self.count, self.mean, self.m2 = 0, 0.0, 0.0
 
     def add(self, x: torch.Tensor, valid: torch.Tensor) -> None:
-        n = int(valid.sum())
+        values = x.masked_select(valid)
+        n = values.numel()
         if n == 0:
             return
-        mean = float(torch.where(valid, x, 0.0).sum(dtype=torch.float64)) / n
-        m2 = float(torch.where(valid, (x - mean).square_(), 0.0).sum(dtype=torch.float64))
+        mean = float(values.sum(dtype=torch.float64)) / n
+        m2 = float((values - mean).square_().sum(dtype=torch.float64))
         total = self.count + n
         delta = mean - self.mean
         self.m2 += m2 + delta * delta * self.count * n / total
@@ -329,16 +335,16 @@ def estimate(
     for rows in row_groups(*rewards.shape):
         c, r, v = Compaction(response_mask[rows]), rewards[rows], values[rows]
         if name == "gae_ext":
-            raw[rows] = _gae(c, r, v, gamma, _rows(actor_lam, rows))
+            _gae(c, r, v, gamma, _rows(actor_lam, rows), out=raw[rows])
             critic_advantage = raw[rows] if options.single_lambda else _gae(c, r, v, gamma, options.critic_lam)
-            returns[rows] = critic_advantage + v
+            torch.add(critic_advantage, v, out=returns[rows])
         else:
             if name == "mc":
-                returns[rows] = _mc(c, r, gamma)
+                _mc(c, r, gamma, out=returns[rows])
             elif name == "td0":
-                returns[rows] = _td0(c, r, v, gamma)
+                _td0(c, r, v, gamma, out=returns[rows])
             else:
-                returns[rows] = _nstep(c, r, v, gamma, options.n_step)
+                _nstep(c, r, v, gamma, options.n_step, out=returns[rows])
             torch.sub(returns[rows], v, out=raw[rows])
         if options.whiten_advantages:
             moments.add(raw[rows], response_mask[rows].bool())
