@@ -25,12 +25,17 @@ def _per_row(fn, rewards, values, mask, *args):
     return out
 
 
-def _mc(r, _v, gamma):
+# Row functions: r and v hold one row's valid tokens in order (the compacted sequence).
+
+
+def mc_row(r, gamma):
+    """G_t = Σ_{k=t}^{L-1} γ^{k-t} r_k"""
     L = len(r)
     return np.array([sum(gamma ** (k - t) * r[k] for k in range(t, L)) for t in range(L)])
 
 
-def _nstep(r, v, gamma, n):
+def nstep_row(r, v, gamma, n):
+    """Σ_{k=t}^{min(t+n,L)-1} γ^{k-t} r_k + γ^n V_{t+n} (only if t+n < L)"""
     L = len(r)
     out = []
     for t in range(L):
@@ -41,41 +46,44 @@ def _nstep(r, v, gamma, n):
     return np.array(out)
 
 
-def _td0(r, v, gamma):
+def td0_row(r, v, gamma):
+    """r_t + γ V_{t+1}, V_L = 0"""
     L = len(r)
     return np.array([r[t] + (gamma * v[t + 1] if t + 1 < L else 0.0) for t in range(L)])
 
 
-def _deltas(r, v, gamma):
+def deltas_row(r, v, gamma):
+    """δ_t = r_t + γ V_{t+1} − V_t, V_L = 0"""
     L = len(r)
     return np.array([r[t] + (gamma * v[t + 1] if t + 1 < L else 0.0) - v[t] for t in range(L)])
 
 
-def _gae(r, v, gamma, lam):
-    d = _deltas(r, v, gamma)
+def gae_row(r, v, gamma, lam):
+    """A_t = Σ_l (γλ)^l δ_{t+l}"""
+    d = deltas_row(r, v, gamma)
     L = len(r)
     return np.array([sum((gamma * lam) ** (k - t) * d[k] for k in range(t, L)) for t in range(L)])
 
 
 def mc_returns(rewards, mask, gamma):
-    return _per_row(_mc, rewards, None, mask, gamma)
+    return _per_row(lambda r, _v, g: mc_row(r, g), rewards, None, mask, gamma)
 
 
 def td0_returns(rewards, values, mask, gamma):
-    return _per_row(_td0, rewards, values, mask, gamma)
+    return _per_row(td0_row, rewards, values, mask, gamma)
 
 
 def nstep_returns(rewards, values, mask, gamma, n):
-    return _per_row(_nstep, rewards, values, mask, gamma, n)
+    return _per_row(nstep_row, rewards, values, mask, gamma, n)
 
 
 def deltas(rewards, values, mask, gamma):
-    return _per_row(_deltas, rewards, values, mask, gamma)
+    return _per_row(deltas_row, rewards, values, mask, gamma)
 
 
 def gae_advantages(rewards, values, mask, gamma, lam):
     """lam: a float or an array with one λ per row."""
-    return _per_row(_gae, rewards, values, mask, gamma, lam if np.isscalar(lam) else np.asarray(lam, float))
+    return _per_row(gae_row, rewards, values, mask, gamma, lam if np.isscalar(lam) else np.asarray(lam, float))
 
 
 def whiten(x, mask):

@@ -1,7 +1,7 @@
 from unittest import mock
 
 import pytest
-from inspect_helpers import save_char_tokenizer
+from tests.inspect.inspect_helpers import save_char_tokenizer
 
 from verl_ext import cli
 

@@ -12,43 +12,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from tests.reference import gae_row, mc_row, nstep_row, td0_row
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, token_file
 from verl_ext.trace.writer import TraceWriter
 
-# ---------------------------------------------------------------- definitions, as direct sums
-
-
-def ref_mc(r: list[float], gamma: float) -> list[float]:
-    """G_t = Σ_{k=t}^{L-1} γ^{k-t} r_k"""
-    L = len(r)
-    return [sum(gamma ** (k - t) * r[k] for k in range(t, L)) for t in range(L)]
-
-
-def ref_td0(r: list[float], v: list[float], gamma: float) -> list[float]:
-    """r_t + γ V_{t+1}, V_L = 0"""
-    L = len(r)
-    return [r[t] + gamma * (v[t + 1] if t + 1 < L else 0.0) for t in range(L)]
-
-
-def ref_nstep(r: list[float], v: list[float], gamma: float, n: int) -> list[float]:
-    """Σ_{k=t}^{min(t+n,L)-1} γ^{k-t} r_k + γ^n V_{t+n} (only if t+n < L)"""
-    L = len(r)
-    out = []
-    for t in range(L):
-        g = sum(gamma ** (k - t) * r[k] for k in range(t, min(t + n, L)))
-        if t + n < L:
-            g += gamma**n * v[t + n]
-        out.append(g)
-    return out
-
-
-def ref_gae(r: list[float], v: list[float], gamma: float, lam: float) -> list[float]:
-    """A_t = Σ_l (γλ)^l δ_{t+l}, δ_t = r_t + γ V_{t+1} − V_t, V_L = 0"""
-    L = len(r)
-    delta = [r[t] + gamma * (v[t + 1] if t + 1 < L else 0.0) - v[t] for t in range(L)]
-    return [sum((gamma * lam) ** (k - t) * delta[k] for k in range(t, L)) for t in range(L)]
+# ---------------------------------------------------------------- definitions (direct sums: tests/reference.py)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -163,17 +133,17 @@ def by_definition(
         r = [float(batch.rewards[b, i]) for i in idx]
         v = [float(batch.values[b, i]) for i in idx]
         if name == "mc":
-            g = ref_mc(r, gamma)
+            g = mc_row(r, gamma)
         elif name == "td0":
-            g = ref_td0(r, v, gamma)
+            g = td0_row(r, v, gamma)
         elif name == "nstep":
-            g = ref_nstep(r, v, gamma, n)
+            g = nstep_row(r, v, gamma, n)
         else:
-            g = [a + vi for a, vi in zip(ref_gae(r, v, gamma, lam), v)]
+            g = [a + vi for a, vi in zip(gae_row(r, v, gamma, lam), v)]
         a = [gi - vi for gi, vi in zip(g, v)]
         if name == "gae_ext" and (lam_actor is not None or alpha is not None):
             actor_lam = lam_actor if alpha is None else min(1.0, max(0.0, 1 - 1 / (alpha * len(idx))))
-            a = ref_gae(r, v, gamma, actor_lam)
+            a = gae_row(r, v, gamma, actor_lam)
         returns[b, idx] = torch.tensor(g, dtype=torch.float64).float()
         raw[b, idx] = torch.tensor(a, dtype=torch.float64).float()
     advantages = whiten(raw, batch.mask) if whitened else raw.clone()

@@ -1,6 +1,6 @@
 """The notebook path: everything from ``verl_ext.inspect``, no CLI."""
 
-from inspect_helpers import algorithm, by_definition, random_batch, write_trace
+from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
 from matplotlib.figure import Figure
 
 import verl_ext.inspect as vi

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pyarrow.compute as pc
 import pytest
 import torch
-from inspect_helpers import (
+from tests.inspect.inspect_helpers import (
     algorithm,
     by_definition,
     by_verl_gae,

@@ -4,7 +4,7 @@ import io
 import json
 
 import pytest
-from inspect_helpers import algorithm, by_definition, nudge, random_batch, rewrite_step, write_trace
+from tests.inspect.inspect_helpers import algorithm, by_definition, nudge, random_batch, rewrite_step, write_trace
 
 from verl_ext.inspect.check import check_trace
 from verl_ext.inspect.progress import ProgressPrinter

@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from inspect_helpers import algorithm, by_verl_gae, random_batch, token_ids, write_trace
+from tests.inspect.inspect_helpers import algorithm, by_verl_gae, random_batch, token_ids, write_trace
 
 from verl_ext.inspect import fonts
 from verl_ext.inspect.plots import FontFallbackWarning, PlotNote, advantage_heatmap, save_plots

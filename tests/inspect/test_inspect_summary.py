@@ -1,6 +1,6 @@
 import pytest
 import torch
-from inspect_helpers import Batch, algorithm, by_definition, write_trace
+from tests.inspect.inspect_helpers import Batch, algorithm, by_definition, write_trace
 
 from verl_ext.inspect.summary import summarize
 

@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from inspect_helpers import EOS, Batch, algorithm, by_definition, token_ids, write_trace
+from tests.inspect.inspect_helpers import EOS, Batch, algorithm, by_definition, token_ids, write_trace
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect.render import display_width, render

@@ -7,10 +7,8 @@ step at a time (:meth:`StepLayout.row_groups`), whose masked positions it skips 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -19,6 +17,7 @@ from verl_ext import estimators
 from verl_ext.inspect import tolerance
 from verl_ext.inspect.recorded import RecordedAlgorithm
 from verl_ext.inspect.stepdata import StepData
+from verl_ext.torch_threads import one_torch_thread
 
 
 @dataclass(frozen=True)
@@ -31,22 +30,9 @@ class Recomputed:
     raw_tolerance: np.ndarray
 
 
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Run the recomputation on one intra-op thread. Row groups are small (GROUP_CELLS) and stay in
-    cache, so threads gain little there, and they collapse when the cores are shared: measured
-    20x slower with 2 threads than with 1 on a 2-core machine at load 3.5."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def recompute(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
     """Returns and raw advantages at the step's valid tokens, as the run's estimator makes them."""
-    with _one_torch_thread():
+    with one_torch_thread():  # row groups are cache-sized: threads only contend
         return _recompute_groups(algorithm, data)
 
 

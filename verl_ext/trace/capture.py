@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import numbers
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import FLOAT_COLUMNS, PROMPT_SCHEMA, TOKEN_FILE_SCHEMA
 
 
@@ -120,7 +120,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
     # fixed batch shape every recycled block fits every step.
     nbytes = _bytes(response_arrays, (kept, length)) + _bytes(prompt_arrays, prompt_shape)
     block = _Block((memory or SnapshotMemory()).take(nbytes))
-    with _one_cpu_thread():
+    with one_torch_thread():
         lengths = _row_counts(capture.response_mask[:kept])
         shape = (kept, int(lengths.max()))
         copies = {name: block.copy(tensor, shape, dtype) for name, (tensor, dtype) in response_arrays.items()}
@@ -253,22 +253,6 @@ def _check(capture: StepCapture) -> None:
     if prompt_mask is not None and (prompts is None or prompt_mask.shape != prompts.shape):
         shape = None if prompts is None else tuple(prompts.shape)
         raise ValueError(f"prompt_mask has shape {tuple(prompt_mask.shape)}, prompts has {shape}")
-
-
-@contextmanager
-def _one_cpu_thread() -> Iterator[None]:
-    """Run torch's CPU ops on the calling thread alone for a moment (restored afterwards).
-
-    The snapshot is memory-bound copies and reductions, which gain little from intra-op threads
-    but lose much when those threads wait for cores the trainer's other processes hold: on a
-    busy 2-core machine the snapshot took ~150 ms with 2 threads and ~15 ms with one.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _row_counts(mask: torch.Tensor) -> torch.Tensor:
