@@ -13,8 +13,8 @@ from verl_ext.cpu.overrides import cpu_overrides
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
 
 
-def _main_ppo(assets, cpu_env, output_dir, *, steps, use_v1):
-    overrides = cpu_overrides(assets, output_dir, steps=steps, estimator="gae", use_v1=use_v1)
+def _main_ppo(assets, cpu_env, output_dir, *, steps, use_v1, estimator="gae"):
+    overrides = cpu_overrides(assets, output_dir, steps=steps, estimator=estimator, use_v1=use_v1)
     run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], cpu_env(output_dir), output_dir, timeout=420)
     return read_metrics(output_dir), (output_dir / "output.log").read_text()
 
@@ -38,7 +38,9 @@ def test_cpu_demo_recipe_runs_the_legacy_trainer_five_steps(assets_dir, tmp_path
     assert "(TaskRunner pid=" in log and "hf-generate/replica-0" in log  # legacy trainer, hf rollout
 
 
-def test_v1_trainer_runs(assets, cpu_env, tmp_path):
-    metrics, log = _main_ppo(assets, cpu_env, tmp_path, steps=2, use_v1=True)
-    _assert_trained(metrics, 2)
+def test_v1_trainer_runs_verl_ext_mc_with_verls_own_config(assets, cpu_env, tmp_path):
+    """verl 0.9's default trainer, verl's own ppo_trainer.yaml, `algorithm.adv_estimator=mc` and nothing
+    else: the plugin registers the estimator, switches the critic on and hands it the values."""
+    metrics, log = _main_ppo(assets, cpu_env, tmp_path, steps=2, use_v1=True, estimator="mc")
+    _assert_trained(metrics, 2)  # critic values and critic updates at every step
     assert "(TaskRunnerV1 pid=" in log
