@@ -1,4 +1,4 @@
-"""Independent reference implementations of DEFINITIONS.md §3, written as the direct sums.
+"""Independent reference implementations of docs/definitions.md §5, written as the direct sums.
 
 Deliberately naive: float64 numpy, explicit loops over the compacted sequence, no recursion and
 no code shared with verl_ext. Tests compare verl_ext against these on valid positions.

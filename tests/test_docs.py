@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 import statistics
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
+
+import tests.reference as reference
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "definitions.md"
 
@@ -27,35 +28,28 @@ VALUES = [0.20, 0.25, 0.30, 0.35, 0.45, 0.60]
 REWARDS = [s - BETA * k for s, k in zip(SCORES, KL)]
 
 
-# ------------------------------------------------------------------ the definitions, as direct sums
+# ------------------------------------------------------------------ the definitions, as direct sums (tests/reference.py), γ = 1
 
 
-def td_residuals(r, v, gamma=1.0):
-    n = len(r)
-    return [r[t] + gamma * (v[t + 1] if t + 1 < n else 0.0) - v[t] for t in range(n)]
+def td_residuals(r, v):
+    return list(reference.deltas_row(r, v, 1.0))
 
 
-def mc_return(r, gamma=1.0):
-    return [sum(gamma ** (k - t) * r[k] for k in range(t, len(r))) for t in range(len(r))]
+def mc_return(r):
+    return list(reference.mc_row(r, 1.0))
 
 
-def nstep_return(r, v, n, gamma=1.0):
-    L = len(r)
-    return [
-        sum(gamma ** (k - t) * r[k] for k in range(t, min(t + n, L))) + (gamma**n * v[t + n] if t + n < L else 0.0)
-        for t in range(L)
-    ]
+def nstep_return(r, v, n):
+    return list(reference.nstep_row(r, v, 1.0, n))
 
 
-def gae(r, v, lam, gamma=1.0):
-    delta = td_residuals(r, v, gamma)
-    return [sum((gamma * lam) ** (k - t) * delta[k] for k in range(t, len(r))) for t in range(len(r))]
+def gae(r, v, lam):
+    return list(reference.gae_row(r, v, 1.0, lam))
 
 
 def whiten(x):
-    """verl's masked_whiten over one fully valid row: (x − μ)/sqrt(σ² + 1e-8), σ² unbiased."""
-    mean, var = statistics.mean(x), statistics.variance(x)
-    return [(xi - mean) / (var + 1e-8) ** 0.5 for xi in x]
+    """verl's masked_whiten over one fully valid row."""
+    return list(reference.whiten([x], [[1] * len(x)])[0])
 
 
 def verl_gae(r, v, lam):
@@ -112,7 +106,7 @@ def test_every_verified_block_has_a_test():
 
 
 def test_three_token_example():
-    """DEFINITIONS.md §5: r = [0, 0, 1], V = [0.3, 0.4, 0.6], γ = 1."""
+    """docs/definitions.md §5: r = [0, 0, 1], V = [0.3, 0.4, 0.6], γ = 1."""
     table = verified_table("three-token-example")
     r, v = numbers(table["r_t"]), numbers(table["V_t"])
     assert (r, v) == ([0, 0, 1], [0.3, 0.4, 0.6])
@@ -254,27 +248,19 @@ def example_trace(directory: Path) -> str:
     return str(directory / "trace")
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    from verl_ext import cli
-
-    with mock.patch.dict(cli.SUBCOMMANDS, {argv[0]: cli.SUBCOMMANDS[argv[0]]}, clear=True):
-        code = cli.main(list(argv))
-    return code, capsys.readouterr().out
-
-
-def test_show_output(tmp_path, capsys):
+def test_show_output(tmp_path, run_cli):
     """The `verl-ext show` output printed in the document is what the command prints."""
     trace = example_trace(tmp_path)
-    code, out = run_cli(capsys, "show", trace, "--format", "markdown")
+    code, out, _ = run_cli("show", trace, "--format", "markdown")
     assert code == 0
     shown = verified_block("show-output")
     assert shown.strip() == out.strip()
 
 
-def test_check_output(tmp_path, capsys):
+def test_check_output(tmp_path, run_cli):
     """The document's example trace passes `verl-ext check`; the table shown is its table (the
     max abs error column, float rounding of this machine, aside)."""
-    code, out = run_cli(capsys, "check", example_trace(tmp_path), "--quiet")
+    code, out, _ = run_cli("check", example_trace(tmp_path), "--quiet")
     assert code == 0
 
     def without_errors(text: str) -> list[list[str]]:

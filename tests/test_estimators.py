@@ -1,4 +1,4 @@
-"""The estimators against the definitions (DEFINITIONS.md §3), verl's own GAE, and hand calculation."""
+"""The estimators against the definitions (docs/definitions.md §5), verl's own GAE, and hand calculation."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_long_undiscounted_float32_stays_accurate():
     assert ((actual - expected).abs() / expected.abs()).max() < 1e-6
 
 
-# --------------------------------------------------------------------------- identities (§3)
+# --------------------------------------------------------------------------- identities (docs/definitions.md §5)
 
 
 @given(batches(), unit)
@@ -275,11 +275,11 @@ def test_bfloat16_values_are_computed_in_float32():
     assert_valid_close(returns, ref.td0_returns(rewards, values.float(), mask, 1.0), mask, tol=1e-6)
 
 
-# --------------------------------------------------------------------------- §5 worked example, by hand
+# --------------------------------------------------------------------------- the three-token example, by hand
 
 
 def test_worked_example_of_the_definitions():
-    """r = [0, 0, 1], V = [0.3, 0.4, 0.6], γ = 1 (DEFINITIONS.md §5)."""
+    """r = [0, 0, 1], V = [0.3, 0.4, 0.6], γ = 1 (docs/definitions.md §5)."""
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
     values = torch.tensor([[0.3, 0.4, 0.6]])
     mask = torch.ones(1, 3, dtype=torch.int64)

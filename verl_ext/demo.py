@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, output: Path, trace_dir: Path) -> int:
     from verl_ext.cpu.assets import build_assets
-    from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
+    from verl_ext.cpu.overrides import METRICS_FILE, cpu_environment, cpu_overrides, merge_overrides
     from verl_ext.cpu.progress import follow
 
     overrides = merge_overrides(
@@ -85,7 +85,7 @@ def _train(args: argparse.Namespace, output: Path, trace_dir: Path) -> int:
         f"--config-path={configs}", "--config-name=verl_ext_trainer", *overrides,
     ]  # fmt: skip
     env = {**os.environ, **cpu_environment(output)}
-    (output / "metrics.jsonl").unlink(missing_ok=True)
+    (output / METRICS_FILE).unlink(missing_ok=True)
     with subprocess.Popen(
         command, cwd=output, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     ) as trainer:
@@ -101,15 +101,18 @@ def _last_step(trace_dir: Path) -> int:
 
 def _print_validation(output: Path) -> None:
     """Held-out accuracy and score before training (step 0) and after the last step (verl's metrics)."""
+    from verl_ext.cpu.overrides import METRICS_FILE
+
+    metrics = output / METRICS_FILE
     by_step: dict[int, dict[str, float]] = {}
-    for line in (output / "metrics.jsonl").read_text().splitlines():
+    for line in (metrics.read_text().splitlines() if metrics.exists() else []):
         record = json.loads(line)
         for key, value in record["data"].items():
             if key.startswith("val-") and key.endswith(("/acc/mean@1", "/score/mean@1")):
                 by_step.setdefault(record["step"], {})[key.split("/")[-2]] = value
     if len(by_step) >= 2:
         first, last = min(by_step), max(by_step)
-        for name in ("acc", "score"):
+        for name in sorted(by_step[first].keys() & by_step[last].keys()):
             print(f"held-out {name:5s}: {by_step[first][name]:.3f} before training, {by_step[last][name]:.3f} after step {last}")
 
 

@@ -1,6 +1,6 @@
 """Value-based advantage estimators as pure tensor functions (no verl import).
 
-Conventions (DEFINITIONS.md §1-3), for every function here:
+Conventions (docs/definitions.md §1, §5 and §7), for every function here:
 
 * Tensors are ``(B, T)``: B responses, T the padded response length. ``response_mask`` is 1 on
   trainable tokens and 0 on padding and on interior observation/tool tokens.
@@ -11,8 +11,8 @@ Conventions (DEFINITIONS.md §1-3), for every function here:
   positions are unspecified, as in verl: they are not part of the contract and losses mask them.
 * ``gamma`` is a float; ``lam`` is a float or a ``(B,)`` tensor (one λ per response).
 
-Everything is vectorised over time: the only loop is the recursion over log_K(T) block levels
-of the discounted scan.
+Everything is vectorised over time. The only Python loops run over the log_K(T) block levels of
+the discounted scan and over cache-sized groups of rows.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class Compaction:
     def __init__(self, response_mask: torch.Tensor):
         if response_mask.dim() != 2:
             raise ValueError(f"response_mask must be (B, T), got shape {tuple(response_mask.shape)}")
-        valid = response_mask.bool()
-        self.column = torch.cumsum(valid, dim=1).mul_(valid)  # 1-based rank if valid, else 0
+        self.valid = response_mask.bool()
+        self.column = torch.cumsum(self.valid, dim=1).mul_(self.valid)  # 1-based rank if valid, else 0
         self.width = -(-(response_mask.shape[1] + 1) // SCAN_BLOCK) * SCAN_BLOCK  # >= T+1, whole blocks
 
     def gather(self, x: torch.Tensor, extra: int = 0) -> torch.Tensor:
@@ -270,7 +270,7 @@ class _Moments:
         self.count, self.mean, self.m2 = 0, 0.0, 0.0
 
     def add(self, x: torch.Tensor, valid: torch.Tensor) -> None:
-        values = x.masked_select(valid)
+        values = x.masked_select(valid).float()  # squares of bfloat16 values need float32
         n = values.numel()
         if n == 0:
             return
@@ -282,13 +282,35 @@ class _Moments:
         self.mean += delta * n / total
         self.count = total
 
+    @property
+    def variance(self) -> float:
+        """Unbiased (n − 1) variance; nan for fewer than two entries."""
+        return self.m2 / (self.count - 1) if self.count > 1 else float("nan")
+
     def whiten(self, x: torch.Tensor) -> torch.Tensor:
         if self.count == 0:
             raise ValueError("At least one element in the mask has to be 1.")
         if self.count == 1:
             raise ValueError("The sum of the mask is one, which can cause a division by zero.")
-        scale = (self.m2 / (self.count - 1) + 1e-8) ** -0.5
+        scale = (self.variance + 1e-8) ** -0.5
         return _per_row_group(lambda g: (x[g] - self.mean).mul_(scale), x)
+
+
+def _batch_moments(values: torch.Tensor, response_mask: torch.Tensor) -> _Moments:
+    moments = _Moments()
+    for rows in row_groups(*values.shape):
+        moments.add(values[rows], response_mask[rows].bool())
+    return moments
+
+
+def whitening_moments(values: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, float, float]:
+    """(n, μ, σ²) of the valid entries of a (B, T) batch: the statistics :func:`masked_whiten` uses.
+
+    σ² is the unbiased variance (nan when n < 2). verl's formula adds 1e-8 to n, which changes
+    nothing at float32 precision.
+    """
+    moments = _batch_moments(values, response_mask)
+    return moments.count, moments.mean, moments.variance
 
 
 def masked_whiten(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -299,10 +321,7 @@ def masked_whiten(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
     entries; the moments are accumulated in float64 over row groups, so results agree with
     verl's to float32 rounding (tests check this).
     """
-    moments = _Moments()
-    for rows in row_groups(*values.shape):
-        moments.add(values[rows], response_mask[rows].bool())
-    return moments.whiten(values)
+    return _batch_moments(values, response_mask).whiten(values)
 
 
 # --------------------------------------------------------------------------- the estimators by name
@@ -311,7 +330,7 @@ def masked_whiten(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
 def estimate(
     rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, options: "EstimatorOptions"
 ) -> Estimate:
-    """Returns and advantages of the estimator ``options.name`` (DEFINITIONS.md §3), all (B, T).
+    """Returns and advantages of the estimator ``options.name`` (docs/definitions.md §5), all (B, T).
 
     mc: returns = G;  td0: returns = r + γV';  nstep: returns = G^(n);  raw advantage = returns − V.
     gae_ext: raw advantage = GAE(γ, λ_actor), returns = GAE(γ, λ_critic) + V (one GAE when the
@@ -327,7 +346,7 @@ def estimate(
     if name == "nstep":
         _check_n(options.n_step)
     actor_lam = options.actor_lam
-    if options.lam_length_alpha is not None:
+    if name == "gae_ext" and options.lam_length_alpha is not None:
         actor_lam = length_adaptive_lam(response_mask, options.lam_length_alpha).to(rewards.device)
 
     returns, raw = torch.empty_like(rewards), torch.empty_like(rewards)
@@ -347,6 +366,6 @@ def estimate(
                 _nstep(c, r, v, gamma, options.n_step, out=returns[rows])
             torch.sub(returns[rows], v, out=raw[rows])
         if options.whiten_advantages:
-            moments.add(raw[rows], response_mask[rows].bool())
+            moments.add(raw[rows], c.valid)
     advantages = moments.whiten(raw) if options.whiten_advantages else raw
     return Estimate(advantages=advantages, returns=returns, advantage_raw=raw)

@@ -58,7 +58,7 @@ class EstimatorOptions:
 
     @property
     def single_lambda(self) -> bool:
-        """True when returns − values = raw advantage (DEFINITIONS.md §3)."""
+        """True when returns − values = raw advantage (docs/definitions.md §4)."""
         return self.lam_length_alpha is None and self.critic_lam == self.actor_lam
 
     @classmethod
@@ -111,6 +111,16 @@ class TraceOptions:
     on_error: str = "warn"
     queue_size: int = 2
 
+    def __post_init__(self) -> None:
+        """Every TraceOptions is valid, however it was made (ValueError naming the key otherwise)."""
+        if self.on_error not in ("warn", "raise"):
+            raise ValueError(f"verl_ext.trace.on_error must be 'warn' or 'raise', got {self.on_error!r}")
+        if self.dir is not None and (not isinstance(self.dir, str) or not self.dir):
+            raise ValueError(f"verl_ext.trace.dir must be a non-empty path or URL, got {self.dir!r}")
+        _positive_int("verl_ext.trace.every", self.every)
+        _positive_int("verl_ext.trace.queue_size", self.queue_size)
+        _optional(_positive_int, "verl_ext.trace.max_samples_per_step", self.max_samples_per_step)
+
     @property
     def enabled(self) -> bool:
         return self.dir is not None
@@ -129,22 +139,7 @@ class TraceOptions:
                 f"unknown key(s) {', '.join('verl_ext.' + k for k in unknown)}; "
                 f"verl_ext.trace takes {', '.join(TRACE_KEYS)}"
             )
-        values = {key: node.get(key, default) for key, default in TRACE_KEYS.items()}
-        on_error = values["on_error"]
-        if on_error not in ("warn", "raise"):
-            raise ValueError(f"verl_ext.trace.on_error must be 'warn' or 'raise', got {on_error!r}")
-        directory = values["dir"]
-        if directory is not None and (not isinstance(directory, str) or not directory):
-            raise ValueError(f"verl_ext.trace.dir must be a non-empty path or URL, got {directory!r}")
-        return cls(
-            dir=directory,
-            every=_positive_int("verl_ext.trace.every", values["every"]),
-            max_samples_per_step=_optional(
-                _positive_int, "verl_ext.trace.max_samples_per_step", values["max_samples_per_step"]
-            ),
-            on_error=on_error,
-            queue_size=_positive_int("verl_ext.trace.queue_size", values["queue_size"]),
-        )
+        return cls(**{key: node.get(key, default) for key, default in TRACE_KEYS.items()})
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

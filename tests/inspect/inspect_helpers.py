@@ -1,5 +1,5 @@
 """Synthetic traces for the inspection tests, with expected values that do not come from the code
-under test: direct sums written from DEFINITIONS.md §3 on each row's compacted valid tokens, or
+under test: direct sums written from docs/definitions.md §5 on each row's compacted valid tokens, or
 verl's own functions. Traces are written with the real TraceWriter (the format is its contract).
 """
 

@@ -74,7 +74,7 @@ def test_check_exit_codes_and_report(tmp_path, run_cli):
     code, out, err = run_cli("check", good_trace(tmp_path / "bad", plant=True), "--quiet")
     assert code == 1
     assert "advantages = masked_whiten(raw advantage)" in out
-    assert "§2 advantages = masked_whiten(raw advantage): step 2, sample 4, token 6: advantage = " in out
+    assert "§8.2 advantages = masked_whiten(raw advantage): step 2, sample 4, token 6: advantage = " in out
     assert out.splitlines()[-1] == "FAIL: 1 violated (6 passed, 1 failed, 0 skipped)"
 
     code, out, _ = run_cli("check", str(tmp_path / "bad"), "--json", "--step", "1", "--step", "2")
@@ -84,7 +84,7 @@ def test_check_exit_codes_and_report(tmp_path, run_cli):
     assert whitening["first_violation"]["location"] == {"step": 2, "sample": 4, "token_index": 6}
 
     code, _, err = run_cli("check", str(tmp_path / "bad"), "--step", "9")
-    assert code == 2 and err == f"verl-ext check: {tmp_path / 'bad'} has no step 9 (traced steps: 1, 2, 3)\n"
+    assert code == 2 and err == f"verl-ext check: {tmp_path / 'bad'} has no step 9 (steps on disk: 1, 2, 3)\n"
 
 
 def test_progress_lines_on_long_scans(tmp_path):

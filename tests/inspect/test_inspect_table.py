@@ -18,7 +18,7 @@ ID = RESPONSE_IDS[0]  # 是
 
 
 def worked_example_trace(directory, tokenizer_path: str = "") -> str:
-    """DEFINITIONS.md §5: r = [0, 0, 1], V = [0.3, 0.4, 0.6], γ = 1, GAE λ = 0.95, no whitening;
+    """docs/definitions.md §5: r = [0, 0, 1], V = [0.3, 0.4, 0.6], γ = 1, GAE λ = 0.95, no whitening;
     the three tokens are the first three of the seed response; one interior masked token (t=1)."""
     mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
     scores = torch.tensor([[0.0, 0.0, 0.0, 1.0]])

@@ -184,7 +184,7 @@ def test_nstep_without_n_is_an_error(compose):
     [
         (["verl_ext.trace.dir=/tmp/x", "verl_ext.trace.every=-1"], r"verl_ext.trace.every must be an integer >= 1, got -1"),
         (["+verl_ext.trace.colour=red"], r"unknown key\(s\) verl_ext.trace.colour"),
-        (["verl_ext.trace.dir=/proc/verl_ext_trace"], r"verl_ext.trace.dir='/proc/verl_ext_trace' is not writable"),
+        (["verl_ext.trace.dir=/proc/verl_ext_trace"], r"verl_ext.trace.dir: trace dir /proc/verl_ext_trace is not writable"),
     ],
 )
 def test_bad_trace_options(compose, overrides, message):

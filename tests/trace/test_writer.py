@@ -137,12 +137,17 @@ def test_unwritable_dir_is_refused_before_training(tmp_path, hooked_url):
         ({"every": -1}, "every must be an integer >= 1"),
         ({"queue_size": 0}, "queue_size must be an integer >= 1"),
         ({"on_error": "ignore"}, "on_error must be 'warn' or 'raise'"),
-        ({"dir": None}, "dir is not set"),
+        ({"max_samples_per_step": 2.5}, "max_samples_per_step must be an integer >= 1"),
     ],
 )
-def test_bad_options_are_refused(tmp_path, options, message):
-    with pytest.raises(UsageError, match=message):
-        TraceWriter(TraceOptions(**{"dir": str(tmp_path), **options}), RUN_RECORD)
+def test_bad_options_cannot_even_be_made(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        TraceOptions(**{"dir": str(tmp_path), **options})
+
+
+def test_a_writer_needs_a_dir():
+    with pytest.raises(UsageError, match="dir is not set"):
+        TraceWriter(TraceOptions(), RUN_RECORD)
 
 
 def test_run_record_must_be_json(tmp_path):

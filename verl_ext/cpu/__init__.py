@@ -5,7 +5,7 @@ every verl process; a local Ray cluster inherits the variable, a pre-started one
 ``ray_kwargs.ray_init.runtime_env.env_vars``). Importing this package is cheap: nothing of verl
 is imported until verl itself imports the modules the backend registers into or patches.
 
-Public entry points (imported lazily):
+Public entry points (import them from their modules):
 
 * :func:`activate`: install the platform, the patches and the ``hf`` rollout in this process;
 * :func:`verl_ext.cpu.assets.build_assets`: the tiny model, tokenizer, prompts (cached);
@@ -87,22 +87,3 @@ def _check_host() -> None:
             f"{ENV_SWITCH}=1 on a host with a CUDA GPU: the CPU backend is for CPU-only machines and "
             f"would hide the GPU from verl. Unset {ENV_SWITCH} to train on the GPU."
         )
-
-
-_LAZY = {
-    "build_assets": "verl_ext.cpu.assets",
-    "CpuAssets": "verl_ext.cpu.assets",
-    "cpu_overrides": "verl_ext.cpu.overrides",
-    "cpu_environment": "verl_ext.cpu.overrides",
-    "merge_overrides": "verl_ext.cpu.overrides",
-    "run_in_process": "verl_ext.cpu.in_process",
-    "BatchRecorder": "verl_ext.cpu.in_process",
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

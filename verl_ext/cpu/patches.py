@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from verl_ext.cpu import PLATFORM_NAME, ROLLOUT_NAME
+from verl_ext.cpu import PLATFORM_NAME, ROLLOUT_NAME, SUPPORTED_VERL_VERSION
 from verl_ext.integration.seam import Patch
 
-VERL_VERSIONS = "0.9.1"
+VERL_VERSIONS = SUPPORTED_VERL_VERSION
 
 
 def _gloo_process_group(original: Callable[..., Any]) -> Callable[..., Any]:

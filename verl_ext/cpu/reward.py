@@ -11,7 +11,7 @@ Score (documented, so a random model still produces non-trivial ``token_level_sc
   the first non-digit, e.g. ``"8</s>"`` or ``"8=..."``);
 * otherwise, when the response starts with an integer at all:
   ``0.1 + 0.4 * (leading digits that match the answer's digits position by position) / len(answer)``,
-  i.e. a value in [0.1, 0.5);
+  i.e. a value in [0.1, 0.5] (0.5: every digit right, but too many of them, e.g. "81" for 8);
 * 0.0 when the response does not start with a digit.
 """
 

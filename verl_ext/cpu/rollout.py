@@ -250,7 +250,7 @@ class HFReplica(RolloutReplica):
 
         server = (
             ray.remote(HFGenerationServer)
-            .options(name=server_actor_name(self.replica_rank) + self.name_suffix, num_cpus=0)
+            .options(name=server_actor_name(self.replica_rank), num_cpus=0)  # what locate_server looks up
             .remote(self.model_path(), self.config, self.replica_rank)
         )
         await server.wake_up.remote()  # wait until the model is loaded

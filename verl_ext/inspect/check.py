@@ -1,4 +1,4 @@
-"""The identities of DEFINITIONS.md §6, checked on every traced step, as data.
+"""The identities of docs/definitions.md §8, checked on every traced step, as data.
 
 For each step, on valid tokens, within the tolerances of :mod:`verl_ext.inspect.tolerance`:
 
@@ -16,6 +16,8 @@ row group by row group; the trace is read one step at a time, so memory is bound
 """
 
 from __future__ import annotations
+
+import functools
 
 import math
 from typing import Iterable, Iterator
@@ -192,6 +194,12 @@ class _StepCheck:
             "whitening", "advantage", advantage, expected, tolerance.whitening(expected, operands / sigma), note
         )
 
+    @functools.cached_property
+    def _raw_moments(self) -> tuple[float, float]:
+        """μ, σ² of the step's raw advantages, computed here from the trace (independently of the
+        statistics the capture recorded, which one identity compares them with)."""
+        return _whitening_stats(self.col["advantage_raw"])
+
     def _truncation(self) -> tuple[int, int] | None:
         """(samples traced, samples in the batch) when the step kept only part of its batch. From the
         step record: a sample without any valid token has no rows, so the table cannot tell."""
@@ -215,7 +223,7 @@ class _StepCheck:
         raw = self.col["advantage_raw"]
         if len(raw) < 2:
             return None, "fewer than two valid tokens: whitening is undefined"
-        return _whitening_stats(raw), None
+        return self._raw_moments, None
 
     def whitening_stats(self) -> StepResult:
         if not self.algorithm.whitened:
@@ -232,7 +240,7 @@ class _StepCheck:
             return missing
         if len(self.col["advantage_raw"]) < 2:
             return StepResult("whitening_stats", self.step, "skipped", note="fewer than two valid tokens")
-        mean, var = _whitening_stats(self.col["advantage_raw"])
+        mean, var = self._raw_moments
         actual = np.array([recorded[0], math.sqrt(max(recorded[1], 0.0))])
         expected = np.array([mean, math.sqrt(var)])
         tol = tolerance.whitening(0.0, abs(mean) + math.sqrt(var))

@@ -254,9 +254,7 @@ def _step(trace, step: int | None) -> int:
         raise UsageError(f"{trace.path} has no traced steps yet")
     if step is None:
         return trace.steps[-1]
-    if step not in trace.steps:
-        raise UsageError(f"{trace.path} has no step {step}")
-    return step
+    return trace.require_step(step)
 
 
 def _series(axis, steps, values, label, color, marker, dashed=False) -> None:

@@ -55,7 +55,7 @@ class RecordedAlgorithm:
 
     @property
     def single_lambda(self) -> bool:
-        """True when returns − values = raw advantage on valid tokens (DEFINITIONS.md §3)."""
+        """True when returns − values = raw advantage on valid tokens (docs/definitions.md §4)."""
         return self.options is not None and (self.options.name != "gae_ext" or self.options.single_lambda)
 
     def returns_formula(self) -> str:

@@ -88,12 +88,3 @@ def _csv_column(column: pa.ChunkedArray) -> list[str]:
     if pa.types.is_float32(column.type):  # the shortest text that reads back as the same float32
         return ["" if v is None else str(np.float32(v)) for v in values]
     return ["" if v is None else ("true" if v else "false") if isinstance(v, bool) else str(v) for v in values]
-
-
-def listing(values: list[int]) -> str:
-    """A short list of numbers for a message: all of them, or the first and last of many."""
-    if not values:
-        return "none"
-    if len(values) <= 12:
-        return ", ".join(map(str, values))
-    return f"{values[0]} … {values[-1]} ({len(values)} in all)"

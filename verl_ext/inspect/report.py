@@ -92,7 +92,10 @@ class CheckReport:
         return all(result.status != "fail" for result in self.identities)
 
     def __getitem__(self, identity: str) -> IdentityResult:
-        return next(result for result in self.identities if result.identity == identity)
+        for result in self.identities:
+            if result.identity == identity:
+                return result
+        raise KeyError(f"no identity {identity!r}; the report has {[r.identity for r in self.identities]}")
 
     def to_arrow(self) -> pa.Table:
         """One row per (identity, step): status, counts, max abs error, first violation."""

@@ -18,7 +18,7 @@ import torch
 from verl_ext.errors import UsageError
 from verl_ext.estimators import td0_returns
 from verl_ext.inspect.recorded import RecordedAlgorithm
-from verl_ext.inspect.render import listing
+from verl_ext.trace.reader import listing
 from verl_ext.inspect.source import as_trace
 from verl_ext.inspect.tokens import decoder_for
 
@@ -46,8 +46,7 @@ def sample_view(trace, step: int, sample: int, tokenizer=None) -> SampleView:
     ``tokenizer``: a TokenDecoder, a Hugging Face tokenizer or a path; default the run record's.
     """
     trace = as_trace(trace)
-    if step not in trace.steps:
-        raise UsageError(f"{trace.path} has no step {step} (traced steps: {listing(trace.steps)})")
+    trace.require_step(step)
     decoder = decoder_for(trace, tokenizer)
     tokens = trace.read_step(step)
     rows = tokens.filter(pc.equal(tokens.column("sample"), sample))

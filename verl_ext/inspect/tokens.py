@@ -64,8 +64,9 @@ class TokenDecoder:
             finally:
                 hf_logging.set_verbosity(verbosity)
         except Exception as exc:  # noqa: BLE001 - any failure means the same thing: show ids
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return cls(problem=f"cannot load tokenizer {path} ({reason[:160]})")
+            from verl_ext.trace.storage import one_line
+
+            return cls(problem=f"cannot load tokenizer {path} ({one_line(exc)[:160]})")
         return cls(tokenizer, source=path)
 
     @property

@@ -10,7 +10,6 @@ of the seam, the estimators in verl's registry, the critic rule, and whether a f
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,8 +17,6 @@ from dataclasses import dataclass
 
 HELP = "check that verl-ext is loaded, its patches applied and its estimators registered"
 
-#: verl versions the seam is tested with (scripts/check_verl_versions.sh; README "Supported verl versions").
-SUPPORTED_VERL = ("0.6.1", "0.9.1")
 
 
 @dataclass
@@ -49,11 +46,13 @@ def diagnose(fresh_import: bool = True):
     import verl_ext
     from verl_ext.integration import plugin, seam
 
-    verl_spec = importlib.util.find_spec("verl")
-    if verl_spec is None:
-        yield Finding(False, "verl", "not installed in this Python environment")
+    try:
+        import verl
+    except ImportError:
+        yield Finding(False, "verl", "not importable in this Python environment")
         return
-    import verl
+
+    from verl_ext.integration.patches import SUPPORTED_VERL
 
     low, high = SUPPORTED_VERL
     supported = Version(low) <= Version(verl.__version__) <= Version(high)
@@ -65,15 +64,13 @@ def diagnose(fresh_import: bool = True):
     )
 
     for state in seam.states():
-        module_name = state.patch.module
-        if module_name not in sys.modules and importlib.util.find_spec(module_name) is not None:
-            importlib.import_module(module_name)  # applying patches is what importing triggers
+        missing = _import_target(state.patch.module)  # importing is what applies a patch
         if state.applied:
             yield Finding(True, "patch", f"{state.patch.name} [{state.patch.versions}]")
         elif state.error:
             yield Finding(False, "patch", f"{state.patch.name}: {state.error}")
         else:
-            yield Finding(True, "patch", f"{state.patch.name}: not in this verl (needed only by {state.patch.versions})")
+            yield Finding(True, "patch", f"{state.patch.name}: not applied, {missing} (needed by verl {state.patch.versions})")
 
     yield from _registry_findings()
     yield from _critic_findings()
@@ -83,6 +80,15 @@ def diagnose(fresh_import: bool = True):
 
     state = "on" if cpu.is_active() else ("requested, not active" if cpu.requested() else "off")
     yield Finding(cpu.is_active() or not cpu.requested(), "cpu backend", f"{state} ({cpu.ENV_SWITCH}={os.environ.get(cpu.ENV_SWITCH, '')!r})")
+
+
+def _import_target(module_name: str) -> str | None:
+    """Import a patched module; why it cannot be imported (not in this verl, a missing dependency), or None."""
+    try:
+        importlib.import_module(module_name)
+    except ImportError as exc:
+        return f"{module_name} cannot be imported here ({exc})"
+    return None
 
 
 def _registry_findings():
@@ -112,7 +118,10 @@ def _fresh_import_finding() -> Finding:
         "plugin = sys.modules.get('verl_ext.integration.plugin')\n"
         "print('loaded' if plugin and plugin.LOADED else ('failed: %s' % plugin.LOAD_ERROR if plugin else 'absent'))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return Finding(False, "fresh import verl", "`python -c 'import verl'` did not finish in 300 s")
     lines = result.stdout.strip().splitlines()
     status = lines[-1] if lines else f"no output (exit {result.returncode}): {result.stderr.strip()[-300:]}"
     policy = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "auto")

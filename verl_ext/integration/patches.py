@@ -18,7 +18,9 @@ from verl_ext.options import ESTIMATOR_NAMES
 # The wrappers import what they need when the patched verl module is imported (verl has torch
 # loaded by then), so that loading the plugin, or `import verl_ext` for the CLI, stays light.
 
-SUPPORTED = "0.6.1 - 0.9.1"
+#: verl versions the plugin's patches are tested with (scripts/check_verl_versions.sh).
+SUPPORTED_VERL = ("0.6.1", "0.9.1")
+SUPPORTED = " - ".join(SUPPORTED_VERL)
 
 
 def _wrap_compute_advantage(original: Callable) -> Callable:

@@ -20,8 +20,8 @@ is applied the moment that module finishes executing, *before* any other module 
 visible to modules that bind names at import time (verl 0.9's V1 trainer, verl 0.8's
 ``main_ppo_sync``, third-party recipes), and it keeps ``import verl`` as fast as without the
 plugin because nothing heavy is imported early. If a target module is already imported when
-:func:`install` runs, the patch is applied at once (names bound before that moment are missed;
-``doctor`` reports when the plugin was loaded too late).
+:func:`install` runs, the patch is applied at once (names bound before that moment keep the original; verl loads its
+plugins before any of its submodules, so this happens only to a plugin imported late by hand).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 
 logger = logging.getLogger("verl_ext")
 
-#: Attribute set on every replacement, pointing at what it replaced (doctor reads it).
+#: Attribute set on every replacement, pointing at what it replaced (a second load wraps nothing).
 ORIGINAL_ATTR = "__verl_ext_original__"
 
 

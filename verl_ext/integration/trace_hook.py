@@ -55,13 +55,12 @@ def session(trainer: Any, kind: str) -> Iterator[None]:
         return
     from verl_ext.trace.writer import TraceWriter
 
-    writer = TraceWriter(options, run_record(trainer.config, kind, options))
-    _active = _Session(trainer, kind, writer, options)
-    try:
-        yield
-    finally:
-        _active = None
-        writer.close()
+    with TraceWriter(options, run_record(trainer.config, kind, options)) as writer:  # never hides fit()'s error
+        _active = _Session(trainer, kind, writer, options)
+        try:
+            yield
+        finally:
+            _active = None
 
 
 def record_kl(data: Any, beta: float, kl_penalty: str) -> None:

@@ -53,9 +53,10 @@ def check_config(config: Any) -> None:
 
 def check_trace_dir_writable(directory: str) -> None:
     """Create the trace directory and publish a probe file in it, as the trace writer will."""
+    from verl_ext.errors import UsageError
     from verl_ext.trace import storage
 
     try:
-        storage.prepare_directory(*storage.resolve(directory))
-    except Exception as exc:
-        raise ValueError(f"verl_ext.trace.dir={directory!r} is not writable: {storage.one_line(exc)}") from exc
+        storage.writable_directory(directory)
+    except UsageError as exc:
+        raise ValueError(f"verl_ext.trace.dir: {exc}") from None

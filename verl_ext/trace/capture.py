@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from verl_ext.estimators import whitening_moments
 from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import FLOAT_COLUMNS, PROMPT_SCHEMA, TOKEN_FILE_SCHEMA
 
@@ -170,21 +171,15 @@ class SnapshotMemory:
 
 
 def whiten_stats(values: torch.Tensor | None, mask: torch.Tensor) -> dict[str, float] | None:
-    """{"mean": μ, "var": σ²} as ``masked_whiten`` computes them over the valid entries of (B, T).
+    """{"mean": μ, "var": σ²} as ``masked_whiten`` computes them over the valid entries of (B, T)
+    (:func:`verl_ext.estimators.whitening_moments`: sums in float64, σ² unbiased).
 
-    μ = Σx/(n + 1e-8), σ² = Σ(x − μ)²/(n + 1e-8) · n/(n − 1), sums accumulated in float64.
     None without values or with fewer than 2 valid entries (where ``masked_whiten`` raises).
     """
     if values is None:
         return None
-    valid_values = values.masked_select(mask.bool())  # compact first: 1 pass over (B, T), not 3
-    count = valid_values.numel()
-    if count < 2:
-        return None
-    n = count + 1e-8
-    mean = valid_values.sum(dtype=torch.float64).item() / n
-    squares = (valid_values.float() - mean).square_().sum(dtype=torch.float64).item()
-    return {"mean": mean, "var": squares / n * (count / (count - 1))}
+    count, mean, var = whitening_moments(values, mask)
+    return {"mean": mean, "var": var} if count >= 2 else None
 
 
 def token_table(snapshot: StepSnapshot) -> pa.Table:

@@ -142,23 +142,22 @@ class Trace:
             return self.read_step(step)
         return pa.concat_tables([self.read_step(s) for s in self.steps] or [TOKEN_SCHEMA.empty_table()])
 
-    def _require(self, step: int) -> None:
+    def require_step(self, step: int) -> int:
+        """``step``, or a one-line TraceError naming the steps there are."""
         if step not in self.steps:
-            present = ", ".join(map(str, self.steps)) if len(self.steps) <= 10 else (
-                f"{self.steps[0]} … {self.steps[-1]}, {len(self.steps)} steps"
-            )
-            raise TraceError(f"{self.path} has no step {step} (steps on disk: {present or 'none'})")
+            raise TraceError(f"{self.path} has no step {step} (steps on disk: {listing(self.steps)})")
+        return step
 
     def _footer(self, step: int) -> dict[bytes, bytes]:
         """Key-value metadata of the step's token file (cached)."""
         if step not in self._footers:
-            self._require(step)
+            self.require_step(step)
             self._footers[step] = self._attempt(token_file(step), lambda file: pq.read_metadata(file).metadata or {})
         return self._footers[step]
 
     def _read_parquet(self, step: int, relative: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
         """``columns`` of one of the step's files, checked against ``schema`` and cast to its types."""
-        self._require(step)
+        self.require_step(step)
 
         def read(file) -> pa.Table:
             parquet = pq.ParquetFile(file)
@@ -197,3 +196,12 @@ def _known_columns(columns: list[str] | None) -> list[str]:
 
 def _subschema(schema: pa.Schema, names: list[str]) -> pa.Schema:
     return pa.schema([schema.field(name) for name in names], metadata=schema.metadata)
+
+
+def listing(values: list[int]) -> str:
+    """A short list of numbers for a message: all of them, or the first and last of many."""
+    if not values:
+        return "none"
+    if len(values) <= 12:
+        return ", ".join(map(str, values))
+    return f"{values[0]} … {values[-1]} ({len(values)} in all)"

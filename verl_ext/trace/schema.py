@@ -25,7 +25,7 @@ skipped by pyarrow's and pandas' discovery and do not match the globs above.
 
 Rows: sample i of a traced step contributes token_index 0 … L_i − 1, where L_i − 1 is its last valid
 response position; masked interior positions are rows with ``mask = false`` (their float values are
-whatever the trainer had there, not part of DEFINITIONS.md's contract), a sample without any valid
+whatever the trainer had there, not part of the contract, docs/definitions.md §7), a sample without any valid
 token has no rows. ``sample`` is the row in the trainer's batch; when ``max_samples_per_step`` = N is
 smaller than the batch, samples 0 … N − 1 are kept. Files are sorted by (sample, token_index).
 
@@ -62,7 +62,7 @@ data), ``steps`` is an index that can lag behind it when the writer was killed i
                        μ = Σx/(n + 1e-8), σ² = Σ(x − μ)²/(n + 1e-8) · n/(n − 1) (sums in float64);
                        null when advantage_raw is absent or fewer than 2 tokens are valid
 
-Index convention (DEFINITIONS.md §1): at ``token_index`` t, ``value`` is V(s_t) (state before
+Index convention (docs/definitions.md §1): at ``token_index`` t, ``value`` is V(s_t) (state before
 token t, includes r_t), ``score``/``reward``/``kl`` belong to token t, ``return`` is the critic's
 target for V(s_t), ``advantage`` is the actor's signal for token t (whitened when whitening is on)
 and ``advantage_raw`` the advantage before whitening.
@@ -143,5 +143,3 @@ PROMPT_SCHEMA = pa.schema(
 
 #: The token table as a reader sees it: the file columns plus the partition key.
 TOKEN_SCHEMA = pa.schema([pa.field("step", pa.int64(), nullable=False), *TOKEN_FILE_SCHEMA], metadata=TOKEN_FILE_SCHEMA.metadata)
-
-REQUIRED_COLUMNS = tuple(TOKEN_SCHEMA.names)

@@ -30,6 +30,7 @@ import pyarrow.fs as pafs
 from fsspec.implementations.arrow import ArrowFSWrapper
 from fsspec.implementations.local import LocalFileSystem
 
+from verl_ext.errors import UsageError
 from verl_ext.trace.schema import TMP_DIR
 
 
@@ -102,6 +103,16 @@ def prepare_directory(fs: pafs.FileSystem, root: str) -> None:
     probe = f"{TMP_DIR}/.write-probe-{uuid.uuid4().hex}"
     publish_bytes(fs, root, probe, b"verl-ext write probe\n")
     fs.delete_file(join(root, probe))
+
+
+def writable_directory(directory: str) -> tuple[pafs.FileSystem, str]:
+    """Resolve and :func:`prepare_directory` a trace directory; a one-line UsageError when it can't be."""
+    try:
+        fs, root = resolve(directory)
+        prepare_directory(fs, root)
+    except Exception as error:  # noqa: BLE001 - whatever the filesystem raises, the cause is the dir
+        raise UsageError(f"trace dir {directory} is not writable: {one_line(error)}") from None
+    return fs, root
 
 
 def one_line(error: BaseException) -> str:

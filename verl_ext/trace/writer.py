@@ -86,18 +86,10 @@ class TraceWriter:
     """
 
     def __init__(self, options: TraceOptions, run_record: dict):
-        try:
-            options = TraceOptions.from_config({"verl_ext": {"trace": options.as_dict()}})
-        except ValueError as error:
-            raise UsageError(str(error)) from None
         if not options.enabled:
             raise UsageError("verl_ext.trace.dir is not set, so there is nothing to write to")
         self._options = options
-        try:
-            self._fs, self._root = storage.resolve(options.dir)
-            storage.prepare_directory(self._fs, self._root)
-        except Exception as error:  # noqa: BLE001 - whatever the filesystem raises, the cause is the dir
-            raise UsageError(f"trace dir {options.dir} is not writable: {storage.one_line(error)}") from None
+        self._fs, self._root = storage.writable_directory(options.dir)
         try:
             new_record = json.loads(json.dumps(run_record))
         except (TypeError, ValueError) as error:

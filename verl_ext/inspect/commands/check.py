@@ -1,4 +1,4 @@
-"""``verl-ext check RUN``: every identity of DEFINITIONS.md §6 on every traced step."""
+"""``verl-ext check RUN``: every identity of docs/definitions.md §8 on every traced step."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from verl_ext.inspect.commands import common
 
 HELP = "check every traced step against the definitions (exit 0 all pass, 1 a violation, 2 bad input)"
 
-#: DEFINITIONS.md §6 item of each identity.
+#: The item of docs/definitions.md §8 each identity checks, as printed ("8.2": §8, item 2).
 SECTION = {
-    "advantage_raw": "1",
-    "whitening": "2",
-    "whitening_stats": "2",
-    "returns": "3",
-    "rewards": "4",
-    "mask_layout": "5",
-    "finite": "5",
+    "advantage_raw": "8.1",
+    "whitening": "8.2",
+    "whitening_stats": "8.2",
+    "returns": "8.3",
+    "rewards": "8.4",
+    "mask_layout": "8.5",
+    "finite": "8.5",
 }
 LEGEND = (
     "ε = float32 epsilon (1.19e-07); n = terms the producer summed (row length, or the estimator's horizon "
@@ -62,7 +62,7 @@ def format_report(report) -> str:
         f"checked:   {len(report.steps)} step{'s' * (len(report.steps) != 1)}, {report.tokens:,} valid tokens",
         "",
         text_table(
-            ["§6", "identity", "max abs error", "tolerance", "result"], rows, [False, False, True, False, False]
+            ["§", "identity", "max abs error", "tolerance", "result"], rows, [False, False, True, False, False]
         ),
     ]
     failed = [r for r in report.identities if r.status == "fail"]

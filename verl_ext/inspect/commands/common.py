@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from verl_ext.errors import UsageError
-from verl_ext.inspect.render import FORMATS, listing
+from verl_ext.inspect.render import FORMATS
 
 
 def add_run(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,4 @@ def open_run(path: str):
 def choose_steps(trace, wanted: list[int] | None) -> list[int]:
     if not wanted:
         return list(trace.steps)
-    missing = [s for s in wanted if s not in trace.steps]
-    if missing:
-        raise UsageError(f"{trace.path} has no step {missing[0]} (traced steps: {listing(trace.steps)})")
-    return sorted(set(wanted))
+    return sorted({trace.require_step(step) for step in wanted})
