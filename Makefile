@@ -26,7 +26,7 @@ test: setup
 	$(PY) -m pytest
 
 demo: setup
-	$(PY) -m verl_ext.demo
+	$(PY) -m verl_ext.cli demo
 
 bench: setup
 	$(PY) benchmarks/bench_estimators.py

@@ -13,6 +13,7 @@ bounded by one step because the checker reads and checks one step at a time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import resource
 import shutil
 import tempfile
@@ -21,15 +22,17 @@ from pathlib import Path
 
 import torch
 
-from verl_ext.estimators import estimate
+from verl_ext import registry
 from verl_ext.inspect.check import check_trace
-from verl_ext.inspect.progress import ProgressPrinter
-from verl_ext.options import EstimatorOptions, TraceOptions
+from verl_ext.inspect.render import ProgressPrinter
+from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.reader import open_trace
+from verl_ext.trace.schema import RunRecord
 from verl_ext.trace.writer import TraceWriter
 
-OPTIONS = EstimatorOptions(name="gae_ext", gamma=1.0, lam=0.95)
+ESTIMATOR = registry.get("gae_ext")
+SETTINGS = ESTIMATOR.settings({"gamma": 1.0, "lam": 0.95})
 KL_COEF = 0.01
 
 
@@ -45,30 +48,29 @@ def synthetic_step(step: int, samples: int, min_len: int, max_len: int) -> StepC
     kl = torch.rand(samples, width, generator=g).mul_(0.1) * mask
     rewards = scores - KL_COEF * kl
     values = torch.rand(samples, width, generator=g).to(torch.bfloat16).float() * mask
-    result = estimate(rewards, values, mask, OPTIONS)
+    result = registry.run(ESTIMATOR, rewards, values, mask, SETTINGS)
+    floats = {"score": scores, "reward": rewards, "value": values, "advantage": result.advantages}
+    floats |= {"return": result.returns, "advantage_raw": result.advantage_raw, "kl": kl}
     return StepCapture(
-        step=step, response_mask=mask, responses=torch.randint(0, 32000, (samples, width), generator=g), uid=None,
-        scores=scores, rewards=rewards, values=values, returns=result.returns, advantages=result.advantages,
-        advantage_raw=result.advantage_raw, old_log_probs=None, ref_log_prob=None, kl=kl, prompts=None,
-        prompt_mask=None, kl_coef=KL_COEF,
+        step=step, mask=mask, token_id=torch.randint(0, 32000, (samples, width), generator=g), uid=None,
+        floats=floats, kl_coef=KL_COEF,
     )  # fmt: skip
 
 
 def build_trace(directory: Path, tokens: int, steps: int, samples: int) -> None:
     per_sample = tokens / steps / samples
     min_len, max_len = int(per_sample * 0.5) + 1, int(per_sample * 1.5)
-    record = {
-        "verl_ext_version": "bench", "verl_version": "0.9.1", "trainer": "legacy", "created_at": "",
-        "algorithm": {
-            "adv_estimator": OPTIONS.name, "gamma": OPTIONS.gamma, "lam": OPTIONS.lam, "n_step": None,
-            "lam_critic": None, "lam_actor": None, "lam_length_alpha": None, "whiten_advantages": True,
-            "norm_adv_by_std_in_grpo": True,
+    record = RunRecord(
+        verl_ext_version="bench", verl_version="0.9.1", trainer="legacy", created_at="",
+        algorithm={
+            "adv_estimator": "gae_ext", **{key: SETTINGS[key] for key in ("gamma", "lam", "lam_critic", "lam_actor")},
+            "lam_length_alpha": None, "whiten_advantages": True, "norm_adv_by_std_in_grpo": True,
             "use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": {"type": "fixed", "kl_coef": KL_COEF},
         },
-        "model_path": "", "tokenizer_path": "", "rollout_n": 1,
-    }  # fmt: skip
+        model_path="", tokenizer_path="", rollout_n=1, trace={},
+    )  # fmt: skip
     options = TraceOptions(dir=str(directory))
-    with TraceWriter(options, {**record, "trace": options.as_dict()}) as writer:
+    with TraceWriter(options, dataclasses.replace(record, trace=options.as_dict())) as writer:
         for step in range(1, steps + 1):
             writer.submit(synthetic_step(step, samples, min_len, max_len))
             print(f"built step {step}/{steps}", flush=True)

@@ -56,11 +56,13 @@ def candidates(rewards, values, mask):
     from verl.trainer.ppo.core_algos import compute_gae_advantage_return
 
     from verl_ext import estimators as E
-    from verl_ext.options import EstimatorOptions
+    from verl_ext import registry
 
     def full(name, **kw):
-        options = EstimatorOptions(name=name, gamma=0.99, lam=0.95, n_step=8, **kw)
-        return lambda: E.estimate(rewards, values, mask, options)
+        """What the seam runs for algorithm.adv_estimator=name: the registered estimator, then whitening."""
+        estimator = registry.get(name)
+        settings = estimator.settings({"gamma": 0.99, "lam": 0.95, "n_step": 8 if name == "nstep" else None, **kw})
+        return lambda: registry.run(estimator, rewards, values, mask, settings)
 
     return {
         "torch.cumsum (floor)": lambda: torch.cumsum(rewards, dim=1),

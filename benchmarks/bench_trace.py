@@ -33,9 +33,16 @@ import numpy as np
 import torch
 
 from verl_ext.options import TraceOptions
-from verl_ext.trace.capture import FLOAT_SOURCES, StepCapture
+from verl_ext.trace.capture import StepCapture
+from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RunRecord
 from verl_ext.trace.reader import open_trace
 from verl_ext.trace.writer import TraceWriter
+
+
+BENCH_RECORD = RunRecord(
+    verl_ext_version="bench", verl_version="", trainer="legacy", created_at="", algorithm={}, model_path=None,
+    tokenizer_path=None, rollout_n=None, trace={},
+)
 
 
 def synthetic_capture(batch: int, length: int, dtype: torch.dtype, seed: int = 0) -> StepCapture:
@@ -66,26 +73,26 @@ def synthetic_capture(batch: int, length: int, dtype: torch.dtype, seed: int = 0
     group = 8
     uid = np.array([str(uuid.uuid4()) for _ in range(batch // group) for _ in range(group)], dtype=object)
     tensors = {
-        "scores": scores,
-        "rewards": rewards,
-        "values": values,
-        "returns": returns,
-        "advantages": (advantage_raw - advantage_raw[mask].mean()) / advantage_raw[mask].std(),
+        "score": scores,
+        "reward": rewards,
+        "value": values,
+        "return": returns,
+        "advantage": (advantage_raw - advantage_raw[mask].mean()) / advantage_raw[mask].std(),
         "advantage_raw": advantage_raw,
-        "old_log_probs": old_log_probs,
+        "old_log_prob": old_log_probs,
         "ref_log_prob": ref_log_prob,
         "kl": kl,
     }
-    assert set(tensors) == set(FLOAT_SOURCES.values())
+    assert set(tensors) == set(FLOAT_COLUMN_NAMES)
     return StepCapture(
         step=0,
-        response_mask=mask.long(),
-        responses=torch.randint(0, 150_000, (batch, length), generator=generator),
+        mask=mask.long(),
+        token_id=torch.randint(0, 150_000, (batch, length), generator=generator),
         uid=uid,
+        floats={name: tensor.to(dtype) for name, tensor in tensors.items()},
         prompts=torch.randint(0, 150_000, (batch, prompt_length), generator=generator) * prompt_mask,
         prompt_mask=prompt_mask.long(),
         kl_coef=0.001,
-        **{name: tensor.to(dtype) for name, tensor in tensors.items()},
     )
 
 
@@ -145,7 +152,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-trace-") as scratch:
         directory = args.dir or os.path.join(scratch, "trace")
-        with TraceWriter(TraceOptions(dir=directory, queue_size=2), {"benchmark": True}) as writer:
+        with TraceWriter(TraceOptions(dir=directory, queue_size=2), BENCH_RECORD) as writer:
             writer.submit(with_step(capture, 0))  # warm-up: imports, allocator, file system
             writer.flush()
             submit_s, write_s = [], []
@@ -170,8 +177,8 @@ def main() -> None:
 
         entry = open_trace(directory).step_record(1)
         fs, root = fsspec.core.url_to_fs(directory)
-        token_size = fs.size(f"{root}/{entry['file']}")
-        size = token_size + fs.size(f"{root}/{entry['prompts_file']}")
+        token_size = fs.size(f"{root}/{entry.file}")
+        size = token_size + fs.size(f"{root}/{entry.prompts_file}")
         print(f"on disk: {token_size / rows:.2f} bytes per token row (token file), {size / rows:.2f} with the prompt file; "
               f"{token_size / 2**20:.1f} MiB per step")
 
@@ -190,7 +197,7 @@ def measure_rss(queue_size: int, capture: StepCapture) -> None:
     steps = queue_size + 3
     with tempfile.TemporaryDirectory(prefix="bench-trace-rss-") as scratch:
         baseline = rss_bytes()
-        with TraceWriter(TraceOptions(dir=scratch, queue_size=queue_size), {}) as writer, PeakRss() as rss:
+        with TraceWriter(TraceOptions(dir=scratch, queue_size=queue_size), BENCH_RECORD) as writer, PeakRss() as rss:
             for step in range(steps):
                 writer.submit(with_step(capture, step))
             writer.flush()

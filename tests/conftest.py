@@ -15,7 +15,7 @@ def run_cli(capsys):
     returns (exit code, stdout, stderr)."""
 
     def run(*argv: str) -> tuple[int, str, str]:
-        with mock.patch.dict(cli.SUBCOMMANDS, {argv[0]: cli.SUBCOMMANDS[argv[0]]}, clear=True):
+        with mock.patch.dict(cli.COMMANDS, {argv[0]: cli.COMMANDS[argv[0]]}, clear=True):
             code = cli.main(list(argv))
         out, err = capsys.readouterr()
         return code, out, err

@@ -196,6 +196,7 @@ def example_trace(directory: Path) -> str:
 
     from verl_ext.options import TraceOptions
     from verl_ext.trace.capture import StepCapture
+    from verl_ext.trace.schema import RunRecord
     from verl_ext.trace.writer import TraceWriter
 
     vocab = {tok: i for i, tok in enumerate(["<pad>", "<unk>", "<s>", "</s>", *"请问1+=2？是的，", "等于", "！"])}
@@ -219,29 +220,23 @@ def example_trace(directory: Path) -> str:
         "lam_length_alpha": None, "whiten_advantages": True, "norm_adv_by_std_in_grpo": True,
         "use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": {"type": "fixed", "kl_coef": BETA},
     }  # fmt: skip
-    record = {
-        "verl_ext_version": "docs", "verl_version": "0.9.1", "trainer": "legacy", "created_at": "",
-        "algorithm": algorithm, "model_path": "", "tokenizer_path": str(directory / "tokenizer"), "rollout_n": 1,
-        "trace": options.as_dict(),
-    }  # fmt: skip
+    record = RunRecord(
+        verl_ext_version="docs", verl_version="0.9.1", trainer="legacy", created_at="",
+        algorithm=algorithm, model_path="", tokenizer_path=str(directory / "tokenizer"), rollout_n=1,
+        trace=options.as_dict(),
+    )  # fmt: skip
     with TraceWriter(options, record) as writer:
         writer.submit(
             StepCapture(
                 step=1,
-                response_mask=mask,
-                responses=response,
+                mask=mask,
+                token_id=response,
                 uid=["q1"],
-                scores=scores,
-                rewards=rewards,
-                values=values,
-                returns=returns,
-                advantages=advantages,
-                advantage_raw=returns - values,
-                old_log_probs=None,
-                ref_log_prob=None,
-                kl=kl,
+                floats={
+                    "score": scores, "reward": rewards, "value": values, "return": returns, "advantage": advantages,
+                    "advantage_raw": returns - values, "kl": kl,
+                },
                 prompts=prompt,
-                prompt_mask=None,
                 kl_coef=BETA,
             )  # fmt: skip
         )

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tests.reference as ref
 from verl_ext import estimators as E
-from verl_ext.options import EstimatorOptions
+from verl_ext import kernels, registry
 
 settings.register_profile("verl_ext", max_examples=60, deadline=None)
 settings.load_profile("verl_ext")
@@ -40,6 +40,29 @@ def batches(draw, max_rows=4, max_len=24, junk=float("nan")):
 unit = st.floats(0.0, 1.0)
 
 
+def estimate(rewards, values, mask, name, whiten_advantages=True, **algorithm):
+    """verl-ext's estimator ``name`` through the registry, the code path of training."""
+    estimator = registry.get(name)
+    settings = estimator.settings({"whiten_advantages": whiten_advantages, **algorithm})
+    return registry.run(estimator, rewards, values, mask, settings)
+
+
+def mc_returns(rewards, mask, gamma):
+    return E.mc(rewards, None, mask, gamma)[0]
+
+
+def td0_returns(rewards, values, mask, gamma):
+    return E.td0(rewards, values, mask, gamma)[0]
+
+
+def nstep_returns(rewards, values, mask, gamma, n):
+    return E.nstep(rewards, values, mask, gamma, n)[0]
+
+
+def gae_advantages(rewards, values, mask, gamma, lam):
+    return E.gae(rewards, values, mask, gamma, lam)[1]
+
+
 def assert_valid_close(actual: torch.Tensor, expected, mask, tol=2e-4):
     valid = mask.numpy() != 0
     expected = np.asarray(expected, dtype=np.float64)
@@ -53,27 +76,27 @@ def assert_valid_close(actual: torch.Tensor, expected, mask, tol=2e-4):
 @given(batches(), unit)
 def test_mc_returns_are_discounted_sums(batch, gamma):
     rewards, _, mask = batch
-    assert_valid_close(E.mc_returns(rewards, mask, gamma), ref.mc_returns(rewards, mask, gamma), mask)
+    assert_valid_close(mc_returns(rewards, mask, gamma), ref.mc_returns(rewards, mask, gamma), mask)
 
 
 @given(batches(), unit)
 def test_td0_returns(batch, gamma):
     rewards, values, mask = batch
-    assert_valid_close(E.td0_returns(rewards, values, mask, gamma), ref.td0_returns(rewards, values, mask, gamma), mask)
+    assert_valid_close(td0_returns(rewards, values, mask, gamma), ref.td0_returns(rewards, values, mask, gamma), mask)
 
 
 @given(batches(), unit, st.integers(1, 30))
 def test_nstep_returns(batch, gamma, n):
     rewards, values, mask = batch
     expected = ref.nstep_returns(rewards, values, mask, gamma, n)
-    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, n), expected, mask)
+    assert_valid_close(nstep_returns(rewards, values, mask, gamma, n), expected, mask)
 
 
 @given(batches(), unit, unit)
 def test_gae_advantages(batch, gamma, lam):
     rewards, values, mask = batch
     expected = ref.gae_advantages(rewards, values, mask, gamma, lam)
-    assert_valid_close(E.gae_advantages(rewards, values, mask, gamma, lam), expected, mask)
+    assert_valid_close(gae_advantages(rewards, values, mask, gamma, lam), expected, mask)
 
 
 @given(batches(), unit, st.data())
@@ -81,7 +104,7 @@ def test_gae_with_one_lambda_per_response(batch, gamma, data):
     rewards, values, mask = batch
     lams = data.draw(st.lists(unit, min_size=rewards.shape[0], max_size=rewards.shape[0]))
     expected = ref.gae_advantages(rewards, values, mask, gamma, np.array(lams))
-    assert_valid_close(E.gae_advantages(rewards, values, mask, gamma, torch.tensor(lams)), expected, mask)
+    assert_valid_close(gae_advantages(rewards, values, mask, gamma, torch.tensor(lams)), expected, mask)
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 255, 256, 257, 4097, 20000])
@@ -93,7 +116,7 @@ def test_discounted_scan_across_block_levels(length, discount):
     xs = x.numpy()
     # y_t = Σ_k d^(k-t) x_k, written as a reversed convolution with the powers (float64)
     expected = np.stack([np.convolve(row[::-1], powers)[:length][::-1] for row in xs])
-    actual = E.discounted_reverse_cumsum(x, discount).numpy()
+    actual = kernels.discounted_sum(x, discount).numpy()
     np.testing.assert_allclose(actual, expected, rtol=1e-9, atol=1e-9 * np.abs(expected).max())
 
 
@@ -102,7 +125,7 @@ def test_long_undiscounted_float32_stays_accurate():
     rewards = torch.rand(2, 20000)
     mask = torch.ones_like(rewards, dtype=torch.int64)
     expected = torch.flip(torch.cumsum(torch.flip(rewards.double(), [1]), 1), [1])
-    actual = E.mc_returns(rewards, mask, 1.0).double()
+    actual = mc_returns(rewards, mask, 1.0).double()
     assert ((actual - expected).abs() / expected.abs()).max() < 1e-6
 
 
@@ -112,21 +135,21 @@ def test_long_undiscounted_float32_stays_accurate():
 @given(batches(), unit)
 def test_gae_lambda_zero_is_td0_and_lambda_one_is_mc(batch, gamma):
     rewards, values, mask = batch
-    td0_adv = E.td0_returns(rewards, values, mask, gamma) - values
-    mc_adv = E.mc_returns(rewards, mask, gamma) - values
-    assert_valid_close(E.gae_advantages(rewards, values, mask, gamma, 0.0), td0_adv.double().numpy(), mask)
-    assert_valid_close(E.gae_advantages(rewards, values, mask, gamma, 1.0), mc_adv.double().numpy(), mask)
+    td0_adv = td0_returns(rewards, values, mask, gamma) - values
+    mc_adv = mc_returns(rewards, mask, gamma) - values
+    assert_valid_close(gae_advantages(rewards, values, mask, gamma, 0.0), td0_adv.double().numpy(), mask)
+    assert_valid_close(gae_advantages(rewards, values, mask, gamma, 1.0), mc_adv.double().numpy(), mask)
 
 
 @given(batches(), unit)
 def test_nstep_one_is_td0_and_long_nstep_is_mc(batch, gamma):
     rewards, values, mask = batch
     longest = rewards.shape[1]
-    td0 = E.td0_returns(rewards, values, mask, gamma).double().numpy()
-    mc = E.mc_returns(rewards, mask, gamma).double().numpy()
-    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, 1), td0, mask)
-    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, longest), mc, mask)
-    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, longest + 7), mc, mask)
+    td0 = td0_returns(rewards, values, mask, gamma).double().numpy()
+    mc = mc_returns(rewards, mask, gamma).double().numpy()
+    assert_valid_close(nstep_returns(rewards, values, mask, gamma, 1), td0, mask)
+    assert_valid_close(nstep_returns(rewards, values, mask, gamma, longest), mc, mask)
+    assert_valid_close(nstep_returns(rewards, values, mask, gamma, longest + 7), mc, mask)
 
 
 @given(batches(), unit, st.integers(1, 12))
@@ -139,15 +162,15 @@ def test_telescoping_deltas_give_nstep_advantage(batch, gamma, n):
         idx = ref.valid_positions(mask[b])
         d = delta[b, idx]
         expected[b, idx] = [sum(gamma**l * d[t + l] for l in range(n) if t + l < len(d)) for t in range(len(d))]
-    assert_valid_close(E.nstep_returns(rewards, values, mask, gamma, n) - values, expected, mask)
+    assert_valid_close(nstep_returns(rewards, values, mask, gamma, n) - values, expected, mask)
 
 
 @given(batches(max_len=14), unit, unit)
 def test_lambda_return_is_mixture_of_nstep_returns(batch, gamma, lam):
     """G^λ_t = (1−λ) Σ_{n=1}^{L−t−1} λ^{n−1} G_t^(n) + λ^{L−t−1} G_t  equals GAE + V."""
     rewards, values, mask = batch
-    nstep = {n: E.nstep_returns(rewards, values, mask, gamma, n).double() for n in range(1, rewards.shape[1] + 1)}
-    mc = E.mc_returns(rewards, mask, gamma).double()
+    nstep = {n: nstep_returns(rewards, values, mask, gamma, n).double() for n in range(1, rewards.shape[1] + 1)}
+    mc = mc_returns(rewards, mask, gamma).double()
     expected = torch.full(rewards.shape, float("nan"), dtype=torch.float64)
     for b in range(rewards.shape[0]):
         idx = ref.valid_positions(mask[b])
@@ -155,7 +178,7 @@ def test_lambda_return_is_mixture_of_nstep_returns(batch, gamma, lam):
         for t, pos in enumerate(idx):
             mix = sum((1 - lam) * lam ** (n - 1) * nstep[n][b, pos] for n in range(1, L - t))
             expected[b, pos] = mix + lam ** (L - t - 1) * mc[b, pos]
-    gae_return = E.gae_advantages(rewards, values, mask, gamma, lam) + values
+    gae_return = gae_advantages(rewards, values, mask, gamma, lam) + values
     assert_valid_close(gae_return, expected.numpy(), mask)
 
 
@@ -180,9 +203,9 @@ def test_inserting_masked_positions_changes_no_valid_output(batch, gamma, lam, n
     wide = (spread(rewards, 123.0), spread(values, -77.0), spread(mask, 0))
     original_cols = ~inserted
     for name in ("mc", "td0", "nstep", "gae_ext"):
-        options = EstimatorOptions(name=name, gamma=gamma, lam=lam, n_step=n, whiten_advantages=False)
-        narrow_result = E.estimate(rewards, values, mask, options)
-        wide_result = E.estimate(*wide, options)
+        options = dict(gamma=gamma, lam=lam, n_step=n if name == "nstep" else None, whiten_advantages=False)
+        narrow_result = estimate(rewards, values, mask, name, **options)
+        wide_result = estimate(*wide, name, **options)
         for field in ("returns", "advantage_raw"):
             a = getattr(wide_result, field)[:, original_cols]
             b = getattr(narrow_result, field)
@@ -198,10 +221,9 @@ def test_gae_ext_equals_verl_gae(batch, gamma, lam):
     from verl.trainer.ppo.core_algos import compute_gae_advantage_return
 
     rewards, values, mask = batch
-    if mask.sum() < 2:
-        return  # verl's whitening needs two valid tokens
+    assume(mask.sum() >= 2)  # verl's whitening needs two valid tokens
     verl_adv, verl_ret = compute_gae_advantage_return(rewards, values, mask, gamma, lam)
-    ours = E.estimate(rewards, values, mask, EstimatorOptions(name="gae_ext", gamma=gamma, lam=lam))
+    ours = estimate(rewards, values, mask, "gae_ext", gamma=gamma, lam=lam)
     valid = mask.bool()
     torch.testing.assert_close(ours.returns[valid], verl_ret[valid], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours.advantages[valid], verl_adv[valid], rtol=1e-4, atol=2e-4)
@@ -227,10 +249,8 @@ def test_masked_whiten_equals_verl(batch):
 @given(batches(junk=5.0), unit, unit, unit)
 def test_decoupled_lambda(batch, gamma, lam_critic, lam_actor):
     rewards, values, mask = batch
-    options = EstimatorOptions(
-        name="gae_ext", gamma=gamma, lam_critic=lam_critic, lam_actor=lam_actor, whiten_advantages=False
-    )
-    result = E.estimate(rewards, values, mask, options)
+    options = dict(gamma=gamma, lam_critic=lam_critic, lam_actor=lam_actor, whiten_advantages=False)
+    result = estimate(rewards, values, mask, "gae_ext", **options)
     critic = ref.gae_advantages(rewards, values, mask, gamma, lam_critic) + values.double().numpy()
     assert_valid_close(result.returns, critic, mask)
     assert_valid_close(result.advantage_raw, ref.gae_advantages(rewards, values, mask, gamma, lam_actor), mask)
@@ -248,8 +268,8 @@ def test_length_adaptive_lambda_is_used_for_advantages_only():
     rewards, values = torch.randn(3, 50), torch.randn(3, 50)
     mask = torch.ones(3, 50, dtype=torch.int64)
     mask[1, 30:] = 0
-    options = EstimatorOptions(name="gae_ext", gamma=0.99, lam=0.9, lam_length_alpha=0.05, whiten_advantages=False)
-    result = E.estimate(rewards, values, mask, options)
+    options = dict(gamma=0.99, lam=0.9, lam_length_alpha=0.05, whiten_advantages=False)
+    result = estimate(rewards, values, mask, "gae_ext", **options)
     lams = 1 - 1 / (0.05 * np.array([50.0, 30.0, 50.0]))
     assert_valid_close(result.advantage_raw, ref.gae_advantages(rewards, values, mask, 0.99, lams), mask)
     assert_valid_close(result.returns, ref.gae_advantages(rewards, values, mask, 0.99, 0.9) + values.numpy(), mask)
@@ -260,7 +280,7 @@ def test_returns_minus_values_is_raw_advantage_and_whitening_follows(name):
     torch.manual_seed(1)
     rewards, values = torch.randn(5, 30), torch.randn(5, 30)
     mask = (torch.rand(5, 30) > 0.2).long()
-    result = E.estimate(rewards, values, mask, EstimatorOptions(name=name, gamma=0.97, lam=0.9, n_step=4))
+    result = estimate(rewards, values, mask, name, gamma=0.97, lam=0.9, n_step=4 if name == "nstep" else None)
     valid = mask.bool()
     torch.testing.assert_close(result.returns[valid] - values[valid], result.advantage_raw[valid])
     assert_valid_close(result.advantages, ref.whiten(result.advantage_raw, mask), mask)
@@ -270,7 +290,7 @@ def test_bfloat16_values_are_computed_in_float32():
     rewards = torch.rand(2, 300)
     values = torch.rand(2, 300).to(torch.bfloat16)
     mask = torch.ones(2, 300, dtype=torch.int64)
-    returns = E.td0_returns(rewards, values, mask, 1.0)
+    returns = td0_returns(rewards, values, mask, 1.0)
     assert returns.dtype == torch.float32
     assert_valid_close(returns, ref.td0_returns(rewards, values.float(), mask, 1.0), mask, tol=1e-6)
 
@@ -285,7 +305,7 @@ def test_worked_example_of_the_definitions():
     mask = torch.ones(1, 3, dtype=torch.int64)
 
     def run(name, **kw):
-        return E.estimate(rewards, values, mask, EstimatorOptions(name=name, gamma=1.0, whiten_advantages=False, **kw))
+        return estimate(rewards, values, mask, name, gamma=1.0, whiten_advantages=False, **kw)
 
     close = lambda a, b: torch.testing.assert_close(a, torch.tensor([b]), rtol=0, atol=1e-6)  # noqa: E731
     close(run("mc").advantage_raw, [0.7, 0.6, 0.4])
@@ -301,14 +321,80 @@ def test_worked_example_of_the_definitions():
 
 def test_shape_mismatch_is_named():
     with pytest.raises(ValueError, match="values has shape"):
-        E.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), 1.0, 1.0)
+        gae_advantages(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), 1.0, 1.0)
     with pytest.raises(ValueError, match=r"must be \(B, T\)"):
-        E.mc_returns(torch.zeros(3), torch.ones(3), 1.0)
+        mc_returns(torch.zeros(3), torch.ones(3), 1.0)
     with pytest.raises(ValueError, match="per-response lam"):
-        E.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 1.0, torch.ones(3))
+        gae_advantages(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 1.0, torch.ones(3))
 
 
 @pytest.mark.parametrize("n", [0, -1, 2.5, True])
 def test_nstep_rejects_bad_n(n):
     with pytest.raises(ValueError, match="n must be an integer"):
-        E.nstep_returns(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), 1.0, n)
+        nstep_returns(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3), 1.0, n)
+
+
+# --------------------------------------------------------------------------- more than one row group
+
+
+@pytest.mark.parametrize("name", ["mc", "td0", "nstep", "gae_ext", "gae_ext decoupled", "gae_ext adaptive"])
+def test_many_row_groups_give_the_direct_sums(monkeypatch, name):
+    """Groups of 40 tokens over 9 rows of 23: every estimator and the whitening span several groups."""
+    monkeypatch.setattr(kernels, "ROW_GROUP_TOKENS", 40)
+    assert len(kernels.row_groups(9, 23)) == 9
+    g = torch.Generator().manual_seed(5)
+    mask = (torch.rand(9, 23, generator=g) > 0.25).long()
+    mask[3] = 0  # a row without any valid token
+    rewards, values = torch.randn(9, 23, generator=g), torch.randn(9, 23, generator=g)
+    options = {"mc": {}, "td0": {}, "nstep": {"n_step": 3}, "gae_ext": {"lam": 0.8}}.get(name)
+    if name == "gae_ext decoupled":
+        options = {"lam_critic": 1.0, "lam_actor": 0.7}
+    elif name == "gae_ext adaptive":
+        options = {"lam": 0.9, "lam_length_alpha": 0.2}
+    result = estimate(rewards, values, mask, name.split()[0], gamma=0.95, **options)
+    lengths = mask.sum(1).double().numpy()
+    expected_returns = {
+        "mc": lambda: ref.mc_returns(rewards, mask, 0.95),
+        "td0": lambda: ref.td0_returns(rewards, values, mask, 0.95),
+        "nstep": lambda: ref.nstep_returns(rewards, values, mask, 0.95, 3),
+        "gae_ext": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 0.8) + values.numpy(),
+        "gae_ext decoupled": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 1.0) + values.numpy(),
+        "gae_ext adaptive": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 0.9) + values.numpy(),
+    }[name]()
+    expected_raw = {
+        "gae_ext decoupled": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 0.7),
+        "gae_ext adaptive": lambda: ref.gae_advantages(
+            rewards, values, mask, 0.95, np.clip(1 - 1 / (0.2 * np.maximum(lengths, 1e-9)), 0, 1)
+        ),
+    }.get(name, lambda: expected_returns - values.numpy())()
+    assert_valid_close(result.returns, expected_returns, mask, tol=1e-5)
+    assert_valid_close(result.advantage_raw, expected_raw, mask, tol=1e-5)
+    assert_valid_close(result.advantages, ref.whiten(expected_raw, mask), mask, tol=1e-5)
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def test_registry_rejects_a_second_function_under_a_taken_name_and_lists_names():
+    with pytest.raises(ValueError, match="'mc' is already registered by verl_ext.registry.mc"):
+        registry.register_estimator("mc")(lambda *a, **k: None)
+    registry.register_estimator("mc")(registry.get("mc").fn)  # the same function again: a no-op
+    with pytest.raises(ValueError, match="'nope' is not a verl-ext estimator; registered: mc, td0, nstep, gae_ext"):
+        registry.get("nope")
+    with pytest.raises(ValueError, match="non-empty string"):
+        registry.register_estimator(" ")
+
+
+@pytest.mark.parametrize(
+    "algorithm, message",
+    [
+        ({"adv_estimator": "nstep"}, "needs algorithm.n_step"),
+        ({"adv_estimator": "nstep", "n_step": 0}, "algorithm.n_step must be an integer >= 1, got 0"),
+        ({"adv_estimator": "gae_ext", "lam_actor": 1.5}, r"algorithm.lam_actor must be in \[0, 1\], got 1.5"),
+        ({"adv_estimator": "mc", "gamma": "x"}, "algorithm.gamma must be a number, got 'x'"),
+        ({"adv_estimator": "mc", "whiten_advantages": "yes"}, "algorithm.whiten_advantages must be true or false"),
+    ],
+)
+def test_settings_name_the_bad_key(algorithm, message):
+    with pytest.raises(ValueError, match=message):
+        registry.check_algorithm(algorithm)

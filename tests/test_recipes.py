@@ -43,7 +43,8 @@ def test_recipe_composes_and_passes_verls_validation(recipe, assets, tmp_path):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_ext.options import EstimatorOptions, TraceOptions
+    from verl_ext import registry
+    from verl_ext.options import TraceOptions
 
     overrides = recipe_overrides(recipe, assets, tmp_path)
     with initialize_config_dir(config_dir=str(ROOT / "verl_ext" / "configs"), version_base=None):
@@ -55,5 +56,5 @@ def test_recipe_composes_and_passes_verls_validation(recipe, assets, tmp_path):
     trace = TraceOptions.from_config(config)
     assert trace.enabled and trace.dir == str(tmp_path / recipe.stem.removeprefix("gsm8k_"))
     if config.algorithm.adv_estimator != "gae":
-        EstimatorOptions.from_config(config.algorithm)
+        registry.get(config.algorithm.adv_estimator).settings(config.algorithm)
 

@@ -1,10 +1,30 @@
 """verl-ext: value-based advantage estimators, a per-token trace and its inspection for verl.
 
-Importing this package activates the verl plugin (lazy post-import hooks, nothing heavy is
-imported): the same thing verl's entry point ``verl.plugins`` and
-``VERL_USE_EXTERNAL_MODULES=verl_ext`` do. See :mod:`verl_ext.integration.plugin`.
+Importing ``verl_ext`` or any of its modules activates nothing. verl activates the plugin itself:
+through its entry point, or through ``VERL_USE_EXTERNAL_MODULES=verl_ext``, which names this package
+(see :mod:`verl_ext.integration.plugin`).
+
+``verl_ext.register_estimator`` adds an advantage estimator (see :mod:`verl_ext.registry`).
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from verl_ext.integration import plugin as _plugin  # noqa: E402,F401  (activation on import)
+import os
+
+__version__ = "0.2.0"
+
+__all__ = ["__version__", "register_estimator"]
+
+
+def __getattr__(name: str):
+    if name == "register_estimator":  # imported on use: the registry loads torch
+        from verl_ext.registry import register_estimator
+
+        return register_estimator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if "verl_ext" in (module.strip() for module in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")):
+    from verl_ext.integration.plugin import activate_loudly
+
+    activate_loudly()

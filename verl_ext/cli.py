@@ -1,10 +1,10 @@
-"""``verl-ext`` command line: a thin dispatcher.
+"""``verl-ext``: every command, top to bottom.
 
-Each subcommand lives in its own module exposing ``HELP`` (one line), ``add_arguments(parser)``
-and ``run(args) -> int`` (the exit code). Modules keep heavy imports inside ``run`` so that
-``verl-ext --help`` is instant.
+Each command is a pair of functions: ``<name>_arguments(parser)`` declares its arguments and
+``<name>(args) -> int`` runs it and returns the exit code. Heavy imports happen inside the commands,
+so that ``verl-ext --help`` is instant.
 
-Exit codes shared by all subcommands: 0 success, 1 a finding (a failed check, a broken plugin),
+Exit codes shared by all commands: 0 success, 1 a finding (a failed check, a broken plugin),
 2 bad input (a missing or unreadable trace, bad arguments). Expected errors print one line to
 stderr, never a traceback.
 """
@@ -12,18 +12,227 @@ stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
+import json
 import sys
+import warnings
+from pathlib import Path
+from typing import Callable
 
 from verl_ext.errors import UsageError
 
-SUBCOMMANDS = {
-    "doctor": "verl_ext.integration.doctor",
-    "check": "verl_ext.inspect.commands.check",
-    "show": "verl_ext.inspect.commands.show",
-    "summary": "verl_ext.inspect.commands.summary",
-    "plot": "verl_ext.inspect.commands.plot",
-    "demo": "verl_ext.demo",
+FORMATS = ("text", "csv", "markdown")
+
+
+# --------------------------------------------------------------------------- arguments several commands share
+
+
+def _run_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "run", metavar="RUN", help="trace directory (verl_ext.trace.dir of the run), local path or fsspec URL"
+    )
+
+
+def _format_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument("--digits", type=int, default=4, help="decimals shown in text and markdown (default: 4)")
+
+
+def _quiet_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _tokenizer_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tokenizer", metavar="PATH", help="tokenizer directory (default: the run record's tokenizer_path); local files only"
+    )
+
+
+def _open_run(path: str):
+    """The trace at ``path``, refusing one without any traced step."""
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(path)
+    if not trace.steps:
+        raise UsageError(f"{path} has no traced steps yet")
+    return trace
+
+
+def _progress(args, what: str):
+    from verl_ext.inspect.render import ProgressPrinter
+
+    return None if args.quiet else ProgressPrinter(what)
+
+
+# --------------------------------------------------------------------------- check
+
+
+def check_arguments(parser: argparse.ArgumentParser) -> None:
+    _run_argument(parser)
+    parser.add_argument("--step", type=int, action="append", metavar="S", help="check only step S (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    _quiet_argument(parser)
+
+
+def check(args: argparse.Namespace) -> int:
+    """Every identity of docs/definitions.md §8 on every traced step."""
+    from verl_ext.inspect.check import check_trace
+    from verl_ext.inspect.render import format_report
+
+    trace = _open_run(args.run)
+    steps = sorted({trace.require_step(step) for step in args.step}) if args.step else None
+    report = check_trace(trace, steps, progress=_progress(args, "check"))
+    print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else format_report(report))
+    return 0 if report.passed else 1
+
+
+# --------------------------------------------------------------------------- show
+
+
+def show_arguments(parser: argparse.ArgumentParser) -> None:
+    _run_argument(parser)
+    parser.add_argument("--step", type=int, metavar="S", help="step (default: the first traced step)")
+    parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample (row in the step's batch; default 0)")
+    _tokenizer_argument(parser)
+    _format_arguments(parser)
+
+
+def show(args: argparse.Namespace) -> int:
+    """One sample's per-token table with decoded tokens."""
+    from verl_ext.inspect.render import render
+    from verl_ext.inspect.stepdata import RecordedAlgorithm
+    from verl_ext.inspect.table import decoder_for, sample_view, visible
+
+    trace = _open_run(args.run)
+    step = trace.steps[0] if args.step is None else args.step
+    decoder = decoder_for(trace, args.tokenizer)
+    view = sample_view(trace, step, args.sample, decoder)
+    if not decoder.available:  # said after the step was read, so that a bad trace stays a one-line error
+        print(f"note: {decoder.problem}; tokens are shown as ids", file=sys.stderr)
+    if args.format != "csv":
+        algorithm = RecordedAlgorithm.from_record(trace.record)
+        prefix = "" if args.format == "text" else "- "
+        header = [
+            f"step {view.step} · sample {view.sample} · uid {view.uid} · {view.table.num_rows} tokens "
+            f"({view.valid_tokens} valid) · {algorithm.describe()}",
+        ]
+        if view.prompt_text is not None:
+            header.append(f"prompt:   {visible(view.prompt_text, show_spaces=False)}")
+        if view.response_text is not None:
+            header.append(f"response: {visible(view.response_text, show_spaces=False)}")
+        print("\n".join(prefix + line for line in header) + "\n")
+    print(render(view.table, args.format, args.digits))
+    return 0
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summary_arguments(parser: argparse.ArgumentParser) -> None:
+    _run_argument(parser)
+    _format_arguments(parser)
+    _quiet_argument(parser)
+
+
+def summary(args: argparse.Namespace) -> int:
+    """One line of statistics per traced step."""
+    from verl_ext.inspect.render import render
+    from verl_ext.inspect.summary import summarize
+
+    trace = _open_run(args.run)
+    print(render(summarize(trace, progress=_progress(args, "summary")), args.format, args.digits))
+    return 0
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot_arguments(parser: argparse.ArgumentParser) -> None:
+    _run_argument(parser)
+    parser.add_argument("--out", default="verl-ext-plots", metavar="DIR", help="output directory (default: ./verl-ext-plots)")
+    parser.add_argument("--step", type=int, metavar="S", help="step of the per-step figures (default: the last traced step)")
+    parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample of the token heatmap (default 0)")
+    _tokenizer_argument(parser)
+    _quiet_argument(parser)
+
+
+def plot(args: argparse.Namespace) -> int:
+    """PNG figures of a trace in an output directory."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        raise UsageError("plot needs matplotlib: pip install 'verl-ext[plot]'") from None
+    from verl_ext.inspect.plots import PlotNote, save_plots
+    from verl_ext.inspect.table import decoder_for
+
+    trace = _open_run(args.run)
+    decoder = decoder_for(trace, args.tokenizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlotNote)
+        try:
+            paths = save_plots(trace, args.out, args.step, args.sample, decoder, _progress(args, "plot: scanning steps"))
+        except OSError as error:
+            raise UsageError(f"cannot write the figures to {args.out}: {error.strerror or error}") from None
+    notes = [str(w.message) for w in caught if issubclass(w.category, PlotNote)]
+    if not decoder.available:
+        notes.insert(0, f"{decoder.problem}; the heatmap shows token ids")
+    for message in dict.fromkeys(notes):  # each distinct note once
+        print(f"note: {message}", file=sys.stderr)
+    for path in paths:
+        print(path)
+    return 0
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+def doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-subprocess", action="store_true", help="skip the fresh `import verl` check")
+
+
+def doctor(args: argparse.Namespace) -> int:
+    """Is verl-ext loaded, is every touch of verl applied, are its estimators registered?"""
+    from verl_ext.integration.diagnosis import diagnose
+
+    findings = list(diagnose(fresh_import=not args.no_subprocess))
+    width = max(len(f.topic) for f in findings)
+    for finding in findings:
+        print(f"{'ok ' if finding.ok else 'BAD'}  {finding.topic:<{width}}  {finding.detail}")
+    broken = [f for f in findings if not f.ok]
+    print(f"\n{len(findings) - len(broken)} ok, {len(broken)} broken")
+    return 1 if broken else 0
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"), help="default: outputs/demo")
+    parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    parser.add_argument("--estimator", default="mc", help="algorithm.adv_estimator (default mc)")
+    parser.add_argument("--v1", action="store_true", help="verl 0.9's V1 trainer instead of the legacy one")
+    parser.add_argument("--sample", type=int, default=0, help="response shown token by token (default 0)")
+    parser.add_argument("overrides", nargs="*", help="more hydra overrides for the trainer; they win")
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Train a tiny model with verl's real PPO trainer on CPU, trace every step, check and show the trace."""
+    from verl_ext.cpu.demo import run_demo
+
+    return run_demo(args)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+#: name -> (declare arguments, run). Order is the order of ``verl-ext --help``.
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "check": (check_arguments, check),
+    "show": (show_arguments, show),
+    "summary": (summary_arguments, summary),
+    "plot": (plot_arguments, plot),
+    "doctor": (doctor_arguments, doctor),
+    "demo": (demo_arguments, demo),
 }
 
 
@@ -32,17 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="verl-ext", description="Token-level inspection and value-based advantage estimators for verl PPO."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module_name in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    for name, (arguments, command) in COMMANDS.items():
+        description = (command.__doc__ or "").strip()
+        arguments(sub.add_parser(name, help=description, description=description))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module = importlib.import_module(SUBCOMMANDS[args.command])
+    command = COMMANDS[args.command][1]
     try:
-        return int(module.run(args))
+        return int(command(args))
     except UsageError as exc:
         print(f"verl-ext {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -1,95 +1,107 @@
 """The options verl-ext reads from a verl config: parsed, defaulted and validated in one place.
 
-Estimator options live in verl's ``algorithm`` node next to ``gamma`` and ``lam``; trace options
-in a top-level ``verl_ext.trace`` node. Both are read from any mapping with ``.get`` (an
-OmegaConf ``DictConfig`` or a plain dict), so this module imports neither verl nor OmegaConf.
-Every error is a ``ValueError`` that names the config key and the offending value.
+Estimator options live in verl's ``algorithm`` node next to ``gamma`` and ``lam``; trace options in
+a top-level ``verl_ext.trace`` node. Both are read from an OmegaConf ``DictConfig``, a plain dict or
+one of verl's typed config dataclasses (``AlgoConfig``), so this module imports neither verl nor
+OmegaConf. Every error is a ``ValueError`` that names the config key and the offending value.
 """
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-#: The value-based estimators this package adds to ``algorithm.adv_estimator``.
-ESTIMATOR_NAMES = ("mc", "td0", "nstep", "gae_ext")
 
-#: Keys this package adds under ``algorithm`` (declared with these defaults in configs/).
-ALGORITHM_KEYS = {
-    "n_step": None,
-    "lam_critic": None,
-    "lam_actor": None,
-    "lam_length_alpha": None,
-    "whiten_advantages": True,
-}
+# --------------------------------------------------------------------------- value parsers
 
-#: Which added key each estimator reads; setting another is almost certainly a mistake.
-_USES = {
-    "mc": set(),
-    "td0": set(),
-    "nstep": {"n_step"},
-    "gae_ext": {"lam_critic", "lam_actor", "lam_length_alpha"},
-}
+
+def number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def unit_interval(key: str, value: Any) -> float:
+    parsed = number(key, value)
+    if not 0.0 <= parsed <= 1.0:
+        raise ValueError(f"{key} must be in [0, 1], got {value!r}")
+    return parsed
+
+
+def positive_float(key: str, value: Any) -> float:
+    parsed = number(key, value)
+    if not parsed > 0:
+        raise ValueError(f"{key} must be > 0, got {value!r}")
+    return parsed
+
+
+def positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- estimator options
 
 
 @dataclass(frozen=True)
-class EstimatorOptions:
-    """Everything an estimator needs besides tensors."""
+class Option:
+    """A key under ``algorithm`` that an estimator reads: its parser, default and meaning.
 
-    name: str
-    gamma: float = 1.0
-    lam: float = 1.0
-    n_step: int | None = None
-    lam_critic: float | None = None
-    lam_actor: float | None = None
-    lam_length_alpha: float | None = None
-    whiten_advantages: bool = True
+    ``default`` None means "not set"; the estimator decides what that means (e.g. λ_critic falls
+    back to ``lam``). ``required`` options must be set when their estimator is chosen.
+    """
 
-    @property
-    def critic_lam(self) -> float:
-        """λ of the returns (the critic's target)."""
-        return self.lam if self.lam_critic is None else self.lam_critic
+    key: str
+    parse: Callable[[str, Any], Any]
+    default: Any = None
+    required: bool = False
+    help: str = ""
 
-    @property
-    def actor_lam(self) -> float:
-        """λ of the advantages, when not length-adaptive."""
-        return self.lam if self.lam_actor is None else self.lam_actor
+    def read(self, algorithm: Mapping[str, Any]) -> Any:
+        value = algorithm.get(self.key)
+        return self.default if value is None else self.parse(f"algorithm.{self.key}", value)
 
-    @property
-    def single_lambda(self) -> bool:
-        """True when returns − values = raw advantage (docs/definitions.md §4)."""
-        return self.lam_length_alpha is None and self.critic_lam == self.actor_lam
 
-    @classmethod
-    def from_config(cls, algorithm: Mapping[str, Any]) -> "EstimatorOptions":
-        """Read and validate the options of ``algorithm.adv_estimator`` (one of ESTIMATOR_NAMES)."""
-        name = algorithm.get("adv_estimator")
-        if name not in ESTIMATOR_NAMES:
-            raise ValueError(
-                f"algorithm.adv_estimator={name!r} is not a verl-ext estimator; expected one of {list(ESTIMATOR_NAMES)}"
-            )
-        values = {key: algorithm.get(key, default) for key, default in ALGORITHM_KEYS.items()}
-        options = cls(
-            name=name,
-            gamma=_unit_interval("algorithm.gamma", algorithm.get("gamma", 1.0)),
-            lam=_unit_interval("algorithm.lam", algorithm.get("lam", 1.0)),
-            n_step=_optional(_positive_int, "algorithm.n_step", values["n_step"]),
-            lam_critic=_optional(_unit_interval, "algorithm.lam_critic", values["lam_critic"]),
-            lam_actor=_optional(_unit_interval, "algorithm.lam_actor", values["lam_actor"]),
-            lam_length_alpha=_optional(_positive_float, "algorithm.lam_length_alpha", values["lam_length_alpha"]),
-            whiten_advantages=_boolean("algorithm.whiten_advantages", values["whiten_advantages"]),
-        )
-        if name == "nstep" and options.n_step is None:
-            raise ValueError("algorithm.adv_estimator=nstep needs algorithm.n_step (an integer >= 1)")
-        unused = [key for key in sorted(set().union(*_USES.values()) - _USES[name]) if values[key] is not None]
-        if unused:
-            warnings.warn(
-                f"algorithm.adv_estimator={name} ignores " + ", ".join(f"algorithm.{k}" for k in unused),
-                stacklevel=2,
-            )
-        return options
+N_STEP = Option("n_step", positive_int, required=True, help="rewards summed before bootstrapping from V(s_{t+n})")
+LAM_CRITIC = Option("lam_critic", unit_interval, help="λ of the returns (the critic's target); null: algorithm.lam")
+LAM_ACTOR = Option("lam_actor", unit_interval, help="λ of the advantages (the actor's signal); null: algorithm.lam")
+LAM_LENGTH_ALPHA = Option(
+    "lam_length_alpha", positive_float, help="VAPO length-adaptive λ_actor = 1 − 1/(α·L) per response; null: off"
+)
+WHITEN_ADVANTAGES = Option(
+    "whiten_advantages", boolean, default=True, help="whiten advantages over the batch like verl's masked_whiten"
+)
 
+#: Every option verl-ext's built-in estimators read. Declared in configs/verl_ext_trainer.yaml with
+#: these defaults; registered estimators may declare more.
+ALGORITHM_OPTIONS = (N_STEP, LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA, WHITEN_ADVANTAGES)
+ALGORITHM_KEYS = {option.key: option.default for option in ALGORITHM_OPTIONS}
+
+
+def algorithm_settings(algorithm: Any) -> dict[str, Any]:
+    """The ``algorithm`` node as a plain dict of its top-level keys, whatever its type.
+
+    verl hands over an OmegaConf ``DictConfig``; its signatures advertise a typed ``AlgoConfig``
+    (whose ``get`` raises AttributeError for keys it does not declare); tests use dicts.
+    """
+    if algorithm is None:
+        return {}
+    if isinstance(algorithm, Mapping) or hasattr(algorithm, "items"):
+        return {str(key): value for key, value in algorithm.items()}
+    if dataclasses.is_dataclass(algorithm):
+        return {field.name: getattr(algorithm, field.name) for field in fields(algorithm)}
+    raise ValueError(f"the algorithm config must be a mapping or a config dataclass, got {type(algorithm).__name__}")
+
+
+# --------------------------------------------------------------------------- trace options
 
 #: Keys of the ``verl_ext.trace`` node, with defaults.
 TRACE_KEYS = {
@@ -117,9 +129,10 @@ class TraceOptions:
             raise ValueError(f"verl_ext.trace.on_error must be 'warn' or 'raise', got {self.on_error!r}")
         if self.dir is not None and (not isinstance(self.dir, str) or not self.dir):
             raise ValueError(f"verl_ext.trace.dir must be a non-empty path or URL, got {self.dir!r}")
-        _positive_int("verl_ext.trace.every", self.every)
-        _positive_int("verl_ext.trace.queue_size", self.queue_size)
-        _optional(_positive_int, "verl_ext.trace.max_samples_per_step", self.max_samples_per_step)
+        positive_int("verl_ext.trace.every", self.every)
+        positive_int("verl_ext.trace.queue_size", self.queue_size)
+        if self.max_samples_per_step is not None:
+            positive_int("verl_ext.trace.max_samples_per_step", self.max_samples_per_step)
 
     @property
     def enabled(self) -> bool:
@@ -143,41 +156,3 @@ class TraceOptions:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def _optional(parse, key: str, value: Any):
-    return None if value is None else parse(key, value)
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    return float(value)
-
-
-def _unit_interval(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if not 0.0 <= number <= 1.0:
-        raise ValueError(f"{key} must be in [0, 1], got {value!r}")
-    return number
-
-
-def _positive_float(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if not number > 0:
-        raise ValueError(f"{key} must be > 0, got {value!r}")
-    return number
-
-
-def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _boolean(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value

@@ -21,6 +21,9 @@ from pathlib import Path
 def in_process(args: argparse.Namespace, extra: list[str]):
     import torch
 
+    import verl_ext.cpu
+
+    verl_ext.cpu.activate()
     from verl_ext.cpu.assets import build_assets
     from verl_ext.cpu.in_process import BatchRecorder, run_in_process
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from verl_ext.cpu.patches import CPU_PATCHES, CPU_REGISTRATIONS
-from verl_ext.integration.seam import Patch
+from verl_ext.touches import CPU_TOUCHES
+
+CPU_PATCHES = [touch for touch in CPU_TOUCHES if touch.kind == "patch"]
 
 
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -60,7 +61,7 @@ from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.engine.base import EngineRegistry
 import verl.workers.engine.fsdp.transformer_impl, verl.utils.distributed, verl.utils.model
-from verl_ext.integration.seam import states
+from verl_ext.patching import states
 from verl_ext.cpu import is_active
 print(json.dumps({
     "active": is_active(),
@@ -69,7 +70,7 @@ print(json.dumps({
     "hf_rollout": ("hf", "async") in _ROLLOUT_REGISTRY,
     "hf_replica": "hf" in RolloutReplicaRegistry._registry,
     "cpu_engines": sorted(m for m, b in EngineRegistry._engines.items() if "cpu" in b.get("fsdp2", {})),
-    "patches": {s.patch.name: [s.applied, s.error] for s in states() if s.patch.module in PATCHED},
+    "patches": {s.touch.name: [s.applied, s.error] for s in states() if s.touch.kind == "patch" and s.touch.module in PATCHED},
 }))
 """
 
@@ -89,11 +90,11 @@ def test_without_the_switch_verl_is_untouched():
     assert not report["hf_rollout"] and not report["hf_replica"] and report["cpu_engines"] == []
 
 
-@pytest.mark.parametrize("patch", CPU_PATCHES, ids=lambda p: p.name)
-def test_every_patch_says_why_and_for_which_verl(patch):
-    assert isinstance(patch, Patch) and patch.module.startswith("verl.")
-    assert patch.versions == "0.9.1" and len(patch.why) > 40
+@pytest.mark.parametrize("touch", CPU_TOUCHES, ids=lambda t: t.name)
+def test_every_touch_says_why_and_for_which_verl(touch):
+    assert touch.module.startswith("verl.") and touch.component == "cpu"
+    assert touch.versions == "0.9.1" and len(touch.why) > 40
 
 
-def test_registrations_target_verl_modules():
-    assert all(module.startswith("verl.") and callable(callback) for module, callback in CPU_REGISTRATIONS)
+def test_registrations_and_patches_name_their_code():
+    assert all(callable(t.resolve_code()) for t in CPU_TOUCHES if t.kind != "override")

@@ -24,7 +24,7 @@ def test_overrides_name_each_key_once(assets, tmp_path):
 
 VALIDATE = """
 import json, sys
-from verl_ext.cpu.in_process import compose_config
+from verl_ext.cpu.overrides import compose_config
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 reports = []

@@ -1,5 +1,6 @@
-"""verl's real RayPPOTrainer.fit() on CPU, in-process, for every estimator, with KL in the reward
-and the per-token trace on. One fresh interpreter per scenario (the platform, registries and
+"""verl's real RayPPOTrainer.fit() on CPU, in-process, for every estimator (verl-ext's four, verl's gae
+and grpo, and the README's example of a user's estimator, loaded through VERL_USE_EXTERNAL_MODULES),
+with KL in the reward and the per-token trace on. One fresh interpreter per scenario (the platform, registries and
 patches are process-global).
 
 What each run is checked against, independently of verl-ext's own code:
@@ -34,7 +35,17 @@ SCENARIO_OVERRIDES = {
     "gae_ext": ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.8"],
     "gae": [],
     "grpo": [],
+    "td_half": [],  # the README's example, tests/integration/test_user_estimator.py
 }
+
+
+def user_module_env(out: Path) -> dict[str, str]:
+    """The README's example estimator as a module on PYTHONPATH, loaded by verl in every process."""
+    from tests.integration.test_user_estimator import readme_example
+
+    (out / "user").mkdir(exist_ok=True)
+    (out / "user" / "my_estimators.py").write_text(readme_example())
+    return {"PYTHONPATH": f"{out / 'user'}:{ROOT}", "VERL_USE_EXTERNAL_MODULES": "my_estimators"}
 
 
 def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int = 1):
@@ -52,7 +63,8 @@ def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int 
         "--rollout-n", str(rollout_n), "--config-dir", str(ROOT / "verl_ext" / "configs"),
         "--config-name", "verl_ext_trainer", "--", *overrides,
     ]  # fmt: skip
-    run(command, env={**os.environ, "VERL_EXT_CPU": "1"}, cwd=out, timeout=600)
+    env = {**os.environ, "VERL_EXT_CPU": "1", **(user_module_env(out) if estimator == "td_half" else {})}
+    run(command, env=env, cwd=out, timeout=600)
     return out
 
 
@@ -118,6 +130,9 @@ def test_returns_and_advantages_follow_the_definitions(finished_run):
         elif estimator == "gae_ext":
             returns = ref.gae_advantages(rewards, values, mask, GAMMA, 1.0) + values64
             raw = ref.gae_advantages(rewards, values, mask, GAMMA, 0.8)
+        elif estimator == "td_half":
+            raw = ref.gae_advantages(rewards, values, mask, GAMMA, 0.5)
+            returns = raw + values64
         else:  # verl's gae
             raw = ref.gae_advantages(rewards, values, mask, GAMMA, LAM)
             returns = raw + values64
@@ -160,7 +175,7 @@ def test_trace_equals_what_the_trainer_used(finished_run):
             if estimator == "gae_ext":  # decoupled λ: the raw advantage is GAE(λ_actor), not returns − values
                 raw = ref.gae_advantages(batch["token_level_rewards"], batch["values"], batch["response_mask"], GAMMA, 0.8)[positions]
             np.testing.assert_allclose(table["advantage_raw"].to_numpy(), raw, rtol=1e-4, atol=1e-5)
-        assert trace.step_record(step)["kl_coef"] == pytest.approx(0.05)
+        assert trace.step_record(step).kl_coef == pytest.approx(0.05)
 
 
 def test_run_record_matches_the_config(finished_run):
@@ -168,8 +183,8 @@ def test_run_record_matches_the_config(finished_run):
 
     estimator, out, _ = finished_run
     record = open_trace(str(out / "trace")).record
-    algorithm = record["algorithm"]
-    assert record["trainer"] == "legacy"
+    algorithm = record.algorithm
+    assert record.trainer == "legacy"
     assert algorithm["adv_estimator"] == estimator
     assert (algorithm["gamma"], algorithm["lam"]) == (GAMMA, LAM)
     assert algorithm["use_kl_in_reward"] is True and algorithm["kl_ctrl"]["kl_coef"] == 0.05
@@ -177,15 +192,21 @@ def test_run_record_matches_the_config(finished_run):
         assert algorithm["n_step"] == 3
     if estimator == "gae_ext":
         assert (algorithm["lam_critic"], algorithm["lam_actor"]) == (1.0, 0.8)
-    assert Path(record["model_path"]).is_dir()
+    if estimator == "td_half":
+        assert algorithm["estimator_module"] == "my_estimators"
+    assert Path(record.model_path).is_dir()
 
 
 def test_check_passes(finished_run):
-    _, out, _ = finished_run
+    estimator, out, _ = finished_run
+    env = {**os.environ, **(user_module_env(out) if estimator == "td_half" else {})}
     result = subprocess.run(
         [sys.executable, "-m", "verl_ext.cli", "check", str(out / "trace"), "--json"],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["passed"] is True
+    statuses = {identity["identity"]: identity["status"] for identity in report["identities"]}
+    recomputed = "skipped" if estimator == "grpo" else "pass"  # grpo's advantages are group statistics
+    assert statuses["returns"] == statuses["advantage_raw"] == recomputed

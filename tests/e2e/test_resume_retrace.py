@@ -30,7 +30,7 @@ def test_resume_from_an_earlier_checkpoint_replaces_repeated_steps(tmp_path):
     train(tmp_path, 2, "trainer.save_freq=1")
     trace = open_trace(str(tmp_path / "trace"))
     step1_before = trace.read_step(1).to_pandas()
-    written_before = trace.step_record(2)["written_at"]
+    written_before = trace.step_record(2).written_at
 
     resumed = train(
         tmp_path, 3, "trainer.resume_mode=resume_path",
@@ -41,7 +41,7 @@ def test_resume_from_an_earlier_checkpoint_replaces_repeated_steps(tmp_path):
     trace = open_trace(str(tmp_path / "trace"))
     assert trace.steps == [1, 2, 3]
     assert trace.read_step(1).to_pandas().equals(step1_before)  # untouched
-    assert trace.step_record(2)["written_at"] > written_before  # step 2 was written again
+    assert trace.step_record(2).written_at > written_before  # step 2 was written again
     for step, batch in ((2, resumed[2]), (3, resumed[3])):
         table = trace.read_step(step).to_pandas()
         mask = batch["response_mask"].numpy()

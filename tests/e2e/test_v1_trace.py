@@ -50,9 +50,9 @@ def test_v1_run_record(v1_run):
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(v1_run / "trace"))
-    assert trace.record["trainer"] == "v1"
+    assert trace.record.trainer == "v1"
     assert trace.steps == [1, 2]
-    assert [trace.step_record(s)["kl_coef"] for s in trace.steps] == [pytest.approx(0.05)] * 2
+    assert [trace.step_record(s).kl_coef for s in trace.steps] == [pytest.approx(0.05)] * 2
 
 
 def test_v1_trace_equals_what_the_actor_update_read(v1_run):

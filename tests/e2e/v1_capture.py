@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 
-from verl_ext.integration.seam import when_imported
+from verl_ext.patching import when_imported
 
 FIELDS = [
     "response_mask", "responses", "rm_scores", "token_level_rewards", "values",

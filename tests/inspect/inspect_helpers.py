@@ -15,7 +15,7 @@ import torch
 from tests.reference import gae_row, mc_row, nstep_row, td0_row
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
-from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, token_file
+from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, RunRecord, token_file
 from verl_ext.trace.writer import TraceWriter
 
 # ---------------------------------------------------------------- definitions (direct sums: tests/reference.py)
@@ -184,38 +184,35 @@ def write_trace(
     directory: Path, algo: dict, batches: dict[int, Batch], max_samples: int | None = None, tokenizer_path: str = ""
 ) -> str:
     options = TraceOptions(dir=str(directory), max_samples_per_step=max_samples)
-    run_record = {
-        "verl_ext_version": "test",
-        "verl_version": "0.9.1",
-        "trainer": "legacy",
-        "created_at": "2026-01-01T00:00:00+00:00",
-        "algorithm": algo,
-        "model_path": tokenizer_path,
-        "tokenizer_path": tokenizer_path,
-        "rollout_n": 1,
-        "trace": options.as_dict(),
-    }
+    run_record = RunRecord(
+        verl_ext_version="test",
+        verl_version="0.9.1",
+        trainer="legacy",
+        created_at="2026-01-01T00:00:00+00:00",
+        algorithm=algo,
+        model_path=tokenizer_path,
+        tokenizer_path=tokenizer_path,
+        rollout_n=1,
+        trace=options.as_dict(),
+    )
     with TraceWriter(options, run_record) as writer:
         for step, b in batches.items():
+            floats = dict(
+                score=b.scores, reward=b.rewards, value=b.values, advantage=b.advantages,
+                advantage_raw=b.advantage_raw, kl=b.kl,
+            )  # fmt: skip
+            floats["return"] = b.returns
             writer.submit(
                 StepCapture(
                     step=step,
-                    response_mask=b.mask,
-                    responses=b.responses,
+                    mask=b.mask,
+                    token_id=b.responses,
                     uid=[f"u{i}" for i in range(len(b.mask))],
-                    scores=b.scores,
-                    rewards=b.rewards,
-                    values=b.values,
-                    returns=b.returns,
-                    advantages=b.advantages,
-                    advantage_raw=b.advantage_raw,
-                    old_log_probs=None,
-                    ref_log_prob=None,
-                    kl=b.kl,
+                    floats=floats,
                     prompts=b.prompts,
                     prompt_mask=b.prompt_mask,
                     kl_coef=b.kl_coef,
-                )  # fmt: skip
+                )
             )
     return str(directory)
 

@@ -16,9 +16,8 @@ from tests.inspect.inspect_helpers import (
     write_trace,
 )
 
-from verl_ext import estimators
+from verl_ext import registry
 from verl_ext.inspect.check import IDENTITIES, check_trace
-from verl_ext.options import EstimatorOptions
 
 # (estimator name, extra record keys, by_definition arguments)
 DEFINED = {
@@ -71,11 +70,12 @@ def test_passes_verl_gae_with_kl_interior_masks_and_padding(tmp_path):
 @pytest.mark.parametrize("name", ["mc", "td0", "nstep", "gae_ext"])
 def test_passes_what_verl_ext_estimators_produce_in_float32(tmp_path, name):
     """The production path: verl-ext's float32 estimators (blocked scan) must not trip the tolerances."""
-    options = EstimatorOptions(name=name, gamma=0.99, lam=0.9, n_step=4 if name == "nstep" else None)
+    estimator = registry.get(name)
+    settings = estimator.settings({"gamma": 0.99, "lam": 0.9, "n_step": 4 if name == "nstep" else None})
     batches = {}
     for step in (1, 2):
         b = random_batch(step, B=8, T=300)
-        result = estimators.estimate(b.rewards, b.values, b.mask, options)
+        result = registry.run(estimator, b.rewards, b.values, b.mask, settings)
         batches[step] = replace(
             b, returns=result.returns, advantages=result.advantages, advantage_raw=result.advantage_raw
         )

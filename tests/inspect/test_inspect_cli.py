@@ -7,7 +7,7 @@ import pytest
 from tests.inspect.inspect_helpers import algorithm, by_definition, nudge, random_batch, rewrite_step, write_trace
 
 from verl_ext.inspect.check import check_trace
-from verl_ext.inspect.progress import ProgressPrinter
+from verl_ext.inspect.render import ProgressPrinter
 from verl_ext.trace.schema import RUN_RECORD, token_file
 
 COMMANDS = ["check", "show", "summary", "plot"]
@@ -69,7 +69,7 @@ def test_check_exit_codes_and_report(tmp_path, run_cli):
     code, out, err = run_cli("check", good_trace(tmp_path / "good"), "--quiet")
     assert code == 0 and err == ""
     assert out.splitlines()[-1] == "PASS (7 passed, 0 failed, 0 skipped)"
-    assert "returns = r + γV' (γ=1)" in out
+    assert "returns recomputed: td0(γ=1)" in out
 
     code, out, err = run_cli("check", good_trace(tmp_path / "bad", plant=True), "--quiet")
     assert code == 1

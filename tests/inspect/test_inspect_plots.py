@@ -1,3 +1,4 @@
+import re
 import warnings
 from dataclasses import replace
 
@@ -5,8 +6,8 @@ import pytest
 import torch
 from tests.inspect.inspect_helpers import algorithm, by_verl_gae, random_batch, token_ids, write_trace
 
-from verl_ext.inspect import fonts
-from verl_ext.inspect.plots import FontFallbackWarning, PlotNote, advantage_heatmap, save_plots
+from verl_ext.inspect import plots
+from verl_ext.inspect.plots import FontFallbackWarning, PlotNote, advantage_heatmap, label_font, save_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -44,13 +45,13 @@ def test_figures_that_do_not_apply_are_left_out_with_a_note(tmp_path):
 
 
 def test_cjk_without_a_cjk_font_falls_back_to_code_points_and_says_so(monkeypatch, tmp_path, char_tokenizer):
-    monkeypatch.setattr(fonts, "_candidate_fonts", lambda: [])  # as on a machine without CJK fonts
-    font = fonts.label_font(["是的", "2！"])
+    monkeypatch.setattr(plots, "_candidate_fonts", lambda: [])  # as on a machine without CJK fonts
+    font = label_font(["是的", "2！"])
     assert font.missing == {"是", "的", "！"}
     assert font.label("是的2！") == "U+662F U+7684 2 U+FF01"
     assert font.label("是") == "U+662F"
     assert "install a CJK font" in font.note
-    assert fonts.label_font(["Жизнь", "αβγ"]).missing == frozenset()  # DejaVu Sans draws these
+    assert label_font(["Жизнь", "αβγ"]).missing == frozenset()  # DejaVu Sans draws these
 
     b = by_verl_gae(random_batch(1), 1.0, 1.0)
     b.responses[0, :3] = torch.tensor(token_ids("是的！"))
@@ -62,3 +63,33 @@ def test_cjk_without_a_cjk_font_falls_back_to_code_points_and_says_so(monkeypatc
     assert len(notes) == 1 and "3 character(s) (是的！): in plots they are shown as U+XXXX" in notes[0]
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "U+662F" in texts and "是" not in texts
+
+
+def test_figures_draw_the_traces_numbers(gae_trace):
+    """The data behind each figure, against numbers computed here from the trace's table with pandas."""
+    import numpy as np
+
+    from verl_ext.trace.reader import open_trace
+
+    frame = open_trace(gae_trace).to_pandas()
+    step3 = frame[(frame.step == 3) & frame["mask"]]
+
+    by_position = step3.groupby("token_index")
+    top, middle, _ = plots.position_curves(gae_trace, 3).axes
+    drawn = {line.get_label(): line.get_xydata() for line in top.lines + middle.lines}
+    for label, column in (("value V(s_t)", "value"), ("return (critic target)", "return"), ("advantage (trained on)", "advantage")):
+        expected = by_position[column].mean()
+        np.testing.assert_allclose(drawn[label][:, 0], expected.index.to_numpy())
+        np.testing.assert_allclose(drawn[label][:, 1], expected.to_numpy(), rtol=1e-6)
+
+    points = plots.value_vs_return(gae_trace, 3).axes[0].collections[0].get_offsets()
+    np.testing.assert_allclose(np.asarray(points), step3[["value", "return"]].to_numpy(), rtol=1e-6)
+
+    per_sample = frame[frame["mask"]].groupby(["step", "sample"])["score"].sum().groupby("step").mean()
+    score_line = plots.over_steps(gae_trace).axes[0].lines[0].get_xydata()
+    np.testing.assert_allclose(score_line, np.column_stack([per_sample.index, per_sample.to_numpy()]), rtol=1e-6)
+
+    heatmap = plots.advantage_heatmap(gae_trace, 3, sample=1)
+    shown = [t.get_text() for t in heatmap.axes[0].texts if re.fullmatch(r"[+-]\d+\.\d\d", t.get_text())]
+    sample1 = frame[(frame.step == 3) & (frame["sample"] == 1) & frame["mask"]]
+    assert shown == [f"{a:+.2f}" for a in sample1["advantage"]]

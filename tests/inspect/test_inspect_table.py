@@ -8,8 +8,7 @@ from tests.inspect.inspect_helpers import EOS, Batch, algorithm, by_definition, 
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect.render import display_width, render
-from verl_ext.inspect.table import sample_view
-from verl_ext.inspect.tokens import CONTINUATION, TokenDecoder, visible
+from verl_ext.inspect.table import CONTINUATION, TokenDecoder, sample_view, visible
 
 # The seed example with the character-level tokenizer: 是 的 ， 等 于 2 ！ </s>
 RESPONSE_IDS = token_ids("是的，等于2！") + [EOS]
@@ -129,7 +128,7 @@ def test_show_command(tmp_path, char_tokenizer, run_cli):
     assert code == 0 and err == ""
     assert "prompt:   请问1+1=2？" in out
     assert "response: 是，等" in out
-    assert "gae_ext, GAE(γ=1, λ=0.95) + V, not whitened, no KL in reward" in out
+    assert "gae_ext(γ=1, λ=0.95), not whitened, no KL in reward" in out
     assert "0.6510" in out
 
     code, out, err = run_cli("show", path, "--format", "csv", "--tokenizer", str(tmp_path / "nowhere"))

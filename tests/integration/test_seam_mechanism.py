@@ -1,4 +1,4 @@
-"""The post-import patch mechanism on throw-away modules (no verl involved)."""
+"""The post-import mechanism of verl_ext.patching on throw-away modules (no verl involved)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from verl_ext.integration import seam
+from verl_ext import patching as seam
 
 MODULE_SOURCE = """
 def greet(name):
@@ -45,12 +45,16 @@ def fresh_module(tmp_path, monkeypatch):
     seam._registry.callbacks.update(saved[1])
 
 
+def patch(module: str, target: str, wrap) -> seam.Touch:
+    return seam.Touch("patch", module, target, "plugin", why="test", versions="any", code=wrap)
+
+
 def shout(original):
     return lambda *args, **kwargs: original(*args, **kwargs).upper()
 
 
 def test_patch_applies_when_module_is_first_imported_and_before_names_are_bound(fresh_module):
-    seam.install([seam.Patch(fresh_module, "greet", shout, why="test", versions="any")])
+    seam.install([patch(fresh_module, "greet", shout)])
     assert fresh_module not in sys.modules
     user = importlib.import_module(f"{fresh_module}_user")  # binds `greet` at import time
     assert user.greet("you") == "HELLO YOU"
@@ -59,16 +63,16 @@ def test_patch_applies_when_module_is_first_imported_and_before_names_are_bound(
 
 def test_patch_applies_at_once_when_module_already_imported(fresh_module):
     module = importlib.import_module(fresh_module)
-    seam.install([seam.Patch(fresh_module, "greet", shout, why="test", versions="any")])
+    seam.install([patch(fresh_module, "greet", shout)])
     assert module.greet("a") == "HELLO A"
 
 
 def test_methods_static_and_class_methods_keep_their_kind(fresh_module):
     seam.install(
         [
-            seam.Patch(fresh_module, "Greeter.hello", shout, why="test", versions="any"),
-            seam.Patch(fresh_module, "Greeter.static", shout, why="test", versions="any"),
-            seam.Patch(fresh_module, "Greeter.klass", shout, why="test", versions="any"),
+            patch(fresh_module, "Greeter.hello", shout),
+            patch(fresh_module, "Greeter.static", shout),
+            patch(fresh_module, "Greeter.klass", shout),
         ]
     )
     greeter = importlib.import_module(fresh_module).Greeter
@@ -78,18 +82,18 @@ def test_methods_static_and_class_methods_keep_their_kind(fresh_module):
 
 
 def test_installing_twice_wraps_once(fresh_module):
-    patch = seam.Patch(fresh_module, "greet", lambda orig: (lambda n: orig(n) + "!"), why="test", versions="any")
-    seam.install([patch])
-    seam.install([patch])
+    exclaim = patch(fresh_module, "greet", lambda orig: (lambda n: orig(n) + "!"))
+    seam.install([exclaim])
+    seam.install([exclaim])
     assert importlib.import_module(fresh_module).greet("x") == "hello x!"
 
 
 def test_missing_target_is_recorded_and_logged_not_raised(fresh_module, caplog):
-    seam.install([seam.Patch(fresh_module, "nothing_here", shout, why="test", versions="any")])
+    seam.install([patch(fresh_module, "nothing_here", shout)])
     importlib.import_module(fresh_module)  # the user's import still works
-    state = next(s for s in seam.states() if s.patch.target == "nothing_here")
+    state = next(s for s in seam.states() if s.touch.target == "nothing_here")
     assert not state.applied and "nothing_here" in state.error
-    assert "could not patch" in caplog.text
+    assert "could not apply patch" in caplog.text
 
 
 def test_when_imported_runs_callbacks_once(fresh_module):

@@ -8,8 +8,10 @@ import torch
 
 import tests.reference as ref
 from tests.integration.conftest import CONFIG_DIR, make_batch, requires_verl, run_python
-from verl_ext.integration.estimators import REGISTERED_FUNCTIONS
-from verl_ext.options import ALGORITHM_KEYS, ESTIMATOR_NAMES
+from verl_ext.integration.patches import REGISTERED_IN_VERL
+from verl_ext.options import ALGORITHM_KEYS
+
+ESTIMATOR_NAMES = ("mc", "td0", "nstep", "gae_ext")
 
 OPTIONS = ["algorithm.gamma=0.97", "algorithm.lam=0.9", "algorithm.n_step=3"]
 
@@ -46,7 +48,7 @@ def test_estimators_are_in_verls_registry():
     from verl.trainer.ppo import core_algos
 
     for name in ESTIMATOR_NAMES:
-        assert core_algos.get_adv_estimator_fn(name) is REGISTERED_FUNCTIONS[name]
+        assert core_algos.get_adv_estimator_fn(name) is REGISTERED_IN_VERL[name]
     assert core_algos.get_adv_estimator_fn("gae") is core_algos.compute_gae_advantage_return
 
 

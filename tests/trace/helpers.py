@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-from verl_ext.trace.capture import FLOAT_SOURCES, StepCapture
+from verl_ext.trace.capture import StepCapture
+from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RunRecord
 
 # A small batch with every mask shape that matters: trailing padding, interior holes, a row with
 # no valid token, a row valid to the end, a row whose only valid token is interior.
@@ -23,6 +24,16 @@ MASK = [
 ]
 
 
+def run_record(**fields) -> RunRecord:
+    """A run record for tests that do not care about its content."""
+    defaults = dict(
+        verl_ext_version="0", verl_version="0", trainer="legacy", created_at="2025-01-01T00:00:00+00:00",
+        algorithm={"adv_estimator": "mc", "gamma": 1.0, "lam": 1.0}, model_path=None, tokenizer_path=None,
+        rollout_n=1, trace={},
+    )  # fmt: skip
+    return RunRecord(**{**defaults, **fields})
+
+
 def make_capture(
     step: int = 1,
     mask=MASK,
@@ -32,30 +43,30 @@ def make_capture(
     dtype: torch.dtype = torch.float32,
     prompt_length: int = 4,
 ) -> StepCapture:
-    """A capture with random float tensors (``missing`` fields set to None), left-padded prompts."""
+    """A capture with random float tensors (``missing`` columns set to None), left-padded prompts."""
     generator = torch.Generator().manual_seed(seed)
     response_mask = torch.tensor(mask, dtype=torch.int64)
     batch, length = response_mask.shape
-    floats = {field: torch.randn(batch, length, generator=generator).to(dtype) for field in FLOAT_SOURCES.values()}
+    floats = {name: torch.randn(batch, length, generator=generator).to(dtype) for name in FLOAT_COLUMN_NAMES}
     prompt_lengths = torch.randint(1, prompt_length + 1, (batch,), generator=generator)
     prompt_mask = torch.arange(prompt_length)[None, :] >= (prompt_length - prompt_lengths)[:, None]
     fields = dict(
         step=step,
-        response_mask=response_mask,
-        responses=torch.randint(0, 50_000, (batch, length), generator=generator),
+        mask=response_mask,
+        token_id=torch.randint(0, 50_000, (batch, length), generator=generator),
         uid=np.array([f"group-{i // 2}" for i in range(batch)], dtype=object),
         prompts=torch.randint(1, 50_000, (batch, prompt_length), generator=generator) * prompt_mask,
         prompt_mask=prompt_mask.long(),
         kl_coef=0.05,
-        **floats,
     )
-    fields.update({name: None for name in missing})
-    return StepCapture(**fields)
+    fields.update({name: None for name in missing if name in fields})
+    floats.update({name: None for name in missing if name in floats})
+    return StepCapture(floats=floats, **fields)
 
 
 def reference_rows(capture, max_samples=None) -> list[dict]:
     """The token table written out by hand: one row per position up to each last valid token."""
-    mask = capture.response_mask.tolist()
+    mask = capture.mask.tolist()
     kept = len(mask) if max_samples is None else min(len(mask), max_samples)
     rows = []
     for i in range(kept):
@@ -65,11 +76,11 @@ def reference_rows(capture, max_samples=None) -> list[dict]:
                 "sample": i,
                 "uid": None if capture.uid is None else str(capture.uid[i]),
                 "token_index": t,
-                "token_id": None if capture.responses is None else int(capture.responses[i, t]),
+                "token_id": None if capture.token_id is None else int(capture.token_id[i, t]),
                 "mask": bool(mask[i][t]),
             }
-            for column, field in FLOAT_SOURCES.items():
-                tensor = getattr(capture, field)
+            for column in FLOAT_COLUMN_NAMES:
+                tensor = capture.floats.get(column)
                 row[column] = None if tensor is None else float(np.float32(tensor[i, t].double().item()))
             rows.append(row)
     return rows

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.trace.helpers import MASK, make_capture, reference_rows
 from verl_ext.estimators import masked_whiten
-from verl_ext.trace.capture import FLOAT_SOURCES, SnapshotMemory, prompt_table, take_snapshot, token_table, whiten_stats
+from verl_ext.trace.capture import SnapshotMemory, prompt_table, take_snapshot, token_table, whiten_stats
 from verl_ext.trace.schema import PROMPT_SCHEMA, TOKEN_FILE_SCHEMA
 
 
@@ -40,7 +40,7 @@ def test_values_match_the_reference_for_each_input_dtype(dtype):
 
 
 def test_absent_tensors_give_null_columns():
-    missing = ("values", "advantage_raw", "ref_log_prob", "kl", "responses", "uid")
+    missing = ("value", "advantage_raw", "ref_log_prob", "kl", "token_id", "uid")
     capture = make_capture(missing=missing)
     rows = table_rows(capture)
     assert rows == reference_rows(capture)
@@ -60,8 +60,8 @@ def test_snapshot_does_not_see_later_changes_to_the_trainers_tensors():
     capture = make_capture()
     expected = reference_rows(capture)
     snapshot = take_snapshot(capture, None)
-    for field in ("response_mask", "responses", "prompts", "prompt_mask", *FLOAT_SOURCES.values()):
-        getattr(capture, field).fill_(7)
+    for tensor in (capture.mask, capture.token_id, capture.prompts, capture.prompt_mask, *capture.floats.values()):
+        tensor.fill_(7)
     capture.uid[:] = "changed"
     assert token_table(snapshot).to_pylist() == expected
     assert [row["prompt_token_ids"] for row in prompt_table(snapshot).to_pylist()] != [[7] * 4] * len(MASK)
@@ -71,7 +71,7 @@ def test_mask_may_be_bool_or_float():
     as_long = make_capture()
     for dtype in (torch.bool, torch.float32):
         capture = make_capture()
-        capture.response_mask = capture.response_mask.to(dtype)
+        capture.mask = capture.mask.to(dtype)
         assert table_rows(capture) == reference_rows(as_long)
 
 
@@ -144,8 +144,8 @@ def test_whiten_stats_follow_masked_whiten():
 def test_whiten_stats_cover_the_full_batch_when_samples_are_dropped():
     capture = make_capture()
     snapshot = take_snapshot(capture, 2)
-    full = numpy_whiten_stats(capture.advantage_raw.numpy(), capture.response_mask.numpy().astype(bool))
-    first_two = numpy_whiten_stats(capture.advantage_raw[:2].numpy(), capture.response_mask[:2].numpy().astype(bool))
+    full = numpy_whiten_stats(capture.floats["advantage_raw"].numpy(), capture.mask.numpy().astype(bool))
+    first_two = numpy_whiten_stats(capture.floats["advantage_raw"][:2].numpy(), capture.mask[:2].numpy().astype(bool))
     assert (snapshot.whiten["mean"], snapshot.whiten["var"]) == pytest.approx(full, rel=1e-6)
     assert snapshot.whiten["mean"] != pytest.approx(first_two[0], rel=1e-3)
 
@@ -166,12 +166,13 @@ def test_kl_coef_and_step_are_plain_numbers():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda c: setattr(c, "values", torch.zeros(5, 5)), "values has shape"),
-        (lambda c: setattr(c, "responses", torch.zeros(4, 6)), "responses has shape"),
+        (lambda c: c.floats.update(value=torch.zeros(5, 5)), "value has shape"),
+        (lambda c: c.floats.update(values=torch.zeros(5, 6)), "unknown float column"),
+        (lambda c: setattr(c, "token_id", torch.zeros(4, 6)), "token_id has shape"),
         (lambda c: setattr(c, "uid", ["a"] * 4), "uid has 4 entries"),
         (lambda c: setattr(c, "prompts", torch.zeros(4, 3)), "prompts must be"),
         (lambda c: setattr(c, "prompt_mask", torch.zeros(5, 3)), "prompt_mask has shape"),
-        (lambda c: setattr(c, "response_mask", torch.zeros(6)), "response_mask must be"),
+        (lambda c: setattr(c, "mask", torch.zeros(6)), "mask must be"),
         (lambda c: setattr(c, "step", -1), "step must be"),
     ],
 )
@@ -216,8 +217,9 @@ def test_snapshot_in_a_dirty_recycled_block_is_exact():
 def test_tensors_on_a_gpu_give_the_same_tables():
     capture = make_capture(dtype=torch.bfloat16)
     on_gpu = make_capture(dtype=torch.bfloat16)
-    for field in ("response_mask", "responses", "prompts", "prompt_mask", *FLOAT_SOURCES.values()):
+    for field in ("mask", "token_id", "prompts", "prompt_mask"):
         setattr(on_gpu, field, getattr(on_gpu, field).cuda())
+    on_gpu.floats = {name: tensor.cuda() for name, tensor in on_gpu.floats.items()}
     snapshot = take_snapshot(on_gpu, 3)
     assert token_table(snapshot).to_pylist() == reference_rows(capture, 3)
     assert prompt_table(snapshot).equals(prompt_table(take_snapshot(capture, 3)))

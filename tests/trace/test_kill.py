@@ -21,7 +21,7 @@ import pandas
 import polars
 import pyarrow.dataset as ds
 
-from tests.trace.helpers import make_capture, reference_rows
+from tests.trace.helpers import make_capture, reference_rows, run_record
 from verl_ext.options import TraceOptions
 from verl_ext.trace.reader import open_trace
 from verl_ext.trace.writer import TraceWriter
@@ -32,7 +32,7 @@ CHILD = r"""
 import sys, time
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from tests.trace.helpers import make_capture
+from tests.trace.helpers import make_capture, run_record
 from verl_ext.options import TraceOptions
 from verl_ext.trace.writer import TraceWriter
 
@@ -67,7 +67,7 @@ class StallingLocalFileSystem(LocalFileSystem):
 
 
 fsspec.register_implementation("stallfile", StallingLocalFileSystem, clobber=True)
-writer = TraceWriter(TraceOptions(dir="stallfile://" + directory), {"trainer": "legacy"})
+writer = TraceWriter(TraceOptions(dir="stallfile://" + directory), run_record())
 for step in (1, 2, 3):
     writer.submit(make_capture(step, seed=step))
 if close:
@@ -122,7 +122,7 @@ def rows(step: int) -> int:
 
 def resume_and_finish(directory: Path) -> None:
     """A new writer (the resumed run) re-traces step 3 and traces step 4."""
-    with TraceWriter(TraceOptions(dir=str(directory)), {"trainer": "legacy"}) as writer:
+    with TraceWriter(TraceOptions(dir=str(directory)), run_record()) as writer:
         writer.submit(make_capture(3, seed=3))
         writer.submit(make_capture(4, seed=4))
     expected = {step: rows(step) for step in (1, 2, 3, 4)}
@@ -140,7 +140,7 @@ def test_killed_while_writing_a_token_file(tmp_path):
     expected = {1: rows(1), 2: rows(2)}
     assert steps_seen_by_every_reader(tmp_path) == dict.fromkeys(["pyarrow", "pandas", "polars", "duckdb", "open_trace"], expected)
     trace = open_trace(str(tmp_path))
-    assert sorted(trace.record["steps"]) == ["1", "2"]
+    assert sorted(trace.record.steps) == ["1", "2"]
     assert trace.prompts(2).num_rows == len(make_capture().uid)
     resume_and_finish(tmp_path)
 
@@ -153,7 +153,7 @@ def test_killed_while_writing_the_run_record(tmp_path):
     assert sorted(record["steps"]) == ["1", "2"]
     trace = open_trace(str(tmp_path))
     assert trace.steps == [1, 2, 3]  # step 3 was published before its record entry
-    assert trace.step_record(3)["rows"] == rows(3)
+    assert trace.step_record(3).rows == rows(3)
     resume_and_finish(tmp_path)
 
 

@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from tests.trace.helpers import make_capture, reference_rows
+from tests.trace.helpers import make_capture, reference_rows, run_record
 from verl_ext.errors import TraceError, UsageError
 from verl_ext.options import TraceOptions
 from verl_ext.trace.reader import open_trace
@@ -27,7 +27,7 @@ STEPS = (1, 3, 10)  # 10 after 3: steps must sort as numbers, not as strings
 def write_trace(directory: str) -> dict[int, list[dict]]:
     """Three steps; returns the expected rows of each, with the step column."""
     captures = [make_capture(step, seed=step) for step in STEPS]
-    with TraceWriter(TraceOptions(dir=directory), {"trainer": "legacy"}) as writer:
+    with TraceWriter(TraceOptions(dir=directory), run_record()) as writer:
         for capture in captures:
             writer.submit(capture)
     return {c.step: [{"step": c.step, **row} for row in reference_rows(c)] for c in captures}
@@ -51,12 +51,12 @@ def test_trace_object(local_trace):
     directory, expected = local_trace
     trace = open_trace(directory)
     assert trace.path == directory and trace.steps == list(STEPS)
-    assert trace.record["trainer"] == "legacy"
+    assert trace.record.trainer == "legacy"
     for step in STEPS:
         table = trace.read_step(step)
         assert table.schema.equals(TOKEN_SCHEMA)
         assert table.to_pylist() == expected[step]
-        assert trace.step_record(step) == trace.record["steps"][str(step)]
+        assert trace.step_record(step) == trace.record.steps[str(step)]
     assert [step for step, _ in trace.iter_steps()] == list(STEPS)
     assert trace.to_polars().to_dicts() == all_rows(expected)
     frame = trace.to_pandas(3)
@@ -69,7 +69,7 @@ def test_column_selection_keeps_schema_order(local_trace):
     assert table.column_names == ["step", "sample", "advantage"]
     assert [name for name, _ in trace.iter_steps(["kl"])] == list(STEPS)
     only_step = trace.read_step(3, columns=["step"])
-    assert only_step.column_names == ["step"] and only_step["step"].to_pylist() == [3] * trace.step_record(3)["rows"]
+    assert only_step.column_names == ["step"] and only_step["step"].to_pylist() == [3] * trace.step_record(3).rows
     with pytest.raises(UsageError, match="unknown trace column"):
         trace.read_step(3, columns=["advantages"])
 
@@ -217,12 +217,12 @@ def test_a_step_directory_without_its_file_is_not_a_step(fresh_trace):
     (fresh_trace / "step=5" / ".part-0.parquet.partial").write_bytes(b"half")
     assert open_trace(str(fresh_trace)).steps == list(STEPS)
     assert ds.dataset(str(fresh_trace), format="parquet", partitioning="hive").to_table().num_rows == sum(
-        open_trace(str(fresh_trace)).step_record(s)["rows"] for s in STEPS
+        open_trace(str(fresh_trace)).step_record(s).rows for s in STEPS
     )
 
 
 def test_empty_trace(tmp_path):
-    TraceWriter(TraceOptions(dir=str(tmp_path)), {}).close()
+    TraceWriter(TraceOptions(dir=str(tmp_path)), run_record()).close()
     trace = open_trace(str(tmp_path))
     assert trace.steps == [] and trace.to_pandas().empty and trace.dataset().to_table().num_rows == 0
     assert pa.concat_tables([t for _, t in trace.iter_steps()] or [TOKEN_SCHEMA.empty_table()]).num_rows == 0

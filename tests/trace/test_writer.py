@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -15,10 +16,10 @@ from tests.trace.helpers import MASK, Gate, HookedMemoryFileSystem, fail_writes_
 from verl_ext.errors import TraceError, UsageError
 from verl_ext.options import TraceOptions
 from verl_ext.trace.reader import open_trace
-from verl_ext.trace.schema import SCHEMA_VERSION, STEP_RECORD_KEYS
+from verl_ext.trace.schema import SCHEMA_VERSION, RunRecord, StepEntry
 from verl_ext.trace.writer import TraceWriter
 
-RUN_RECORD = {
+RUN_FIELDS = {
     "verl_ext_version": "0.1.0",
     "verl_version": "0.9.1",
     "trainer": "legacy",
@@ -29,6 +30,7 @@ RUN_RECORD = {
     "rollout_n": 2,
     "trace": TraceOptions(dir="x").as_dict(),
 }
+RUN_RECORD = RunRecord(**RUN_FIELDS)
 
 
 def write(directory: str, captures, **options) -> None:
@@ -44,7 +46,7 @@ def rows_of(directory: str, step: int) -> list[dict]:
 
 def test_steps_and_run_record(tmp_path):
     directory = str(tmp_path / "trace")
-    record_given = json.loads(json.dumps(RUN_RECORD))
+    record_given = RunRecord(**json.loads(json.dumps(RUN_FIELDS)))
     captures = [make_capture(step, seed=step) for step in (2, 4)]
     started = datetime.now(timezone.utc)
     with TraceWriter(TraceOptions(dir=directory, max_samples_per_step=4), record_given) as writer:
@@ -53,12 +55,12 @@ def test_steps_and_run_record(tmp_path):
     assert record_given == RUN_RECORD  # the caller's dict is not modified
 
     record = json.loads((tmp_path / "trace" / "_run.json").read_text())
-    assert {k: v for k, v in record.items() if k not in ("schema_version", "steps")} == RUN_RECORD
+    assert {k: v for k, v in record.items() if k not in ("schema_version", "steps")} == RUN_FIELDS
     assert record["schema_version"] == SCHEMA_VERSION
     assert list(record["steps"]) == ["2", "4"]
     for capture in captures:
         entry = record["steps"][str(capture.step)]
-        assert tuple(entry) == STEP_RECORD_KEYS
+        assert tuple(entry) == tuple(field.name for field in dataclasses.fields(StepEntry))
         assert entry["rows"] == len(reference_rows(capture, 4)) == 3 + 5 + 0 + 6
         assert (entry["samples"], entry["batch_samples"], entry["kl_coef"]) == (4, len(MASK), 0.05)
         assert entry["file"] == f"step={capture.step}/part-0.parquet"
@@ -66,7 +68,7 @@ def test_steps_and_run_record(tmp_path):
         assert (tmp_path / "trace" / entry["file"]).is_file() and (tmp_path / "trace" / entry["prompts_file"]).is_file()
         written_at = datetime.fromisoformat(entry["written_at"])
         assert written_at.utcoffset() == timedelta(0) and started - timedelta(seconds=1) <= written_at <= datetime.now(timezone.utc)
-        raw = capture.advantage_raw[capture.response_mask.bool()].double()  # all 5 samples, not the 4 kept
+        raw = capture.floats["advantage_raw"][capture.mask.bool()].double()  # all 5 samples, not the 4 kept
         assert entry["whiten"]["mean"] == pytest.approx(raw.mean().item(), rel=1e-6)
         assert entry["whiten"]["var"] == pytest.approx(raw.var().item(), rel=1e-6)
         assert rows_of(directory, capture.step) == reference_rows(capture, 4)
@@ -84,16 +86,16 @@ def test_resume_replaces_a_retraced_step_and_keeps_the_others(tmp_path):
     first_record = json.loads((tmp_path / "_run.json").read_text())
 
     retraced = make_capture(3, mask=[[1, 1, 1, 1, 1, 1]] * 2, seed=99)
-    resumed_record = {**RUN_RECORD, "created_at": "2025-01-02T00:00:00+00:00"}
+    resumed_record = dataclasses.replace(RUN_RECORD, created_at="2025-01-02T00:00:00+00:00")
     with TraceWriter(TraceOptions(dir=directory), resumed_record) as writer:
         writer.submit(retraced)
         writer.submit(make_capture(4, seed=4))
 
     trace = open_trace(directory)
     assert trace.steps == [1, 2, 3, 4]
-    assert trace.record["created_at"] == "2025-01-02T00:00:00+00:00"
-    assert trace.record["steps"]["1"] == first_record["steps"]["1"]
-    assert trace.record["steps"]["3"]["rows"] == 12 != first_record["steps"]["3"]["rows"]
+    assert trace.record.created_at == "2025-01-02T00:00:00+00:00"
+    assert dataclasses.asdict(trace.record.steps["1"]) == first_record["steps"]["1"]
+    assert trace.record.steps["3"].rows == 12 != first_record["steps"]["3"]["rows"]
     assert rows_of(directory, 3) == reference_rows(retraced)
     assert trace.prompts(3).num_rows == 2
     by_step = ds.dataset(directory, format="parquet", partitioning="hive").to_table().group_by("step").aggregate([("sample", "count")])
@@ -105,7 +107,7 @@ def test_resume_warns_when_the_algorithm_changed(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TraceWriter(TraceOptions(dir=str(tmp_path)), RUN_RECORD).close()  # same settings: silent
-    changed = {**RUN_RECORD, "algorithm": {**RUN_RECORD["algorithm"], "gamma": 0.99}}
+    changed = dataclasses.replace(RUN_RECORD, algorithm={**RUN_FIELDS["algorithm"], "gamma": 0.99})
     with pytest.warns(UserWarning, match=r"gamma: 1\.0 -> 0\.99"):
         TraceWriter(TraceOptions(dir=str(tmp_path)), changed).close()
 
@@ -152,7 +154,7 @@ def test_a_writer_needs_a_dir():
 
 def test_run_record_must_be_json(tmp_path):
     with pytest.raises(UsageError, match="run record is not JSON"):
-        TraceWriter(TraceOptions(dir=str(tmp_path)), {**RUN_RECORD, "model_path": object()})
+        TraceWriter(TraceOptions(dir=str(tmp_path)), dataclasses.replace(RUN_RECORD, model_path=object()))
 
 
 def test_failed_write_warns_and_training_goes_on(hooked_url):
@@ -165,7 +167,7 @@ def test_failed_write_warns_and_training_goes_on(hooked_url):
         writer.close()
     assert len([w for w in caught if "writing step" in str(w.message)]) == 1
     trace = open_trace(hooked_url)
-    assert trace.steps == [1, 3] and sorted(trace.record["steps"]) == ["1", "3"]
+    assert trace.steps == [1, 3] and sorted(trace.record.steps) == ["1", "3"]
     fs = HookedMemoryFileSystem()
     assert fs.ls(fs._strip_protocol(hooked_url) + "/_tmp") == []  # the partial file was removed
 
@@ -237,24 +239,24 @@ def test_failed_record_update_keeps_the_step_and_its_entry(hooked_url):
     with pytest.warns(RuntimeWarning, match=r"writing step 1 .* failed: the step is in the trace but _run.json was not updated"):
         writer.close()
     trace = open_trace(hooked_url)
-    assert trace.steps == [1] and trace.record["steps"] == {}
-    assert trace.step_record(1)["rows"] == len(reference_rows(make_capture(1)))
+    assert trace.steps == [1] and trace.record.steps == {}
+    assert trace.step_record(1).rows == len(reference_rows(make_capture(1)))
 
 
 def test_invalid_capture_warns_or_raises_at_submit(tmp_path):
     bad = make_capture(5)
-    bad.values = bad.values[:, :2]
+    bad.floats["value"] = bad.floats["value"][:, :2]
     with TraceWriter(TraceOptions(dir=str(tmp_path / "warn")), RUN_RECORD) as writer:
-        with pytest.warns(RuntimeWarning, match=r"writing step 5 .* failed: values has shape"):
+        with pytest.warns(RuntimeWarning, match=r"writing step 5 .* failed: value has shape"):
             writer.submit(bad)
         not_a_tensor = make_capture(7)
-        not_a_tensor.returns = [[0.0] * 6] * 5
+        not_a_tensor.floats["return"] = [[0.0] * 6] * 5
         with pytest.warns(RuntimeWarning, match=r"writing step 7 .* failed"):
             writer.submit(not_a_tensor)
         writer.submit(make_capture(6))
     assert open_trace(str(tmp_path / "warn")).steps == [6]
     with TraceWriter(TraceOptions(dir=str(tmp_path / "raise"), on_error="raise"), RUN_RECORD) as writer:
-        with pytest.raises(TraceError, match="values has shape"):
+        with pytest.raises(TraceError, match="value has shape"):
             writer.submit(bad)
 
 

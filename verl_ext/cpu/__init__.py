@@ -1,9 +1,11 @@
 """CPU backend: run verl 0.9.1's real PPO trainers on a CPU-only machine.
 
-Off unless asked for: set ``VERL_EXT_CPU=1`` (the verl-ext plugin then calls :func:`activate` in
-every verl process; a local Ray cluster inherits the variable, a pre-started one needs it in
-``ray_kwargs.ray_init.runtime_env.env_vars``). Importing this package is cheap: nothing of verl
-is imported until verl itself imports the modules the backend registers into or patches.
+Off unless asked for, by its switch: ``VERL_EXT_CPU=1`` (the verl-ext plugin then calls
+:func:`activate` in every verl process; a local Ray cluster inherits the variable, a pre-started one
+needs it in ``ray_kwargs.ray_init.runtime_env.env_vars``), or a direct call of :func:`activate`.
+Importing this package activates nothing and imports nothing of verl; once active, nothing of verl
+is imported until verl itself imports the modules the backend registers into or patches. Every
+touch of verl is a record of :data:`verl_ext.touches.CPU_TOUCHES`.
 
 Public entry points (import them from their modules):
 
@@ -12,7 +14,8 @@ Public entry points (import them from their modules):
 * :func:`verl_ext.cpu.overrides.cpu_overrides` / ``cpu_environment`` / ``merge_overrides``: the
   hydra overrides and environment variables of a CPU run;
 * :func:`verl_ext.cpu.in_process.run_in_process`: verl's real ``RayPPOTrainer.fit()`` without Ray,
-  with an ``on_batch`` hook (e.g. :class:`verl_ext.cpu.in_process.BatchRecorder`) per step.
+  with an ``on_batch`` hook (e.g. :class:`verl_ext.cpu.in_process.BatchRecorder`) per step (the
+  module needs the backend active before it is imported).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 
 #: The switch. Any of 1/true/yes (case-insensitive) turns the backend on.
 ENV_SWITCH = "VERL_EXT_CPU"
-SUPPORTED_VERL_VERSION = "0.9.1"
+from verl_ext.touches import CPU_VERL as SUPPORTED_VERL_VERSION
 PLATFORM_NAME = "cpu"
 ROLLOUT_NAME = "hf"
 
@@ -53,12 +56,10 @@ def activate() -> None:
     os.environ[ENV_SWITCH] = "1"  # so Ray workers started from this process activate too
     os.environ.update(CPU_PROCESS_ENV)
 
-    from verl_ext.cpu.patches import CPU_PATCHES, CPU_REGISTRATIONS
-    from verl_ext.integration.seam import install, when_imported
+    from verl_ext import patching
+    from verl_ext.touches import CPU_TOUCHES
 
-    install(CPU_PATCHES)
-    for module_name, callback in CPU_REGISTRATIONS:
-        when_imported(module_name, callback)
+    patching.install(CPU_TOUCHES)
     _active = True
 
 

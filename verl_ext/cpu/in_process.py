@@ -30,9 +30,14 @@ from typing import Any, Callable
 
 import verl_ext.cpu
 
-# Before any verl import: verl resolves its device (transformer_impl.py:89) and binds the names the
-# CPU backend patches (engine_workers.py imports initialize_global_process_group_ray) at import time.
-verl_ext.cpu.activate()
+# The backend must be active before any verl import: verl resolves its device (transformer_impl.py:89)
+# and binds the names the CPU backend patches (engine_workers.py imports
+# initialize_global_process_group_ray) at import time. Importing this module never activates it.
+if not verl_ext.cpu.is_active():
+    raise ImportError(
+        "verl_ext.cpu.in_process runs verl's trainer on the CPU backend, which is not active: call "
+        "verl_ext.cpu.activate() (or set VERL_EXT_CPU=1 and import verl) before importing this module"
+    )
 
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -255,23 +260,6 @@ def _init_single_rank_process_group() -> None:
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
-def compose_config(
-    overrides: list[str], config_dir: str | os.PathLike | None = None, config_name: str = "ppo_trainer"
-) -> DictConfig:
-    """The trainer config as ``python -m verl.trainer.main_ppo`` composes it: verl's own
-    ``ppo_trainer.yaml``, or ``config_name`` in ``config_dir`` (``--config-path``), plus ``overrides``."""
-    from hydra import compose, initialize_config_dir, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    if config_dir is None:
-        context = initialize_config_module(config_module="verl.trainer.config", version_base=None)
-    else:
-        context = initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
-    with context:
-        return compose(config_name=config_name, overrides=list(overrides))
-
-
 def build_trainer(config: DictConfig, on_batch: BatchHook | None = None) -> InProcessPPOTrainer:
     """What ``main_ppo.main`` and ``main_ppo_v0.TaskRunner.run`` do up to ``init_workers()``, without Ray."""
     from verl.utils.dataset.rl_dataset import collate_fn
@@ -315,6 +303,8 @@ def run_in_process(
     The CPU backend is active in this process (importing this module activates it). The platform,
     the registries and the patches are process-global: run one scenario per process.
     """
+    from verl_ext.cpu.overrides import compose_config
+
     config = compose_config(overrides, config_dir, config_name)
     if "file" in config.trainer.logger and "VERL_FILE_LOGGER_PATH" not in os.environ:
         # verl's file logger would write to ./<project>/<experiment>.jsonl; put it next to the

@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verl_ext.cpu import CPU_PROCESS_ENV, ENV_SWITCH, ROLLOUT_NAME
 from verl_ext.cpu.assets import CpuAssets, build_assets
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 #: Prompts are "<|user|>a+b=<|assistant|>" (6 tokens with one-digit operands).
 PROMPT_LENGTH = 16
@@ -151,6 +155,23 @@ def merge_overrides(*override_lists: list[str]) -> list[str]:
                 override = "+" + override
             merged[key] = override
     return list(merged.values())
+
+
+def compose_config(
+    overrides: list[str], config_dir: str | os.PathLike | None = None, config_name: str = "ppo_trainer"
+) -> "DictConfig":
+    """The trainer config as ``python -m verl.trainer.main_ppo`` composes it: verl's own
+    ``ppo_trainer.yaml``, or ``config_name`` in ``config_dir`` (``--config-path``), plus ``overrides``."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    if config_dir is None:
+        context = initialize_config_module(config_module="verl.trainer.config", version_base=None)
+    else:
+        context = initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
+    with context:
+        return compose(config_name=config_name, overrides=list(overrides))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,19 +9,19 @@
     summarize(trace).to_pandas()                   # one row per step
     plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
 
-Every function takes an open trace or a path. Modules: ``check`` (the identities of
-docs/definitions.md §8) with ``report`` (its results as data), ``recompute`` and ``tolerance``;
-``recorded`` (what the run record says); ``stepdata`` and ``layout`` (a step as arrays, and back to
-padded rows); ``table`` (per-token table) with ``tokens`` (decoding); ``summary``; ``plots`` with
-``fonts``; ``render`` (text, CSV, Markdown); ``progress``; ``commands`` (the CLI).
+Every function takes an open trace or a path. Modules: ``stepdata`` (a step as arrays, and what the
+run record says about its estimator); ``check`` (the identities of docs/definitions.md §8, their
+recomputation and tolerances, the report as data); ``table`` (the per-token table, decoded tokens);
+``summary`` (one row per step); ``plots``; ``render`` (text, CSV, Markdown, the check report,
+progress lines). The commands are in :mod:`verl_ext.cli`.
 """
 
 from __future__ import annotations
 
 import importlib
 
-#: Public name -> module defining it. Imported on first use, so that the CLI's subcommand modules
-#: (under this package) load nothing heavy.
+#: Public name -> module defining it. Imported on first use, so that ``import verl_ext.inspect``
+#: loads nothing heavy.
 _EXPORTS = {
     "open_trace": "verl_ext.trace.reader",
     "Trace": "verl_ext.trace.reader",
@@ -34,7 +34,7 @@ _EXPORTS = {
     "sample_view": "verl_ext.inspect.table",
     "SampleView": "verl_ext.inspect.table",
     "summarize": "verl_ext.inspect.summary",
-    "TokenDecoder": "verl_ext.inspect.tokens",
+    "TokenDecoder": "verl_ext.inspect.table",
     "render": "verl_ext.inspect.render",
 }
 __all__ = [*_EXPORTS, "plots"]

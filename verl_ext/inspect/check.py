@@ -1,9 +1,9 @@
 """The identities of docs/definitions.md §8, checked on every traced step, as data.
 
-For each step, on valid tokens, within the tolerances of :mod:`verl_ext.inspect.tolerance`:
+For each step, on valid tokens, within the tolerances below:
 
-1. ``advantage_raw``: returns − values = raw advantage (one λ); with decoupled or length-adaptive
-   λ, raw advantage = GAE(γ, λ_actor) recomputed.
+1. ``advantage_raw``: returns − values = raw advantage where the estimator says so (one λ); else the
+   raw advantage recomputed with the run's estimator.
 2. ``whitening``: advantages = masked_whiten(raw advantage) over the step's batch (or = raw
    advantage when whitening is off); ``whitening_stats``: the recorded batch μ, σ² = recomputed.
 3. ``returns``: returns recomputed from (rewards, values, mask) with the run's estimator.
@@ -11,28 +11,314 @@ For each step, on valid tokens, within the tolerances of :mod:`verl_ext.inspect.
 5. ``mask_layout``: each sample's rows run 0…n−1 and end on a valid token (so no valid token
    follows a trailing pad); ``finite``: the run's quantities are present and finite on valid tokens.
 
-Recomputation uses :func:`verl_ext.estimators.estimate` in float64 on the trace's float32 inputs,
-row group by row group; the trace is read one step at a time, so memory is bounded by one step.
+Recomputation runs the registered estimator itself (:func:`verl_ext.registry.run`, the code path of
+training) in float64 on the trace's float32 inputs, one dense row group of the step at a time; the
+trace is read one step at a time, so memory is bounded by one step.
+
+Tolerances. How far a traced number may be from its recomputation and still count as equal.
+
+Traces store float32; the checker recomputes in float64 from those float32 inputs, so the
+difference is the producer's own float32 rounding. Every tolerance here is
+
+    ATOL + (a multiple of float32's ε) × (the magnitude of the numbers the producer combined),
+
+so it scales with the data, and it is far below a real discrepancy: a single token changed by
+1e-2 relative is caught (tests plant exactly that). The multiples, and why:
+
+* elementwise identities (r = s − β·kl, raw = R − V): one or two float32 roundings of the operands,
+  so 4ε·(|a| + |b|).
+* recomputed returns and GAE advantages: the producer sums up to n terms in float32 (verl's
+  Python loop over T, verl-ext's blocked scan). Rounding errors can pile up linearly: measured at
+  up to 0.1·ε·n·m with n the terms summed and m the largest magnitude in the row (constant
+  rewards, rows of 1k to 16k tokens), so the bound is ε·n·m (10x that worst case) plus 4ε·|expected|.
+  n is the row's length L, or the estimator's horizon when shorter: 1 for td0, n for nstep,
+  1/(1 − γλ) for GAE and 1/(1 − γ) for mc.
+* whitening: the producer's batch mean and variance are float32 too; their error scales the
+  whole token by 1/σ. Measured at up to 1.3e-7 × (|A| + (|x| + |μ|)/σ) for verl's and verl-ext's
+  masked_whiten on 1M tokens; the bound is 16ε (≈ 1.9e-6) × (|A| + (|x| + |μ| + |R| + |V|)/σ),
+  where |R| + |V| covers traces whose raw advantage was rebuilt as returns − values (verl's gae).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-
 import math
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
 import numpy as np
+import pyarrow as pa
+import torch
 
-from verl_ext.inspect import tolerance
-from verl_ext.inspect.progress import Progress
-from verl_ext.inspect.recompute import recompute
-from verl_ext.inspect.recorded import RecordedAlgorithm, step_beta
-from verl_ext.inspect.report import CheckReport, IdentityResult, Location, StepResult, Violation, aggregate
-from verl_ext.inspect.source import as_trace
-from verl_ext.inspect.stepdata import StepData
+from verl_ext import registry
+from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace, step_beta
+from verl_ext.torch_threads import one_torch_thread
 
 __all__ = ["IDENTITIES", "check_trace", "CheckReport", "IdentityResult", "Location", "StepResult", "Violation"]
+
+# --------------------------------------------------------------------------- tolerances
+
+EPS32 = float(np.finfo(np.float32).eps)  # 2^-23
+#: Below this nothing is claimed: float32 data of order one round at ~6e-8.
+ATOL = 1e-6
+ELEMENTWISE = 4 * EPS32
+ACCUMULATED = EPS32
+WHITENING = 16 * EPS32
+
+
+def elementwise_tolerance(scale: np.ndarray) -> np.ndarray:
+    """Tolerance of an identity between float32 operands whose magnitudes add up to ``scale``."""
+    return ATOL + ELEMENTWISE * scale
+
+
+def accumulated_tolerance(expected: np.ndarray, terms: np.ndarray, magnitude: np.ndarray) -> np.ndarray:
+    """Tolerance of a float32 sum of ``terms`` terms of at most ``magnitude`` each (per token)."""
+    return ATOL + ELEMENTWISE * np.abs(expected) + ACCUMULATED * terms * magnitude
+
+
+def whitening_tolerance(expected: np.ndarray, scale_over_sigma: np.ndarray) -> np.ndarray:
+    """Tolerance of (x − μ)/σ given |A| and the operands' magnitude divided by σ."""
+    return ATOL + WHITENING * (np.abs(expected) + scale_over_sigma)
+
+
+ELEMENTWISE_TEXT = f"{ATOL:g} + 4ε·Σ|operand|"
+ACCUMULATED_TEXT = f"{ATOL:g} + 4ε·|expected| + ε·n·m"
+WHITENING_TEXT = f"{ATOL:g} + 16ε·(|A| + (|x|+|μ|+|R|+|V|)/σ)"
+STATISTICS_TEXT = f"{ATOL:g} + 16ε·(|μ|+σ)"
+
+
+# --------------------------------------------------------------------------- results as data
+
+
+@dataclass(frozen=True)
+class Location:
+    step: int
+    sample: int | None = None
+    token_index: int | None = None
+
+    def __str__(self) -> str:
+        parts = [f"step {self.step}"]
+        if self.sample is not None:
+            parts.append(f"sample {self.sample}")
+        if self.token_index is not None:
+            parts.append(f"token {self.token_index}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """The first offending token of an identity: what the trace holds and what was due."""
+
+    location: Location
+    column: str
+    actual: float | None = None
+    expected: float | None = None
+    error: float | None = None
+    tolerance: float | None = None
+    detail: str | None = None
+
+    def __str__(self) -> str:
+        text = f"{self.location}: {self.column}"
+        if self.expected is not None:
+            text += f" = {self.actual:.7g}, expected {self.expected:.7g}"
+            text += f" (|Δ| {self.error:.2e} > tolerance {self.tolerance:.2e})"
+        elif self.actual is not None:
+            text += f" = {self.actual:.7g}"
+        return text + (f": {self.detail}" if self.detail else "")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One identity on one step."""
+
+    identity: str
+    step: int
+    status: str  # "pass", "fail" or "skipped"
+    checked: int = 0
+    violations: int = 0
+    max_abs_error: float | None = None
+    first: Violation | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class IdentityResult:
+    """One identity over all checked steps."""
+
+    identity: str
+    title: str
+    tolerance: str
+    status: str  # "fail" if any step fails, else "pass" if any step passed, else "skipped"
+    checked: int
+    violations: int
+    max_abs_error: float | None
+    first: Violation | None
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    path: str
+    algorithm: RecordedAlgorithm
+    steps: tuple[int, ...]
+    tokens: int
+    identities: tuple[IdentityResult, ...]
+    per_step: tuple[StepResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(result.status != "fail" for result in self.identities)
+
+    def __getitem__(self, identity: str) -> IdentityResult:
+        for result in self.identities:
+            if result.identity == identity:
+                return result
+        raise KeyError(f"no identity {identity!r}; the report has {[r.identity for r in self.identities]}")
+
+    def to_arrow(self) -> pa.Table:
+        """One row per (identity, step): status, counts, max abs error, first violation."""
+        rows = [
+            {
+                "identity": r.identity,
+                "step": r.step,
+                "status": r.status,
+                "checked": r.checked,
+                "violations": r.violations,
+                "max_abs_error": r.max_abs_error,
+                "first_sample": r.first.location.sample if r.first else None,
+                "first_token_index": r.first.location.token_index if r.first else None,
+                "first_violation": str(r.first) if r.first else None,
+                "note": r.note,
+            }
+            for r in self.per_step
+        ]
+        return pa.Table.from_pylist(rows, schema=_PER_STEP_SCHEMA)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (per identity)."""
+        return {
+            "path": self.path,
+            "estimator": self.algorithm.describe(),
+            "steps": list(self.steps),
+            "tokens": self.tokens,
+            "passed": self.passed,
+            "identities": [
+                {
+                    **{k: v for k, v in dataclasses.asdict(r).items() if k != "first"},
+                    "notes": list(r.notes),
+                    "first_violation": None
+                    if r.first is None
+                    else {**dataclasses.asdict(r.first), "text": str(r.first)},
+                }
+                for r in self.identities
+            ],
+        }
+
+
+_PER_STEP_SCHEMA = pa.schema(
+    [
+        ("identity", pa.string()),
+        ("step", pa.int64()),
+        ("status", pa.string()),
+        ("checked", pa.int64()),
+        ("violations", pa.int64()),
+        ("max_abs_error", pa.float64()),
+        ("first_sample", pa.int64()),
+        ("first_token_index", pa.int64()),
+        ("first_violation", pa.string()),
+        ("note", pa.string()),
+    ]
+)
+
+
+def aggregate(identity: str, title: str, tolerance: str, results: list[StepResult]) -> IdentityResult:
+    """One identity over all its steps: failed if any step failed, passed if any passed, else skipped."""
+    statuses = {r.status for r in results}
+    status = "fail" if "fail" in statuses else "pass" if "pass" in statuses else "skipped"
+    errors = [r.max_abs_error for r in results if r.max_abs_error is not None]
+    first = next((r.first for r in results if r.first is not None), None)
+    steps_by_note: dict[str, list[int]] = {}
+    for r in results:
+        if r.note:
+            steps_by_note.setdefault(r.note, []).append(r.step)
+    notes = tuple(f"{_steps_text(s, len(results))}: {note}" for note, s in steps_by_note.items())
+    return IdentityResult(
+        identity=identity,
+        title=title,
+        tolerance=tolerance,
+        status=status,
+        checked=sum(r.checked for r in results),
+        violations=sum(r.violations for r in results),
+        max_abs_error=max(errors, key=lambda e: math.inf if math.isnan(e) else e) if errors else None,
+        first=first,
+        notes=notes,
+    )
+
+
+def _steps_text(steps: list[int], total: int) -> str:
+    if len(steps) == total and total > 1:
+        return "all steps"
+    shown = ", ".join(str(s) for s in steps[:8]) + (", …" if len(steps) > 8 else "")
+    return ("step " if len(steps) == 1 else "steps ") + shown
+
+
+# --------------------------------------------------------------------------- recomputation
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """Returns and raw advantages recomputed at the step's valid tokens, with their tolerances."""
+
+    returns: np.ndarray
+    raw: np.ndarray
+    returns_tolerance: np.ndarray
+    raw_tolerance: np.ndarray
+
+
+def recompute(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
+    """Returns and raw advantages at the step's valid tokens, as the run's estimator makes them."""
+    with one_torch_thread():  # row groups are cache-sized: threads only contend
+        return _recompute_groups(algorithm, data)
+
+
+def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
+    layout = data.layout
+    reward, value = data.columns["reward"], data.columns["value"]
+    returns, raw = np.empty(data.tokens), np.empty(data.tokens)
+    for group in layout.row_groups():
+        result = registry.run(
+            algorithm.estimator,
+            torch.from_numpy(group.dense(reward)),
+            None if value is None else torch.from_numpy(group.dense(value)),
+            torch.from_numpy(group.mask()),
+            algorithm.settings,
+            whiten=False,
+        )
+        returns[group.tokens] = group.gather(result.returns.numpy())
+        raw[group.tokens] = group.gather(result.advantage_raw.numpy())
+    # tolerances: the largest magnitude in each row (inputs and outputs) and the terms summed per row
+    magnitude = np.maximum(np.abs(returns), np.abs(raw))
+    for column in (reward, value):
+        if column is not None:
+            magnitude = np.maximum(magnitude, np.abs(column))
+    nonempty = layout.valid_counts > 0
+    row_magnitude = np.zeros(layout.samples)
+    row_magnitude[nonempty] = np.maximum.reduceat(magnitude, layout.valid_starts[nonempty]) if len(magnitude) else 0.0
+    lengths = layout.valid_counts.astype(np.float64)
+    returns_horizon, raw_horizon = algorithm.estimator.horizons(algorithm.settings)
+    token_sample = layout.valid_sample_index()
+    row_magnitude = row_magnitude[token_sample]
+    return Recomputed(
+        returns,
+        raw,
+        accumulated_tolerance(returns, np.minimum(lengths, returns_horizon)[token_sample], row_magnitude),
+        accumulated_tolerance(raw, np.minimum(lengths, raw_horizon)[token_sample], row_magnitude),
+    )
+
+
+# --------------------------------------------------------------------------- the identities
+
 
 #: The identities, in report order (what each says depends on the run: see ``_titles``).
 IDENTITIES = (
@@ -67,22 +353,24 @@ def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | 
 
 def _titles(algorithm: RecordedAlgorithm) -> dict[str, tuple[str, str]]:
     """(what the identity says, its tolerance) for this run."""
-    accumulated = algorithm.options is not None and not algorithm.single_lambda
+    accumulated = algorithm.recomputable and not algorithm.returns_minus_values
     whitening = (
-        ("advantages = raw advantage (whitening off)", tolerance.ELEMENTWISE_TEXT)
+        ("advantages = raw advantage (whitening off)", ELEMENTWISE_TEXT)
         if algorithm.whitened is False
-        else ("advantages = masked_whiten(raw advantage)", tolerance.WHITENING_TEXT)
+        else ("advantages = masked_whiten(raw advantage)", WHITENING_TEXT)
     )
     rewards = "rewards = scores − β·kl" if algorithm.kl_in_reward else "rewards = scores (no KL in reward)"
     return {
         "advantage_raw": (
-            algorithm.raw_formula(),
-            tolerance.ACCUMULATED_TEXT if accumulated else tolerance.ELEMENTWISE_TEXT,
+            f"raw advantage recomputed: {algorithm.describe_estimator()}"
+            if accumulated
+            else "raw advantage = returns − values",
+            ACCUMULATED_TEXT if accumulated else ELEMENTWISE_TEXT,
         ),
         "whitening": whitening,
-        "whitening_stats": ("recorded whitening μ, σ = recomputed", tolerance.STATISTICS_TEXT),
-        "returns": (algorithm.returns_formula(), tolerance.ACCUMULATED_TEXT),
-        "rewards": (rewards, tolerance.ELEMENTWISE_TEXT),
+        "whitening_stats": ("recorded whitening μ, σ = recomputed", STATISTICS_TEXT),
+        "returns": (f"returns recomputed: {algorithm.describe_estimator()}", ACCUMULATED_TEXT),
+        "rewards": (rewards, ELEMENTWISE_TEXT),
         "mask_layout": ("rows 0…n−1 per sample, ending on a valid token", "exact"),
         "finite": ("quantities present and finite on valid tokens", "exact"),
     }
@@ -91,14 +379,14 @@ def _titles(algorithm: RecordedAlgorithm) -> dict[str, tuple[str, str]]:
 class _StepCheck:
     """The identities on one step."""
 
-    def __init__(self, algorithm: RecordedAlgorithm, step_record: dict, data: StepData):
+    def __init__(self, algorithm: RecordedAlgorithm, step_record, data: StepData):
         self.algorithm = algorithm
         self.step_record = step_record
         self.data = data
         self.step = data.step
         self.col = data.columns
         self.recomputed = (
-            recompute(algorithm, data) if algorithm.options is not None and self._inputs_present() else None
+            recompute(algorithm, data) if algorithm.recomputable and self._inputs_present() else None
         )
 
     def results(self) -> Iterator[StepResult]:
@@ -112,8 +400,12 @@ class _StepCheck:
 
     # ------------------------------------------------------------------ helpers
 
+    def _inputs(self) -> tuple[str, ...]:
+        """The columns the run's estimator computes from."""
+        return ("reward", "value") if self.algorithm.estimator.needs_critic else ("reward",)
+
     def _inputs_present(self) -> bool:
-        return all(self.col[name] is not None for name in ("reward", "value"))
+        return all(self.col[name] is not None for name in self._inputs())
 
     def _skip(self, identity: str, why: str) -> StepResult:
         return StepResult(identity, self.step, "skipped", note=f"not applicable: {why}")
@@ -158,15 +450,15 @@ class _StepCheck:
 
     def advantage_raw(self) -> StepResult:
         a = self.algorithm
-        if a.options is None:
+        if not a.recomputable:
             return self._skip("advantage_raw", a.why_not)
-        needed = ("advantage_raw", "return", "value") if a.single_lambda else ("advantage_raw", "reward", "value")
+        needed = ("advantage_raw", "return", "value") if a.returns_minus_values else ("advantage_raw", *self._inputs())
         if (missing := self._missing("advantage_raw", needed)) is not None:
             return missing
         raw, ret, value = self.col["advantage_raw"], self.col["return"], self.col["value"]
-        if a.single_lambda:
+        if a.returns_minus_values:
             return self._compare(
-                "advantage_raw", "advantage_raw", raw, ret - value, tolerance.elementwise(np.abs(ret) + np.abs(value))
+                "advantage_raw", "advantage_raw", raw, ret - value, elementwise_tolerance(np.abs(ret) + np.abs(value))
             )
         expected, tol = self.recomputed.raw, self.recomputed.raw_tolerance
         return self._compare("advantage_raw", "advantage_raw", raw, expected, tol)
@@ -179,7 +471,7 @@ class _StepCheck:
             return missing
         advantage, raw = self.col["advantage"], self.col["advantage_raw"]
         if not a.whitened:
-            return self._compare("whitening", "advantage", advantage, raw, tolerance.elementwise(np.abs(raw)))
+            return self._compare("whitening", "advantage", advantage, raw, elementwise_tolerance(np.abs(raw)))
         stats, note = self._whitening_stats_to_use()
         if stats is None:
             return StepResult("whitening", self.step, "skipped", note=note)
@@ -191,7 +483,7 @@ class _StepCheck:
             if self.col[name] is not None:
                 operands = operands + np.abs(self.col[name])
         return self._compare(
-            "whitening", "advantage", advantage, expected, tolerance.whitening(expected, operands / sigma), note
+            "whitening", "advantage", advantage, expected, whitening_tolerance(expected, operands / sigma), note
         )
 
     @functools.cached_property
@@ -203,12 +495,11 @@ class _StepCheck:
     def _truncation(self) -> tuple[int, int] | None:
         """(samples traced, samples in the batch) when the step kept only part of its batch. From the
         step record: a sample without any valid token has no rows, so the table cannot tell."""
-        batch = self.step_record.get("batch_samples")
-        samples = self.step_record.get("samples", self.data.layout.samples)
+        batch, samples = self.step_record.batch_samples, self.step_record.samples
         return (samples, batch) if isinstance(batch, int) and isinstance(samples, int) and batch > samples else None
 
     def _recorded_stats(self) -> tuple[float, float] | None:
-        recorded = self.step_record.get("whiten")
+        recorded = self.step_record.whiten
         if isinstance(recorded, dict) and all(isinstance(recorded.get(k), (int, float)) for k in ("mean", "var")):
             return float(recorded["mean"]), float(recorded["var"])
         return None
@@ -243,7 +534,7 @@ class _StepCheck:
         mean, var = self._raw_moments
         actual = np.array([recorded[0], math.sqrt(max(recorded[1], 0.0))])
         expected = np.array([mean, math.sqrt(var)])
-        tol = tolerance.whitening(0.0, abs(mean) + math.sqrt(var))
+        tol = whitening_tolerance(0.0, abs(mean) + math.sqrt(var))
         error = np.abs(actual - expected)
         bad = ~(error <= tol)
         first = None
@@ -261,9 +552,9 @@ class _StepCheck:
 
     def returns(self) -> StepResult:
         a = self.algorithm
-        if a.options is None:
+        if not a.recomputable:
             return self._skip("returns", a.why_not)
-        if (missing := self._missing("returns", ("return", "reward", "value"))) is not None:
+        if (missing := self._missing("returns", ("return", *self._inputs()))) is not None:
             return missing
         r = self.recomputed
         return self._compare("returns", "return", self.col["return"], r.returns, r.returns_tolerance)
@@ -273,7 +564,7 @@ class _StepCheck:
             return missing
         reward, score = self.col["reward"], self.col["score"]
         if not self.algorithm.kl_in_reward:
-            return self._compare("rewards", "reward", reward, score, tolerance.elementwise(np.abs(score)))
+            return self._compare("rewards", "reward", reward, score, elementwise_tolerance(np.abs(score)))
         beta = step_beta(self.step_record)
         if beta is None:
             detail = "KL is in the reward but the run record has no β (kl_coef) for this step"
@@ -283,7 +574,7 @@ class _StepCheck:
             return missing
         penalty = beta * self.col["kl"]
         return self._compare(
-            "rewards", "reward", reward, score - penalty, tolerance.elementwise(np.abs(score) + np.abs(penalty)),
+            "rewards", "reward", reward, score - penalty, elementwise_tolerance(np.abs(score) + np.abs(penalty)),
             note=f"β = {beta:g}",
         )  # fmt: skip
 
@@ -303,8 +594,8 @@ class _StepCheck:
     def finite(self) -> StepResult:
         a = self.algorithm
         required = {"score", "reward", "return", "advantage"}
-        if a.options is not None:
-            required |= {"value", "advantage_raw"}
+        if a.recomputable:
+            required |= {"advantage_raw", *self._inputs()}
         if a.kl_in_reward:
             required.add("kl")
         names = [name for name in QUANTITIES if name in required or self.col[name] is not None]

@@ -1,11 +1,15 @@
-"""Tables as text: aligned for a terminal (CJK characters count two columns), CSV, Markdown."""
+"""What the inspection prints: tables as text (aligned for a terminal, CJK characters counting two
+columns), CSV and Markdown; the check report; progress lines on stderr."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
+import sys
+import time
 import unicodedata
+from typing import TextIO
 
 import numpy as np
 import pyarrow as pa
@@ -88,3 +92,102 @@ def _csv_column(column: pa.ChunkedArray) -> list[str]:
     if pa.types.is_float32(column.type):  # the shortest text that reads back as the same float32
         return ["" if v is None else str(np.float32(v)) for v in values]
     return ["" if v is None else ("true" if v else "false") if isinstance(v, bool) else str(v) for v in values]
+
+
+# --------------------------------------------------------------------------- the check report
+
+#: The item of docs/definitions.md §8 each identity checks, as printed ("8.2": §8, item 2).
+SECTION = {
+    "advantage_raw": "8.1",
+    "whitening": "8.2",
+    "whitening_stats": "8.2",
+    "returns": "8.3",
+    "rewards": "8.4",
+    "mask_layout": "8.5",
+    "finite": "8.5",
+}
+LEGEND = (
+    "ε = float32 epsilon (1.19e-07); n = terms the producer summed (row length, or the estimator's horizon "
+    "if shorter); m = largest |r|, |V|, |R|, |A| of the row; see docs/definitions.md#tolerances"
+)
+
+
+def format_report(report) -> str:
+    rows = [
+        (
+            SECTION[r.identity],
+            r.title,
+            _error_text(r.max_abs_error),
+            "—" if r.status == "skipped" else r.tolerance,
+            _result_text(r),
+        )
+        for r in report.identities
+    ]
+    lines = [
+        f"run:       {report.path}",
+        f"estimator: {report.algorithm.describe()}",
+        f"checked:   {len(report.steps)} step{'s' * (len(report.steps) != 1)}, {report.tokens:,} valid tokens",
+        "",
+        text_table(
+            ["§", "identity", "max abs error", "tolerance", "result"], rows, [False, False, True, False, False]
+        ),
+    ]
+    failed = [r for r in report.identities if r.status == "fail"]
+    if failed:
+        lines += ["", "first violations:"]
+        lines += [f"  §{SECTION[r.identity]} {r.title}: {r.first}" for r in failed]
+    sections_by_note: dict[str, list[str]] = {}  # the same note on several identities is said once
+    for r in report.identities:
+        for note in r.notes:
+            sections = sections_by_note.setdefault(note, [])
+            if SECTION[r.identity] not in sections:
+                sections.append(SECTION[r.identity])
+    if sections_by_note:
+        lines += ["", "notes:"]
+        lines += [f"  §{', §'.join(sections)}: {note}" for note, sections in sections_by_note.items()]
+    passed = sum(r.status == "pass" for r in report.identities)
+    skipped = sum(r.status == "skipped" for r in report.identities)
+    verdict = f"FAIL: {len(failed)} violated" if failed else "PASS"
+    lines += ["", LEGEND, f"{verdict} ({passed} passed, {len(failed)} failed, {skipped} skipped)"]
+    return "\n".join(lines)
+
+
+def _error_text(error: float | None) -> str:
+    return "—" if error is None else "0" if error == 0 else f"{error:.1e}"
+
+
+def _result_text(result) -> str:
+    if result.status == "fail":
+        unit = "token" if result.identity not in ("mask_layout", "whitening_stats") else "entry"
+        return f"FAIL ({result.violations} {unit}{'s' * (result.violations != 1)})"
+    if result.status == "skipped":
+        return "skipped (not applicable)" if any("not applicable" in n for n in result.notes) else "skipped"
+    return "pass"
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class ProgressPrinter:
+    """Callable as ``progress(done, total, tokens)``; prints at most one line per ``interval``
+    seconds, nothing at all for a scan that ends within ``interval``."""
+
+    def __init__(self, what: str, stream: TextIO | None = None, interval: float = 1.0):
+        self.what = what
+        self.stream = stream if stream is not None else sys.stderr
+        self.interval = interval
+        self.started = time.perf_counter()
+        self.last_printed = self.started
+        self.printed = False
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        now = time.perf_counter()
+        if now - self.last_printed < self.interval and not (done == total and self.printed):
+            return
+        elapsed = now - self.started
+        rate = f", {tokens / elapsed / 1e6:.1f}M tokens/s" if elapsed > 0 else ""
+        print(
+            f"{self.what}: step {done}/{total}, {tokens:,} tokens, {elapsed:.1f} s{rate}", file=self.stream, flush=True
+        )
+        self.last_printed = now
+        self.printed = True

@@ -1,14 +1,132 @@
-"""One step of a trace as numpy arrays over its valid tokens, the form every inspection computes on."""
+"""One step of a trace as numpy arrays, and what the run record says about how it was made.
+
+* :class:`StepData`: a step's columns at its valid tokens (float64), with its :class:`StepLayout`;
+* :class:`StepLayout`: from the long token table (one row per position, sorted by (sample,
+  token_index), masked interior positions included) back to verl's padded rows, in dense row groups,
+  so that the estimators (which skip masked positions themselves) can recompute a step without ever
+  holding the whole padded batch;
+* :class:`RecordedAlgorithm`: the run's estimator and settings, from ``_run.json``, resolved in
+  :mod:`verl_ext.registry` (verl's ``gae`` is verl-ext's ``gae_ext`` with one λ, always whitened;
+  other verl estimators build advantages from group statistics the trace does not hold);
+* :func:`as_trace`: every inspection function takes an open trace or a path to one.
+"""
 
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from verl_ext.inspect.layout import StepLayout
+from verl_ext.errors import TraceError
+
+#: Called by a scan after each step with (steps done, steps in all, valid tokens so far).
+Progress = Callable[[int, int, int], None]
+
+
+def as_trace(trace_or_path):
+    """``trace_or_path`` if it is an open trace, else the trace opened at that path."""
+    if isinstance(trace_or_path, (str, os.PathLike)):
+        from verl_ext.trace.reader import open_trace
+
+        return open_trace(os.fspath(trace_or_path))
+    return trace_or_path
+
+
+# --------------------------------------------------------------------------- the run's estimator
+
+
+@dataclass(frozen=True)
+class RecordedAlgorithm:
+    """The estimator of a run, in the form the checker needs."""
+
+    name: str
+    gamma: float
+    #: The registered estimator that recomputes returns and raw advantages, and its settings; None
+    #: when the trace cannot tell (see ``why_not``).
+    estimator: Any
+    settings: Mapping[str, Any] | None
+    why_not: str | None
+    #: True/False: advantages are (not) masked_whiten(raw advantage); None: not applicable.
+    whitened: bool | None
+    kl_in_reward: bool
+    kl_penalty: str | None
+
+    @classmethod
+    def from_record(cls, record) -> "RecordedAlgorithm":
+        from verl_ext import registry
+
+        algorithm = record.algorithm
+        if not isinstance(algorithm, Mapping) or not algorithm.get("adv_estimator"):
+            raise TraceError("run record has no algorithm.adv_estimator")
+        name = str(algorithm["adv_estimator"])
+        kl = dict(kl_in_reward=bool(algorithm.get("use_kl_in_reward", False)), kl_penalty=algorithm.get("kl_penalty"))
+        gamma = algorithm.get("gamma", 1.0)
+        for key in ("gamma", "lam"):
+            if not isinstance(algorithm.get(key, 1.0), (int, float)):
+                raise TraceError(f"run record: algorithm.{key} is {algorithm.get(key)!r}, expected a number")
+        if name == "gae":  # verl's GAE: one λ, advantages always whitened
+            estimator = registry.get("gae_ext")
+            settings = estimator.settings({"gamma": gamma, "lam": algorithm.get("lam", 1.0), "whiten_advantages": True})
+            return cls(name, float(gamma), estimator, settings, None, True, **kl)
+        if name not in registry.names() and algorithm.get("estimator_module"):
+            _import_quietly(algorithm["estimator_module"])  # a user's estimator, registered on import
+        if name not in registry.names():
+            module = algorithm.get("estimator_module")
+            why = (
+                f"estimator {name!r} is not registered in this process (its module {module!r} did not import)"
+                if module
+                else f"verl's {name!r} estimator: its advantages come from statistics the trace does not hold"
+            )
+            return cls(name, float(gamma), None, None, why, None, **kl)
+        estimator = registry.get(name)
+        try:
+            settings = estimator.settings(algorithm)
+        except ValueError as exc:
+            raise TraceError(f"run record: {exc}") from None
+        return cls(name, float(gamma), estimator, settings, None, settings["whiten_advantages"], **kl)
+
+    @property
+    def recomputable(self) -> bool:
+        return self.estimator is not None
+
+    @property
+    def returns_minus_values(self) -> bool:
+        """True when returns − values = raw advantage on valid tokens (docs/definitions.md §4)."""
+        return self.estimator is not None and self.estimator.is_returns_minus_values(self.settings)
+
+    def describe_estimator(self) -> str:
+        """``nstep(γ=0.99, n_step=3)``; verl's gae as ``gae(γ=…, λ=…)``; the bare name otherwise."""
+        if self.estimator is None:
+            return self.name
+        return self.name + self.estimator.describe(self.settings).removeprefix(self.estimator.name)
+
+    def describe(self) -> str:
+        """One line: the estimator and the settings the identities depend on."""
+        parts = [self.describe_estimator()]
+        parts.append({True: "whitened", False: "not whitened", None: "no whitening check"}[self.whitened])
+        parts.append(f"KL in reward ({self.kl_penalty})" if self.kl_in_reward else "no KL in reward")
+        return ", ".join(parts)
+
+
+def _import_quietly(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - reported as "not registered" by the caller
+        pass
+
+
+def step_beta(step_record) -> float | None:
+    """β applied at a step (``kl_coef``), or None if the record has none."""
+    beta = getattr(step_record, "kl_coef", None)
+    return float(beta) if isinstance(beta, (int, float)) else None
+
+
+# --------------------------------------------------------------------------- a step as arrays
+
 
 LAYOUT_COLUMNS = ("sample", "token_index", "mask")
 
@@ -58,3 +176,109 @@ class StepData:
 
     def is_null(self, name: str, valid_token: int) -> bool:
         return not self.table.column(name)[int(self.layout.valid_rows[valid_token])].is_valid
+
+
+# --------------------------------------------------------------------------- layout
+
+
+#: A dense row group holds at most this many cells (rows × longest row): bounded memory per step.
+GROUP_CELLS = 1 << 21
+
+
+class LayoutProblem(NamedTuple):
+    row: int  # the first offending row of the step table
+    message: str
+    count: int  # offending rows of this kind
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Some samples of a step as dense (rows, width) arrays; valid token ``tokens[i]`` of the step
+    sits at flat cell ``cells[i]`` = row × width + its position among its sample's rows (which is
+    its token_index in a well-formed trace)."""
+
+    samples: np.ndarray  # (R,) sample indices (0 … B-1) of the rows
+    width: int
+    tokens: np.ndarray  # (N,) indices into the step's valid tokens
+    cells: np.ndarray  # (N,) flat dense cell of each of them
+
+    def dense(self, values: np.ndarray) -> np.ndarray:
+        """(R, width) float64: ``values`` (one per valid token of the step) at their cells, 0 elsewhere."""
+        out = np.zeros(len(self.samples) * self.width)
+        out[self.cells] = values[self.tokens]
+        return out.reshape(len(self.samples), self.width)
+
+    def mask(self) -> np.ndarray:
+        """(R, width) float64: 1 at valid tokens, 0 elsewhere."""
+        out = np.zeros(len(self.samples) * self.width)
+        out[self.cells] = 1.0
+        return out.reshape(len(self.samples), self.width)
+
+    def gather(self, dense: np.ndarray) -> np.ndarray:
+        """The entries of a (R, width) array at this group's valid tokens, in the order of ``tokens``."""
+        return dense.reshape(-1)[self.cells]
+
+
+class StepLayout:
+    """Samples and valid tokens of one step's token table."""
+
+    def __init__(self, sample: np.ndarray, token_index: np.ndarray, mask: np.ndarray):
+        n = len(sample)
+        starts_here = np.ones(n, dtype=bool)
+        starts_here[1:] = sample[1:] != sample[:-1]
+        self.starts = np.flatnonzero(starts_here)
+        self.row_counts = np.diff(np.append(self.starts, n))
+        self.sample_ids = sample[self.starts]
+        self.row_sample = np.cumsum(starts_here) - 1  # sample index (0 … B-1) of every row
+        self.position = np.arange(n) - self.starts[self.row_sample]
+        self.token_index = token_index
+        self.mask = mask
+        self.valid_rows = np.flatnonzero(mask)
+        valid_sample = self.row_sample[self.valid_rows]
+        self.valid_counts = np.bincount(valid_sample, minlength=len(self.starts))  # L of each sample
+        self.valid_starts = np.concatenate(([0], np.cumsum(self.valid_counts)[:-1]))
+
+    @property
+    def samples(self) -> int:
+        return len(self.starts)
+
+    def valid_sample_index(self) -> np.ndarray:
+        """Sample index (0 … B-1) of every valid token."""
+        return np.repeat(np.arange(self.samples), self.valid_counts)
+
+    def problems(self) -> Iterator[LayoutProblem]:
+        """Rows that break the layout the trace format promises, one entry per kind of break."""
+        unsorted = self.starts[1:][np.diff(self.sample_ids) <= 0]
+        if len(unsorted):
+            yield LayoutProblem(int(unsorted[0]), "samples are not sorted, or a sample's rows are split", len(unsorted))
+        gap = np.flatnonzero(self.token_index != self.position)
+        if len(gap):
+            row = int(gap[0])
+            message = f"token_index {self.token_index[row]} where {self.position[row]} was due (rows run 0…n−1)"
+            yield LayoutProblem(row, message, len(gap))
+        last_rows = self.starts + self.row_counts - 1
+        padded = last_rows[~self.mask[last_rows]]
+        if len(padded):
+            message = "the sample's rows end on a masked token (they must stop at its last valid token)"
+            yield LayoutProblem(int(padded[0]), message, len(padded))
+
+    def row_groups(self, cells: int = GROUP_CELLS) -> Iterator[RowGroup]:
+        """Dense groups of samples of similar length, each at most ``cells`` cells (one row at least)."""
+        widths = self.row_counts
+        order = np.argsort(widths, kind="stable")
+        begin = 0
+        while begin < len(order):
+            end = begin + 1  # widths ascend along ``order``: the group's width is its last row's
+            while end < len(order) and (end + 1 - begin) * widths[order[end]] <= cells:
+                end += 1
+            yield self._group(order[begin:end])
+            begin = end
+
+    def _group(self, samples: np.ndarray) -> RowGroup:
+        counts = self.valid_counts[samples]
+        first = np.repeat(self.valid_starts[samples], counts)
+        offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        tokens = first + offset
+        width = int(self.row_counts[samples].max())
+        row = np.repeat(np.arange(len(samples)), counts)
+        return RowGroup(samples, width, tokens, row * width + self.position[self.valid_rows[tokens]])

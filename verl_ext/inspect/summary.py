@@ -16,9 +16,7 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from verl_ext.inspect.progress import Progress
-from verl_ext.inspect.source import as_trace
-from verl_ext.inspect.stepdata import StepData
+from verl_ext.inspect.stepdata import Progress, StepData, as_trace
 
 SUMMARY_SCHEMA = pa.schema(
     [("step", pa.int64()), ("samples", pa.int64()), ("tokens", pa.int64())]

@@ -1,31 +1,56 @@
-"""The plugin's patches of verl: what each wraps, why, and for which verl versions.
+"""The plugin's wrappers of verl functions and its registration into verl's estimator registry.
 
-Applied by :mod:`verl_ext.integration.seam` right after each module is first imported, so
-modules that ``from ... import`` these names later (verl 0.9's V1 trainer, verl's experimental
-trainers, third-party recipes) bind the wrapped versions. Every wrapper delegates to the original
-for anything that is not verl-ext's business.
+Each function here is named by a record of :mod:`verl_ext.touches` (which says why and for which
+verl versions) and applied by :mod:`verl_ext.patching` right after its verl module is imported.
+Every wrapper delegates to the original for anything that is not verl-ext's business. They import
+what they need when applied (verl has torch loaded by then), so that loading the plugin stays light.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
+from enum import Enum
 from typing import Any, Callable
 
-from verl_ext.integration.seam import Patch
-from verl_ext.options import ESTIMATOR_NAMES
-
-# The wrappers import what they need when the patched verl module is imported (verl has torch
-# loaded by then), so that loading the plugin, or `import verl_ext` for the CLI, stays light.
-
-#: verl versions the plugin's patches are tested with (scripts/check_verl_versions.sh).
-SUPPORTED_VERL = ("0.6.1", "0.9.1")
-SUPPORTED = " - ".join(SUPPORTED_VERL)
+logger = logging.getLogger("verl_ext")
 
 
-def _wrap_compute_advantage(original: Callable) -> Callable:
+def estimator_name(adv_estimator: Any) -> str:
+    """verl passes a plain string or an ``AdvantageEstimator`` enum member."""
+    return adv_estimator.value if isinstance(adv_estimator, Enum) else str(adv_estimator)
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def compute_registered_advantage(data: Any, name: str, gamma: float, lam: float, config: Any):
+    """Run verl-ext estimator ``name`` on a verl ``DataProto``; store advantages and returns in it.
+
+    verl's batch -> the estimator (with the critic's values) -> whitening -> back into the batch.
+    Returns the :class:`verl_ext.registry.Estimate`.
+    """
+    from verl_ext import registry
+
+    estimator = registry.get(name)
+    batch = data.batch
+    values = batch["values"] if "values" in batch.keys() else None
+    if estimator.needs_critic and values is None:
+        raise RuntimeError(
+            f"algorithm.adv_estimator={name} needs the critic's values, but the batch has none: "
+            "the critic is off (check critic.enable) or this trainer did not compute values before advantages"
+        )
+    settings = estimator.settings(config, gamma=gamma, lam=lam)
+    result = registry.run(estimator, batch["token_level_rewards"], values, batch["response_mask"], settings)
+    batch["advantages"] = result.advantages
+    batch["returns"] = result.returns
+    return result
+
+
+def wrap_compute_advantage(original: Callable) -> Callable:
+    from verl_ext import registry
     from verl_ext.integration import trace_hook
-    from verl_ext.integration.estimators import compute_value_based_advantage, estimator_name
 
     signature = inspect.signature(original)  # bind by name: the positional order differs across versions
 
@@ -33,12 +58,10 @@ def _wrap_compute_advantage(original: Callable) -> Callable:
     def compute_advantage(*args, **kwargs):
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
-        data, name = call.arguments["data"], estimator_name(call.arguments["adv_estimator"])
-        if name in ESTIMATOR_NAMES:
-            arguments = call.arguments
-            result = compute_value_based_advantage(
-                data, name, arguments["gamma"], arguments["lam"], arguments.get("config")
-            )
+        arguments = call.arguments
+        data, name = arguments["data"], estimator_name(arguments["adv_estimator"])
+        if name in registry.names():
+            result = compute_registered_advantage(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
             trace_hook.after_advantage(data, name, advantage_raw=result.advantage_raw)
             return data
         data = original(*args, **kwargs)
@@ -48,7 +71,48 @@ def _wrap_compute_advantage(original: Callable) -> Callable:
     return compute_advantage
 
 
-def _wrap_need_critic(original: Callable) -> Callable:
+def _unreachable_estimator(name: str) -> Callable:
+    def estimator(*args: Any, **kwargs: Any):
+        raise RuntimeError(
+            f"algorithm.adv_estimator={name} was called through verl's estimator registry, without the critic's "
+            "values. verl never passes values to a registered estimator; verl-ext computes its estimators in "
+            "verl.trainer.ppo.ray_trainer.compute_advantage, but this caller bypassed that patch (a trainer or "
+            "recipe that bound compute_advantage before verl-ext loaded). Run `verl-ext doctor`."
+        )
+
+    estimator.__name__ = estimator.__qualname__ = f"verl_ext_{name}"
+    return estimator
+
+
+#: One function object per name, so that registering twice (plugin loaded twice) is a no-op in verl.
+REGISTERED_IN_VERL: dict[str, Callable] = {}
+#: Names verl refused (another function holds them there), for doctor.
+REFUSED: dict[str, str] = {}
+
+
+def register_estimators(core_algos: Any) -> None:
+    """Put every verl-ext estimator name, now and when registered later, in verl's registry."""
+    from verl_ext import registry
+
+    def put(estimator: registry.Estimator, raise_errors: bool) -> None:
+        function = REGISTERED_IN_VERL.setdefault(estimator.name, _unreachable_estimator(estimator.name))
+        try:
+            core_algos.register_adv_est(estimator.name)(function)
+        except ValueError as error:  # verl holds another function under this name
+            REFUSED[estimator.name] = str(error)
+            if raise_errors:
+                raise ValueError(f"verl refuses estimator name {estimator.name!r}: {error}") from None
+            logger.error("verl-ext: verl refuses estimator name %r: %s", estimator.name, error)
+
+    for estimator in registry.all_estimators():
+        put(estimator, raise_errors=False)
+    registry.on_register(lambda estimator: put(estimator, raise_errors=True))
+
+
+# --------------------------------------------------------------------------- critic rule and validation
+
+
+def wrap_need_critic(original: Callable) -> Callable:
     from verl_ext.integration.validation import critic_required
 
     @functools.wraps(original)
@@ -58,7 +122,7 @@ def _wrap_need_critic(original: Callable) -> Callable:
     return need_critic
 
 
-def _wrap_validate_config(original: Callable) -> Callable:
+def wrap_validate_config(original: Callable) -> Callable:
     from verl_ext.integration.validation import check_config
 
     @functools.wraps(original)
@@ -69,7 +133,10 @@ def _wrap_validate_config(original: Callable) -> Callable:
     return validate_config
 
 
-def _wrap_apply_kl_penalty(original: Callable) -> Callable:
+# --------------------------------------------------------------------------- the trace
+
+
+def wrap_apply_kl_penalty(original: Callable) -> Callable:
     from verl_ext.integration import trace_hook
 
     @functools.wraps(original)
@@ -82,21 +149,26 @@ def _wrap_apply_kl_penalty(original: Callable) -> Callable:
     return apply_kl_penalty
 
 
-def _wrap_fit(trainer_kind: str) -> Callable[[Callable], Callable]:
-    def wrap(original: Callable) -> Callable:
-        from verl_ext.integration import trace_hook
+def _wrap_fit(original: Callable, trainer_kind: str) -> Callable:
+    from verl_ext.integration import trace_hook
 
-        @functools.wraps(original)
-        def fit(self, *args, **kwargs):
-            with trace_hook.session(self, trainer_kind):
-                return original(self, *args, **kwargs)
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        with trace_hook.session(self, trainer_kind):
+            return original(self, *args, **kwargs)
 
-        return fit
-
-    return wrap
+    return fit
 
 
-def _wrap_v1_compute_advantage(original: Callable) -> Callable:
+def wrap_legacy_fit(original: Callable) -> Callable:
+    return _wrap_fit(original, "legacy")
+
+
+def wrap_v1_fit(original: Callable) -> Callable:
+    return _wrap_fit(original, "v1")
+
+
+def wrap_v1_compute_advantage(original: Callable) -> Callable:
     from verl_ext.integration import trace_hook
 
     @functools.wraps(original)
@@ -106,71 +178,3 @@ def _wrap_v1_compute_advantage(original: Callable) -> Callable:
         return batch
 
     return _compute_advantage
-
-
-PLUGIN_PATCHES = [
-    Patch(
-        "verl.trainer.ppo.ray_trainer",
-        "compute_advantage",
-        _wrap_compute_advantage,
-        why="verl never passes `values` to a registered estimator: mc/td0/nstep/gae_ext are computed here with "
-        "the batch's values; every estimator's result is handed to the per-token trace",
-        versions=SUPPORTED,
-    ),
-    Patch(
-        "verl.trainer.ppo.utils",
-        "need_critic",
-        _wrap_need_critic,
-        why="verl switches the critic on only for `gae`; value-based estimators need it too, and an explicit "
-        "critic.enable=False with one of them must stop the run before training",
-        versions=SUPPORTED,
-    ),
-    Patch(
-        "verl.utils.config",
-        "validate_config",
-        _wrap_validate_config,
-        why="verl never validates algorithm.adv_estimator before step 1; check the name, the estimator options and "
-        "the trace options on the driver, before Ray starts",
-        versions=SUPPORTED,
-    ),
-    Patch(
-        "verl.trainer.ppo.ray_trainer",
-        "apply_kl_penalty",
-        _wrap_apply_kl_penalty,
-        why="the trace records kld_t and the β actually applied at each step; verl keeps neither",
-        versions=SUPPORTED,
-    ),
-    Patch(
-        "verl.trainer.ppo.ray_trainer",
-        "RayPPOTrainer.fit",
-        _wrap_fit("legacy"),
-        why="open the trace before the legacy trainer's first step and flush it when fit() ends, even on error",
-        versions=SUPPORTED,
-    ),
-    Patch(
-        "verl.trainer.ppo.v1.trainer_base",
-        "PPOTrainer.fit",
-        _wrap_fit("v1"),
-        why="open the trace before the V1 trainer's first step and flush it when fit() ends, even on error",
-        versions="0.9.0 - 0.9.1",
-    ),
-    Patch(
-        "verl.trainer.ppo.v1.trainer_base",
-        "PPOTrainer._compute_advantage",
-        _wrap_v1_compute_advantage,
-        why="the V1 trainer computes advantages on a reduced batch without token ids; after it stores them in "
-        "TransferQueue, the trace reads back the tensors the trainer will use, with token ids and the step",
-        versions="0.9.0 - 0.9.1",
-    ),
-]
-
-def _register_estimators(core_algos: Any) -> None:
-    from verl_ext.integration.estimators import register_estimators
-
-    register_estimators(core_algos)
-
-
-#: Registrations (not patches): run right after the module is first imported.
-PLUGIN_HOOKS: list[tuple[str, Callable[[Any], None]]] = [
-    ("verl.trainer.ppo.core_algos", _register_estimators),
-]

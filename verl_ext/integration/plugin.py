@@ -1,10 +1,17 @@
-"""What verl loads: the entry point of group ``verl.plugins`` (verl >= 0.9, on every
-``import verl``), ``VERL_USE_EXTERNAL_MODULES=verl_ext`` (verl >= 0.6), or a plain
-``import verl_ext``.
+"""Activating the verl-ext plugin in a verl process; importing this module does nothing by itself.
 
-Loading installs the seam's post-import hooks and nothing else: no verl module is imported
-here, so ``import verl`` stays as fast as without the plugin (benchmarks/bench_import.py).
-With ``VERL_EXT_CPU=1`` it also activates the CPU backend (:mod:`verl_ext.cpu`).
+verl activates the plugin in every process that imports verl (the driver, the Ray TaskRunner, the
+workers), in one of two ways:
+
+* verl >= 0.9 loads the entry point ``verl_ext = verl_ext.integration.plugin:activated`` of group
+  ``verl.plugins`` on every ``import verl``. Looking up ``activated`` (this module's ``__getattr__``)
+  is what activates;
+* ``VERL_USE_EXTERNAL_MODULES=verl_ext`` (verl >= 0.6) makes verl import the package ``verl_ext``,
+  which activates when that variable names it.
+
+Activation installs the plugin's touches of verl (:data:`verl_ext.touches.PLUGIN_TOUCHES`), applied
+lazily as verl's modules are imported, so ``import verl`` stays as fast as without the plugin
+(benchmarks/bench_import.py). With ``VERL_EXT_CPU=1`` it also activates the CPU backend.
 
 verl swallows exceptions raised by an entry point (logged at DEBUG level), so a failure here is
 reported on stderr and kept in :data:`LOAD_ERROR` for ``verl-ext doctor``.
@@ -13,31 +20,45 @@ reported on stderr and kept in :data:`LOAD_ERROR` for ``verl-ext doctor``.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 LOADED = False
 LOAD_ERROR: str | None = None
 
+#: The CPU backend's switch (see :mod:`verl_ext.cpu`); read here so that a GPU run never imports it.
+CPU_SWITCH = "VERL_EXT_CPU"
+
 
 def activate() -> None:
+    """Install the plugin's touches of verl in this process (idempotent); raises on failure."""
     global LOADED
-    from verl_ext.integration import seam
-    from verl_ext.integration.patches import PLUGIN_HOOKS, PLUGIN_PATCHES
+    from verl_ext import patching
+    from verl_ext.touches import PLUGIN_TOUCHES
 
-    seam.install(PLUGIN_PATCHES)
-    for module_name, hook in PLUGIN_HOOKS:
-        seam.when_imported(module_name, hook)
-    from verl_ext import cpu
+    patching.install(PLUGIN_TOUCHES)
+    if os.environ.get(CPU_SWITCH, "").strip().lower() in ("1", "true", "yes"):
+        from verl_ext import cpu
 
-    if cpu.requested():
         cpu.activate()
     LOADED = True
 
 
-if not LOADED:
+def activate_loudly() -> bool:
+    """:func:`activate`, reporting a failure on stderr instead of raising (verl would hide it)."""
+    global LOAD_ERROR
+    if LOADED:
+        return True
     try:
         activate()
     except Exception as exc:  # loud, because verl would hide it
         LOAD_ERROR = f"{type(exc).__name__}: {exc}"
         logging.getLogger("verl_ext").exception("verl-ext plugin failed to load")
         print(f"verl-ext: plugin failed to load ({LOAD_ERROR}); run `verl-ext doctor`", file=sys.stderr)
+    return LOADED
+
+
+def __getattr__(name: str):
+    if name == "activated":  # what verl's entry-point loader looks up
+        return activate_loudly()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

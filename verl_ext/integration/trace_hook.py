@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from verl_ext.options import ESTIMATOR_NAMES, EstimatorOptions, TraceOptions
+from verl_ext.options import TraceOptions
 
 
 @dataclass
@@ -110,6 +110,7 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> None:
 
 def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None) -> None:
     from verl_ext.trace.capture import StepCapture
+    from verl_ext.trace.schema import FLOAT_COLUMNS
 
     session = _active
     pending, session.pending = session.pending, {}
@@ -121,21 +122,15 @@ def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None) -> None:
     prompt_mask = get("prompt_mask")
     if prompt_mask is None and prompts is not None and get("attention_mask") is not None:
         prompt_mask = batch["attention_mask"][:, : prompts.shape[1]]  # verl: prompt part, left-padded
+    floats = {column.name: get(column.verl_key) for column in FLOAT_COLUMNS if column.verl_key}
+    floats |= {"advantage_raw": advantage_raw, "kl": pending.get("kl")}  # computed by verl-ext
     session.writer.submit(
         StepCapture(
             step=session.step,
-            response_mask=batch["response_mask"],
-            responses=get("responses"),
+            mask=batch["response_mask"],
+            token_id=get("responses"),
             uid=None if uid is None else [str(u) for u in uid],
-            scores=get("token_level_scores"),
-            rewards=get("token_level_rewards"),
-            values=get("values"),
-            returns=get("returns"),
-            advantages=get("advantages"),
-            advantage_raw=advantage_raw,
-            old_log_probs=get("old_log_probs"),
-            ref_log_prob=get("ref_log_prob"),
-            kl=pending.get("kl"),
+            floats=floats,
             prompts=prompts,
             prompt_mask=prompt_mask,
             kl_coef=pending.get("kl_coef"),
@@ -147,42 +142,41 @@ def _padded(value: torch.Tensor) -> torch.Tensor:
     return value.to_padded_tensor(padding=0) if getattr(value, "is_nested", False) else value
 
 
-def run_record(config: Any, kind: str, options: TraceOptions) -> dict:
-    """The run's settings the checker needs (the writer adds schema version and the steps)."""
+def run_record(config: Any, kind: str, options: TraceOptions):
+    """The run's settings the checker needs (the writer adds the schema version and the steps)."""
     import verl
     from omegaconf import OmegaConf
 
     import verl_ext
+    from verl_ext import registry
+    from verl_ext.integration.patches import estimator_name
+    from verl_ext.trace.schema import RunRecord
 
     algorithm = config.algorithm
-    name = str(algorithm.adv_estimator)
-    if name in ESTIMATOR_NAMES:
-        estimator_options = EstimatorOptions.from_config(algorithm)
-        whiten = estimator_options.whiten_advantages
+    name = estimator_name(algorithm.adv_estimator)
+    settings: dict[str, Any] = {"adv_estimator": name, "gamma": float(algorithm.gamma), "lam": float(algorithm.lam)}
+    if name in registry.names():
+        estimator = registry.get(name)
+        parsed = estimator.settings(algorithm)
+        settings |= {option.key: parsed[option.key] for option in estimator.all_options}
+        settings["estimator_module"] = estimator.module
     else:
-        estimator_options, whiten = None, (True if name == "gae" else None)  # verl's GAE always whitens
+        settings["whiten_advantages"] = True if name == "gae" else None  # verl's GAE always whitens
     model = config.actor_rollout_ref.model
-    return {
-        "verl_ext_version": verl_ext.__version__,
-        "verl_version": verl.__version__,
-        "trainer": kind,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "algorithm": {
-            "adv_estimator": name,
-            "gamma": float(algorithm.gamma),
-            "lam": float(algorithm.lam),
-            **{
-                key: getattr(estimator_options, key, None)
-                for key in ("n_step", "lam_critic", "lam_actor", "lam_length_alpha")
-            },
-            "whiten_advantages": whiten,
+    return RunRecord(
+        verl_ext_version=verl_ext.__version__,
+        verl_version=verl.__version__,
+        trainer=kind,
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        algorithm={
+            **settings,
             "norm_adv_by_std_in_grpo": bool(algorithm.get("norm_adv_by_std_in_grpo", True)),
             "use_kl_in_reward": bool(algorithm.use_kl_in_reward),
             "kl_penalty": str(algorithm.kl_penalty),
             "kl_ctrl": OmegaConf.to_container(algorithm.kl_ctrl, resolve=True),
         },
-        "model_path": str(model.path),
-        "tokenizer_path": str(model.get("tokenizer_path") or model.path),
-        "rollout_n": int(config.actor_rollout_ref.rollout.n),
-        "trace": options.as_dict(),
-    }
+        model_path=str(model.path),
+        tokenizer_path=str(model.get("tokenizer_path") or model.path),
+        rollout_n=int(config.actor_rollout_ref.rollout.n),
+        trace=options.as_dict(),
+    )

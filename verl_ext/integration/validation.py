@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_ext.integration.estimators import estimator_name
-from verl_ext.options import ESTIMATOR_NAMES, EstimatorOptions, TraceOptions
+from verl_ext import registry
+from verl_ext.integration.patches import estimator_name
+from verl_ext.options import TraceOptions
 
 
 def known_estimator_names() -> set[str]:
@@ -15,20 +16,21 @@ def known_estimator_names() -> set[str]:
     return (
         set(core_algos.ADV_ESTIMATOR_REGISTRY)
         | {member.value for member in core_algos.AdvantageEstimator}
-        | set(ESTIMATOR_NAMES)
+        | set(registry.names())
     )
 
 
 def critic_required(config: Any) -> bool:
-    """True for verl-ext's value-based estimators; an explicit ``critic.enable=False`` is an error."""
+    """True for a verl-ext estimator that needs the critic; an explicit ``critic.enable=False`` is an error."""
     name = estimator_name(config.algorithm.adv_estimator)
-    if name not in ESTIMATOR_NAMES:
+    if name not in registry.names() or not registry.get(name).needs_critic:
         return False
     enable = (config.get("critic") or {}).get("enable", None)
     if enable is not None and not enable:
+        needing = [e.name for e in registry.all_estimators() if e.needs_critic]
         raise ValueError(
             f"algorithm.adv_estimator={name} needs a critic (it uses the values V(s_t)), but critic.enable=False. "
-            f"Remove critic.enable=False (verl-ext switches the critic on for {', '.join(ESTIMATOR_NAMES)}) "
+            f"Remove critic.enable=False (verl-ext switches the critic on for {', '.join(needing)}) "
             "or choose an estimator that needs no critic."
         )
     return True
@@ -43,9 +45,8 @@ def check_config(config: Any) -> None:
         raise ValueError(
             f"algorithm.adv_estimator={name!r} is not a known advantage estimator. Valid names: {', '.join(sorted(valid))}"
         )
-    if name in ESTIMATOR_NAMES:
-        EstimatorOptions.from_config(algorithm)
-        critic_required(config)
+    registry.check_algorithm(algorithm)
+    critic_required(config)
     trace = TraceOptions.from_config(config)
     if trace.enabled:
         check_trace_dir_writable(trace.dir)

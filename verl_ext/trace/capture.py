@@ -11,16 +11,21 @@ in place once the hook returns:
   written steps (:class:`SnapshotMemory`), converting to the schema's dtypes in the same pass
   (float32, int32, bool).
 
-:func:`token_table` and :func:`prompt_table` run on the writer thread: they gather the positions
-``t < L_i`` into the long format of ``TOKEN_FILE_SCHEMA`` and build ``PROMPT_SCHEMA``.
+:class:`StepFiles` runs on the writer thread: :func:`token_table` gathers the positions ``t < L_i``
+into the long format of ``TOKEN_FILE_SCHEMA``, :func:`prompt_table` builds ``PROMPT_SCHEMA``, and the
+step's run-record entry goes into the token file's footer.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import numbers
 import threading
+import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from datetime import datetime, timezone
+from typing import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -28,49 +33,35 @@ import torch
 
 from verl_ext.estimators import whitening_moments
 from verl_ext.torch_threads import one_torch_thread
-from verl_ext.trace.schema import FLOAT_COLUMNS, PROMPT_SCHEMA, TOKEN_FILE_SCHEMA
+from verl_ext.trace.schema import (
+    FLOAT_COLUMN_NAMES,
+    PROMPT_SCHEMA,
+    STEP_RECORD_METADATA_KEY,
+    TOKEN_FILE_SCHEMA,
+    WRITE_ID_METADATA_KEY,
+    StepEntry,
+    prompt_file,
+    token_file,
+)
 
 
 @dataclass
 class StepCapture:
     """What the integration hands over for one step, right after the advantages are computed.
 
-    All tensors are (B, T) over the response positions unless said otherwise, on any device, of any
-    dtype (bf16, float32, int64, …); ``None`` where the run has no such tensor, which makes the
-    column null. B ≥ 1.
+    Fields are named after the token table's columns. All tensors are (B, T) over the response
+    positions unless said otherwise, on any device, of any dtype (bf16, float32, int64, …); a float
+    column absent from ``floats`` (or None there) is null in the table. B ≥ 1.
     """
 
     step: int
-    response_mask: torch.Tensor  # (B, T) 0/1: 1 on trainable response tokens
-    responses: torch.Tensor | None  # (B, T) response token ids
+    mask: torch.Tensor  # (B, T) 0/1: 1 on trainable response tokens (verl's response_mask)
+    token_id: torch.Tensor | None  # (B, T) response token ids
     uid: Sequence[str] | None  # B group ids (verl's non_tensor_batch["uid"], a numpy object array)
-    scores: torch.Tensor | None  # token_level_scores
-    rewards: torch.Tensor | None  # token_level_rewards
-    values: torch.Tensor | None  # V(s_t)
-    returns: torch.Tensor | None
-    advantages: torch.Tensor | None  # what the actor trains on
-    advantage_raw: torch.Tensor | None  # before whitening (None when not defined, e.g. grpo)
-    old_log_probs: torch.Tensor | None
-    ref_log_prob: torch.Tensor | None
-    kl: torch.Tensor | None  # kld_t (before β); None when KL-in-reward is off
-    prompts: torch.Tensor | None  # (B, P) prompt token ids, left-padded as in verl
-    prompt_mask: torch.Tensor | None  # (B, P) 1 on real prompt tokens; None: every position is one
-    kl_coef: float | None  # β applied at this step
-
-
-#: The StepCapture field behind each float column of the schema.
-FLOAT_SOURCES = {
-    "score": "scores",
-    "reward": "rewards",
-    "value": "values",
-    "return": "returns",
-    "advantage": "advantages",
-    "advantage_raw": "advantage_raw",
-    "old_log_prob": "old_log_probs",
-    "ref_log_prob": "ref_log_prob",
-    "kl": "kl",
-}
-assert tuple(FLOAT_SOURCES) == FLOAT_COLUMNS
+    floats: Mapping[str, torch.Tensor | None]  # FLOAT_COLUMN_NAMES -> (B, T)
+    prompts: torch.Tensor | None = None  # (B, P) prompt token ids, left-padded as in verl
+    prompt_mask: torch.Tensor | None = None  # (B, P) 1 on real prompt tokens; None: every position is one
+    kl_coef: float | None = None  # β applied at this step
 
 
 @dataclass(frozen=True)
@@ -81,7 +72,7 @@ class StepSnapshot:
     batch_samples: int  # B
     lengths: np.ndarray  # (N,) int64: rows of each sample, L_i = last valid position + 1 (0: none)
     mask: np.ndarray  # (N, W) bool
-    token_ids: np.ndarray | None  # (N, W) int32
+    token_id: np.ndarray | None  # (N, W) int32
     floats: dict[str, np.ndarray | None]  # column name -> (N, W) float32
     uid: list[str] | None  # N
     prompt_token_ids: np.ndarray | None  # (N, P) int32
@@ -104,16 +95,16 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
 
     The copies go into one block taken from ``memory`` (fresh memory without it); whoever is done
     with the snapshot gives ``snapshot.block`` back. Raises ValueError naming the field when a
-    shape does not match ``response_mask``'s (B, T).
+    shape does not match ``mask``'s (B, T).
     """
     _check(capture)
-    batch, length = capture.response_mask.shape
+    batch, length = capture.mask.shape
     kept = batch if max_samples is None else min(batch, max_samples)
     # What is copied: (tensor, dtype in the snapshot) per array, over response or prompt positions.
     response_arrays = {
-        "mask": (capture.response_mask, torch.bool),
-        "token_ids": (capture.responses, torch.int32),
-        **{name: (getattr(capture, field), torch.float32) for name, field in FLOAT_SOURCES.items()},
+        "mask": (capture.mask, torch.bool),
+        "token_id": (capture.token_id, torch.int32),
+        **{name: (capture.floats.get(name), torch.float32) for name in FLOAT_COLUMN_NAMES},
     }
     prompt_arrays = {"prompt_token_ids": (capture.prompts, torch.int32), "prompt_mask": (capture.prompt_mask, torch.bool)}
     prompt_shape = None if capture.prompts is None else (kept, capture.prompts.shape[1])
@@ -122,7 +113,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
     nbytes = _bytes(response_arrays, (kept, length)) + _bytes(prompt_arrays, prompt_shape)
     block = _Block((memory or SnapshotMemory()).take(nbytes))
     with one_torch_thread():
-        lengths = _row_counts(capture.response_mask[:kept])
+        lengths = _row_counts(capture.mask[:kept])
         shape = (kept, int(lengths.max()))
         copies = {name: block.copy(tensor, shape, dtype) for name, (tensor, dtype) in response_arrays.items()}
         copies |= {name: block.copy(tensor, prompt_shape, dtype) for name, (tensor, dtype) in prompt_arrays.items()}
@@ -131,13 +122,13 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             batch_samples=batch,
             lengths=lengths.numpy(),
             mask=copies["mask"],
-            token_ids=copies["token_ids"],
-            floats={name: copies[name] for name in FLOAT_COLUMNS},
+            token_id=copies["token_id"],
+            floats={name: copies[name] for name in FLOAT_COLUMN_NAMES},
             uid=None if capture.uid is None else [str(u) for u in capture.uid[:kept]],
             prompt_token_ids=copies["prompt_token_ids"],
             prompt_mask=copies["prompt_mask"],
             kl_coef=None if capture.kl_coef is None else float(capture.kl_coef),
-            whiten=whiten_stats(capture.advantage_raw, capture.response_mask),
+            whiten=whiten_stats(capture.floats.get("advantage_raw"), capture.mask),
             block=block.memory,
         )
 
@@ -202,9 +193,9 @@ def token_table(snapshot: StepSnapshot) -> pa.Table:
             sample,
             uid,
             token_index,
-            gather(snapshot.token_ids, pa.int32()),
+            gather(snapshot.token_id, pa.int32()),
             gather(snapshot.mask, pa.bool_()),
-            *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMNS),
+            *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMN_NAMES),
         ],
         schema=TOKEN_FILE_SCHEMA,
     )
@@ -230,16 +221,51 @@ def prompt_table(snapshot: StepSnapshot) -> pa.Table:
     )
 
 
+@dataclass(frozen=True)
+class StepFiles:
+    """The two tables of one step, with its run-record entry in the token table's footer."""
+
+    step: int
+    entry: StepEntry
+    tokens: pa.Table
+    prompts: pa.Table
+
+    @classmethod
+    def build(cls, snapshot: StepSnapshot) -> "StepFiles":
+        step = snapshot.step
+        entry = StepEntry(
+            rows=snapshot.rows,
+            samples=snapshot.samples,
+            batch_samples=snapshot.batch_samples,
+            file=token_file(step),
+            prompts_file=prompt_file(step),
+            written_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            kl_coef=snapshot.kl_coef,
+            whiten=snapshot.whiten,
+        )
+        write_id = {WRITE_ID_METADATA_KEY: uuid.uuid4().hex}
+        tokens, prompts = token_table(snapshot), prompt_table(snapshot)
+        footer = {STEP_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(entry))}
+        return cls(
+            step=step,
+            entry=entry,
+            tokens=tokens.replace_schema_metadata({**tokens.schema.metadata, **write_id, **footer}),
+            prompts=prompts.replace_schema_metadata({**prompts.schema.metadata, **write_id}),
+        )
+
+
 def _check(capture: StepCapture) -> None:
-    mask = capture.response_mask
+    mask = capture.mask
     if mask.dim() != 2 or mask.shape[0] < 1:
-        raise ValueError(f"response_mask must be (B, T) with B >= 1, got shape {tuple(mask.shape)}")
+        raise ValueError(f"mask must be (B, T) with B >= 1, got shape {tuple(mask.shape)}")
+    unknown = sorted(set(capture.floats) - set(FLOAT_COLUMN_NAMES))
+    if unknown:
+        raise ValueError(f"unknown float column(s) {', '.join(unknown)}; the float columns are {', '.join(FLOAT_COLUMN_NAMES)}")
     if isinstance(capture.step, bool) or not isinstance(capture.step, numbers.Integral) or capture.step < 0:
         raise ValueError(f"step must be an integer >= 0, got {capture.step!r}")
-    for field in ("responses", *FLOAT_SOURCES.values()):
-        tensor = getattr(capture, field)
+    for name, tensor in (("token_id", capture.token_id), *capture.floats.items()):
         if tensor is not None and tensor.shape != mask.shape:
-            raise ValueError(f"{field} has shape {tuple(tensor.shape)}, response_mask has {tuple(mask.shape)}")
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, mask has {tuple(mask.shape)}")
     if capture.uid is not None and len(capture.uid) != mask.shape[0]:
         raise ValueError(f"uid has {len(capture.uid)} entries for a batch of {mask.shape[0]}")
     prompts, prompt_mask = capture.prompts, capture.prompt_mask

@@ -17,10 +17,11 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from verl_ext.errors import TraceError, UsageError
+from verl_ext.errors import TraceError, UsageError, one_line
 from verl_ext.trace import record, storage
 from verl_ext.trace.schema import (
     PROMPT_SCHEMA,
+    READABLE_SCHEMA_VERSIONS,
     RUN_RECORD,
     SCHEMA_VERSION_METADATA_KEY,
     STEP_RECORD_METADATA_KEY,
@@ -28,6 +29,8 @@ from verl_ext.trace.schema import (
     TOKEN_FILE_SCHEMA,
     TOKEN_SCHEMA,
     WRITE_ID_METADATA_KEY,
+    RunRecord,
+    StepEntry,
     prompt_file,
     token_file,
 )
@@ -50,7 +53,7 @@ def open_trace(path: str, *, filesystem=None) -> "Trace":
         fs, root = storage.resolve(path, filesystem)
         kind = fs.get_file_info(root).type
     except (OSError, ValueError, ImportError) as error:
-        raise TraceError(f"cannot open trace {path}: {storage.one_line(error)}") from None
+        raise TraceError(f"cannot open trace {path}: {one_line(error)}") from None
     if kind == pafs.FileType.NotFound:
         raise TraceError(f"no trace at {path}: the path does not exist")
     if kind != pafs.FileType.Directory:
@@ -75,7 +78,7 @@ class Trace:
     on disk), and per-step tables. Token tables have TOKEN_SCHEMA's columns in its order (``step``
     included), rows sorted by (sample, token_index)."""
 
-    def __init__(self, path: str, run_record: dict, steps: list[int], fs: pafs.FileSystem, root: str):
+    def __init__(self, path: str, run_record: RunRecord, steps: list[int], fs: pafs.FileSystem, root: str):
         self.path = path
         self.record = run_record
         self.steps = steps
@@ -108,12 +111,12 @@ class Trace:
             )
         return table.replace_schema_metadata(PROMPT_SCHEMA.metadata)
 
-    def step_record(self, step: int) -> dict:
-        """The step's entry of the run record (keys STEP_RECORD_KEYS), as stored with its data."""
+    def step_record(self, step: int) -> StepEntry:
+        """The step's entry of the run record, as stored with its data (the token file's footer)."""
         entry = self._footer(step).get(STEP_RECORD_METADATA_KEY.encode())
         if entry is None:
             raise TraceError(f"{self.path}/{token_file(step)} has no step record in its footer")
-        return json.loads(entry)
+        return StepEntry.from_dict(json.loads(entry), f"{self.path}/{token_file(step)} footer")
 
     def dataset(self) -> ds.Dataset:
         """All steps as one ``pyarrow.dataset`` (TOKEN_SCHEMA, ``step`` from the hive partition)."""
@@ -162,7 +165,7 @@ class Trace:
         def read(file) -> pa.Table:
             parquet = pq.ParquetFile(file)
             version = (parquet.schema_arrow.metadata or {}).get(SCHEMA_VERSION_METADATA_KEY.encode())
-            if version is not None and version.decode() not in map(str, record.READABLE_SCHEMA_VERSIONS):
+            if version is not None and version.decode() not in map(str, READABLE_SCHEMA_VERSIONS):
                 raise TraceError(f"{self.path}/{relative}: schema version {version.decode()} is not supported")
             missing = [name for name in schema.names if name not in parquet.schema_arrow.names]
             if missing:
@@ -182,7 +185,7 @@ class Trace:
         except FileNotFoundError:
             raise TraceError(f"{self.path}/{relative} is missing") from None
         except (OSError, ValueError, pa.ArrowException) as error:
-            raise TraceError(f"{self.path}/{relative} is not a readable Parquet file ({storage.one_line(error)})") from None
+            raise TraceError(f"{self.path}/{relative} is not a readable Parquet file ({one_line(error)})") from None
 
 
 def _known_columns(columns: list[str] | None) -> list[str]:

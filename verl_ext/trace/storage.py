@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 from fsspec.implementations.arrow import ArrowFSWrapper
 from fsspec.implementations.local import LocalFileSystem
 
-from verl_ext.errors import UsageError
+from verl_ext.errors import UsageError, one_line
 from verl_ext.trace.schema import TMP_DIR
 
 
@@ -113,11 +113,6 @@ def writable_directory(directory: str) -> tuple[pafs.FileSystem, str]:
     except Exception as error:  # noqa: BLE001 - whatever the filesystem raises, the cause is the dir
         raise UsageError(f"trace dir {directory} is not writable: {one_line(error)}") from None
     return fs, root
-
-
-def one_line(error: BaseException) -> str:
-    """The first line of an exception's message (file errors can span many lines)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _remove_quietly(fs: pafs.FileSystem, path: str) -> None:

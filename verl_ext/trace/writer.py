@@ -32,31 +32,19 @@ Parquet encoding buffers (about 100 MB for 10⁶ rows) while it is written.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import queue
 import threading
 import traceback
-import uuid
 import warnings
-from dataclasses import dataclass
-from datetime import datetime, timezone
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl_ext.errors import TraceError, UsageError
+from verl_ext.errors import TraceError, UsageError, one_line
 from verl_ext.options import TraceOptions
 from verl_ext.trace import record, storage
-from verl_ext.trace.capture import SnapshotMemory, StepCapture, StepSnapshot, prompt_table, take_snapshot, token_table
-from verl_ext.trace.schema import (
-    FLOAT_COLUMNS,
-    RUN_RECORD,
-    STEP_RECORD_METADATA_KEY,
-    WRITE_ID_METADATA_KEY,
-    prompt_file,
-    token_file,
-)
+from verl_ext.trace.capture import SnapshotMemory, StepCapture, StepFiles, StepSnapshot, take_snapshot
+from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RUN_RECORD, RunRecord
 
 #: Parquet encoding of the token file, chosen by benchmarks/bench_trace.py: float columns as
 #: byte-stream-split (no dictionary, which costs a hash per value and rarely pays on floats) then
@@ -66,7 +54,7 @@ TOKEN_PARQUET_OPTIONS = {
     "compression": "zstd",
     "compression_level": 1,
     "use_dictionary": ["uid", "token_id"],
-    "use_byte_stream_split": list(FLOAT_COLUMNS),
+    "use_byte_stream_split": list(FLOAT_COLUMN_NAMES),
     "row_group_size": 128 * 1024,
 }
 PROMPT_PARQUET_OPTIONS = {"compression": "zstd", "compression_level": 1}
@@ -85,20 +73,20 @@ class TraceWriter:
     Usable as a context manager; ``close()`` also runs at interpreter exit if it was not called.
     """
 
-    def __init__(self, options: TraceOptions, run_record: dict):
+    def __init__(self, options: TraceOptions, run_record: RunRecord):
         if not options.enabled:
             raise UsageError("verl_ext.trace.dir is not set, so there is nothing to write to")
         self._options = options
         self._fs, self._root = storage.writable_directory(options.dir)
         try:
-            new_record = json.loads(json.dumps(run_record))
+            run_record.to_json()
         except (TypeError, ValueError) as error:
             raise UsageError(f"the run record is not JSON data: {error}") from None
-        self._record = record.merge(record.read(self._fs, self._root, options.dir), new_record, options.dir)
+        self._record = record.merge(record.read(self._fs, self._root, options.dir), run_record, options.dir)
         try:
             self._write_record()
         except Exception as error:  # noqa: BLE001
-            raise UsageError(f"trace dir {options.dir}: cannot write {RUN_RECORD}: {storage.one_line(error)}") from None
+            raise UsageError(f"trace dir {options.dir}: cannot write {RUN_RECORD}: {one_line(error)}") from None
 
         self._queue: queue.Queue = queue.Queue(maxsize=options.queue_size)
         self._memory = SnapshotMemory()
@@ -169,11 +157,11 @@ class TraceWriter:
             (step, error), others = failures[0], [step for step, _ in failures[1:]]
             more = f" (steps {', '.join(map(str, others))} failed too)" if others else ""
             raise TraceError(
-                f"writing step {step} of the trace to {self._options.dir} failed: {storage.one_line(error)}{more}"
+                f"writing step {step} of the trace to {self._options.dir} failed: {one_line(error)}{more}"
             ) from error
         for step, error in failures:
             warnings.warn(
-                f"verl-ext trace: writing step {step} to {self._options.dir} failed: {storage.one_line(error)}; "
+                f"verl-ext trace: writing step {step} to {self._options.dir} failed: {one_line(error)}; "
                 "training goes on",
                 RuntimeWarning,
                 stacklevel=3,
@@ -196,7 +184,7 @@ class TraceWriter:
 
     def _write(self, snapshot: StepSnapshot) -> None:
         try:
-            files = _StepFiles.build(snapshot)
+            files = StepFiles.build(snapshot)
         finally:  # the tables hold their own copies: the snapshot's memory can serve the next step
             self._memory.give_back(snapshot.block)
         self._publish(files)
@@ -207,52 +195,17 @@ class TraceWriter:
         with self._failures_lock:
             self._failures.append((step, error))
 
-    def _publish(self, files: "_StepFiles") -> None:
+    def _publish(self, files: StepFiles) -> None:
         entry = files.entry
-        storage.publish(self._fs, self._root, entry["prompts_file"], lambda out: pq.write_table(files.prompts, out, **PROMPT_PARQUET_OPTIONS))
-        storage.publish(self._fs, self._root, entry["file"], lambda out: pq.write_table(files.tokens, out, **TOKEN_PARQUET_OPTIONS))
-        self._record["steps"][str(files.step)] = entry
+        storage.publish(self._fs, self._root, entry.prompts_file, lambda out: pq.write_table(files.prompts, out, **PROMPT_PARQUET_OPTIONS))
+        storage.publish(self._fs, self._root, entry.file, lambda out: pq.write_table(files.tokens, out, **TOKEN_PARQUET_OPTIONS))
+        self._record.steps[str(files.step)] = entry
         try:
             self._write_record()
         except Exception as error:  # noqa: BLE001 - say that the step itself is safe
             raise OSError(
-                f"the step is in the trace but {RUN_RECORD} was not updated ({storage.one_line(error)})"
+                f"the step is in the trace but {RUN_RECORD} was not updated ({one_line(error)})"
             ) from error
 
     def _write_record(self) -> None:
-        storage.publish_bytes(self._fs, self._root, RUN_RECORD, record.dumps(self._record))
-
-
-@dataclass(frozen=True)
-class _StepFiles:
-    """The two tables of one step, with its run record entry in their footers."""
-
-    step: int
-    entry: dict
-    tokens: pa.Table
-    prompts: pa.Table
-
-    @classmethod
-    def build(cls, snapshot: StepSnapshot) -> "_StepFiles":
-        step = snapshot.step
-        entry = {
-            "rows": snapshot.rows,
-            "samples": snapshot.samples,
-            "batch_samples": snapshot.batch_samples,
-            "file": token_file(step),
-            "prompts_file": prompt_file(step),
-            "written_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-            "kl_coef": snapshot.kl_coef,
-            "whiten": snapshot.whiten,
-        }
-        write_id = {WRITE_ID_METADATA_KEY: uuid.uuid4().hex}
-        tokens = token_table(snapshot)
-        prompts = prompt_table(snapshot)
-        return cls(
-            step=step,
-            entry=entry,
-            tokens=tokens.replace_schema_metadata(
-                {**tokens.schema.metadata, **write_id, STEP_RECORD_METADATA_KEY: json.dumps(entry)}
-            ),
-            prompts=prompts.replace_schema_metadata({**prompts.schema.metadata, **write_id}),
-        )
+        storage.publish_bytes(self._fs, self._root, RUN_RECORD, self._record.to_json())

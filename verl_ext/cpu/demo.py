@@ -19,19 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-HELP = "train a tiny model with verl's real PPO trainer on CPU, trace every step, check and show the trace"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"), help="default: outputs/demo")
-    parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    parser.add_argument("--estimator", default="mc", help="algorithm.adv_estimator (default mc)")
-    parser.add_argument("--v1", action="store_true", help="verl 0.9's V1 trainer instead of the legacy one")
-    parser.add_argument("--sample", type=int, default=0, help="response shown token by token (default 0)")
-    parser.add_argument("overrides", nargs="*", help="more hydra overrides for the trainer; they win")
-
-
-def run(args: argparse.Namespace) -> int:
+def run_demo(args: argparse.Namespace) -> int:
     from verl_ext import cli
 
     started = time.monotonic()
@@ -79,7 +67,7 @@ def _train(args: argparse.Namespace, output: Path, trace_dir: Path) -> int:
         ],
         args.overrides,
     )
-    configs = Path(__file__).resolve().parent / "configs"
+    configs = Path(__file__).resolve().parents[1] / "configs"
     command = [
         sys.executable, "-m", "verl.trainer.main_ppo",
         f"--config-path={configs}", "--config-name=verl_ext_trainer", *overrides,
@@ -120,7 +108,3 @@ def _say(message: str) -> None:
     print(f"\n[demo] {message}", flush=True)
 
 
-if __name__ == "__main__":
-    from verl_ext import cli
-
-    sys.exit(cli.main(["demo", *sys.argv[1:]]))

@@ -1,0 +1,307 @@
+"""One registry of advantage estimators: each name is dispatched here, and only here.
+
+An estimator is a function ``fn(rewards, values, response_mask, *, gamma, lam, config) ->
+(returns, advantage_raw)``, all tensors (B, T) (``values`` is None for an estimator that needs no
+critic), registered once with what the rest of verl-ext needs to know about it::
+
+    import verl_ext
+
+    @verl_ext.register_estimator("td_half")
+    def td_half(rewards, values, response_mask, *, gamma, lam, config):
+        from verl_ext import estimators
+        return estimators.gae(rewards, values, response_mask, gamma, 0.5)
+
+Everything else reads the registry: option validation on the driver, the seam in verl's
+``compute_advantage`` (both trainers), the critic rule, the trace's run record, the checker's
+recomputation, the CLI's descriptions. ``config`` is a plain dict: the run's ``algorithm`` settings,
+``gamma`` and ``lam`` as verl passed them, and the estimator's declared options parsed and defaulted.
+verl's own estimators (``gae``, ``grpo``, …) stay in verl's registry and are not listed here.
+
+The four built-in estimators are registered at the bottom of this module, the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from verl_ext import estimators
+from verl_ext.options import (
+    ALGORITHM_OPTIONS,
+    LAM_ACTOR,
+    LAM_CRITIC,
+    LAM_LENGTH_ALPHA,
+    N_STEP,
+    WHITEN_ADVANTAGES,
+    Option,
+    algorithm_settings,
+    unit_interval,
+)
+
+EstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Settings = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator and what the rest of verl-ext needs to know about it.
+
+    * ``options``: keys under ``algorithm`` it reads (``whiten_advantages`` is implied);
+    * ``formula``: what it computes, in one line (shown by the CLI and the checker);
+    * ``horizon(settings) -> (returns, advantage)``: how many rewards each output sums at most
+      (inf: the whole response), which sizes the checker's float32 tolerance;
+    * ``returns_minus_values(settings)``: True when advantage_raw = returns − values exactly, which
+      the checker then verifies elementwise (otherwise it recomputes the advantage with ``fn``);
+    * ``uses_lam``: whether ``algorithm.lam`` matters (shown in descriptions).
+    """
+
+    name: str
+    fn: EstimatorFn
+    needs_critic: bool = True
+    options: tuple[Option, ...] = ()
+    formula: str = ""
+    horizon: Callable[[Settings], tuple[float, float]] | None = None
+    returns_minus_values: Callable[[Settings], bool] | None = None
+    uses_lam: bool = True
+
+    @property
+    def module(self) -> str:
+        """Where ``fn`` is defined: the module to import for recomputing a trace of this estimator."""
+        return self.fn.__module__
+
+    @property
+    def all_options(self) -> tuple[Option, ...]:
+        return (*self.options, WHITEN_ADVANTAGES)
+
+    def settings(self, algorithm: Any, gamma: float | None = None, lam: float | None = None) -> dict[str, Any]:
+        """The ``config`` ``fn`` receives: the algorithm's settings with γ, λ and this estimator's
+        options parsed and defaulted. ValueError naming the key for a bad or missing value."""
+        settings = algorithm_settings(algorithm)
+        settings["gamma"] = unit_interval("algorithm.gamma", settings.get("gamma", 1.0) if gamma is None else gamma)
+        settings["lam"] = unit_interval("algorithm.lam", settings.get("lam", 1.0) if lam is None else lam)
+        for option in self.all_options:
+            settings[option.key] = option.read(settings)
+            if option.required and settings[option.key] is None:
+                raise ValueError(f"algorithm.adv_estimator={self.name} needs algorithm.{option.key} ({option.help})")
+        return settings
+
+    def describe(self, settings: Settings) -> str:
+        """The estimator with the settings that determine its numbers, e.g. ``nstep(γ=0.99, n_step=3)``."""
+        shown = {"γ": settings.get("gamma")}
+        if self.uses_lam:
+            shown["λ"] = settings.get("lam")
+        shown |= {o.key: settings.get(o.key) for o in self.options if settings.get(o.key) is not None}
+        return f"{self.name}({', '.join(f'{k}={_short(v)}' for k, v in shown.items())})"
+
+    def horizons(self, settings: Settings) -> tuple[float, float]:
+        return self.horizon(settings) if self.horizon else (math.inf, math.inf)
+
+    def is_returns_minus_values(self, settings: Settings) -> bool:
+        return bool(self.returns_minus_values and self.returns_minus_values(settings))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What an estimator produces, all (B, T): the critic's target, the raw advantage, and the
+    advantage the actor trains on (whitened when ``whiten_advantages`` is on)."""
+
+    returns: torch.Tensor
+    advantage_raw: torch.Tensor
+    advantages: torch.Tensor
+
+
+_ESTIMATORS: dict[str, Estimator] = {}
+_LISTENERS: list[Callable[[Estimator], None]] = []
+
+
+def register_estimator(
+    name: str,
+    *,
+    needs_critic: bool = True,
+    options: tuple[Option, ...] = (),
+    formula: str | None = None,
+    horizon: Callable[[Settings], tuple[float, float]] | None = None,
+    returns_minus_values: Callable[[Settings], bool] | None = None,
+    uses_lam: bool = True,
+) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Register ``fn(rewards, values, response_mask, *, gamma, lam, config) -> (returns, advantage_raw)``
+    under ``name`` for ``algorithm.adv_estimator`` (see the module docstring). Returns ``fn`` unchanged.
+
+    Registering the same function again is a no-op; another function under a taken name is a
+    ValueError. Works before or after verl's ``core_algos`` is imported.
+    """
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"an estimator name must be a non-empty string without surrounding spaces, got {name!r}")
+
+    def decorator(fn: EstimatorFn) -> EstimatorFn:
+        if not callable(fn):
+            raise TypeError(f"register_estimator({name!r}) decorates a function, got {fn!r}")
+        taken = _ESTIMATORS.get(name)
+        if taken is not None:
+            if taken.fn is fn:
+                return fn
+            raise ValueError(
+                f"estimator {name!r} is already registered by {taken.module}.{taken.fn.__qualname__}; "
+                f"cannot register {fn.__module__}.{fn.__qualname__} under the same name"
+            )
+        doc = (fn.__doc__ or "").strip().split("\n\n")[0]
+        estimator = Estimator(
+            name, fn, needs_critic, tuple(options), formula or " ".join(doc.split()), horizon,
+            returns_minus_values, uses_lam,
+        )  # fmt: skip
+        _ESTIMATORS[name] = estimator
+        try:
+            for listener in list(_LISTENERS):
+                listener(estimator)
+        except Exception:  # verl refused the name: it is not registered anywhere
+            del _ESTIMATORS[name]
+            raise
+        return fn
+
+    return decorator
+
+
+def get(name: str) -> Estimator:
+    """The estimator registered under ``name``; ValueError listing the registered names otherwise."""
+    try:
+        return _ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a verl-ext estimator; registered: {', '.join(names())}") from None
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_ESTIMATORS)
+
+
+def all_estimators() -> tuple[Estimator, ...]:
+    return tuple(_ESTIMATORS.values())
+
+
+def on_register(listener: Callable[[Estimator], None]) -> None:
+    """Call ``listener(estimator)`` for every estimator registered from now on."""
+    _LISTENERS.append(listener)
+
+
+def run(
+    estimator: Estimator,
+    rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    settings: Settings,
+    whiten: bool | None = None,
+) -> Estimate:
+    """The estimator on one batch, whitened as ``settings`` say (or as ``whiten`` overrides): the
+    one code path of training, checking and comparing."""
+    if estimator.needs_critic and values is None:
+        raise ValueError(f"estimator {estimator.name!r} needs the critic's values, and there are none")
+    returns, raw = estimator.fn(
+        rewards, values, response_mask, gamma=settings["gamma"], lam=settings["lam"], config=settings
+    )
+    for label, tensor in (("returns", returns), ("advantage_raw", raw)):
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != rewards.shape:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"estimator {estimator.name!r} returned {label} of shape {shape}, expected {tuple(rewards.shape)}")
+    whitened = settings["whiten_advantages"] if whiten is None else whiten
+    return Estimate(returns, raw, estimators.masked_whiten(raw, response_mask) if whitened else raw)
+
+
+def check_algorithm(algorithm: Any) -> dict[str, Any] | None:
+    """Validate the estimator options of a run on the driver, whatever estimator it uses.
+
+    Every option verl-ext knows is parsed when set (a bad value is a ValueError for any estimator);
+    one that the chosen estimator ignores warns. Returns the settings of a verl-ext estimator, None
+    for verl's own ones.
+    """
+    settings = algorithm_settings(algorithm)
+    name = str(getattr(settings.get("adv_estimator"), "value", settings.get("adv_estimator")))
+    chosen = _ESTIMATORS.get(name)
+    known = {option.key: option for option in (*ALGORITHM_OPTIONS, *(o for e in all_estimators() for o in e.options))}
+    read = {option.key for option in chosen.all_options} if chosen else set()
+    for key, option in known.items():
+        option.read(settings)  # raises for an invalid value, whether or not it is used
+    ignored = sorted(k for k, o in known.items() if settings.get(k) is not None and k not in read and settings.get(k) != o.default)
+    if ignored:
+        warnings.warn(f"algorithm.adv_estimator={name} ignores " + ", ".join(f"algorithm.{k}" for k in ignored), stacklevel=2)
+    return chosen.settings(settings) if chosen else None
+
+
+def _short(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _discount_horizon(decay: float) -> float:
+    """Terms a discounted sum with this decay effectively adds up: 1/(1 − decay), inf at 1."""
+    return math.inf if decay >= 1.0 else 1.0 / (1.0 - decay)
+
+
+# --------------------------------------------------------------------------- the built-in estimators
+
+
+@register_estimator(
+    "mc",
+    formula="returns = G_t = Σ_{k≥t} γ^{k−t} r_k;  advantage = G_t − V(s_t)",
+    horizon=lambda s: (_discount_horizon(s["gamma"]),) * 2,
+    returns_minus_values=lambda s: True,
+    uses_lam=False,
+)
+def mc(rewards, values, response_mask, *, gamma, lam, config):
+    return estimators.mc(rewards, values, response_mask, gamma)
+
+
+@register_estimator(
+    "td0",
+    formula="returns = r_t + γ V(s_{t+1});  advantage = δ_t = r_t + γ V(s_{t+1}) − V(s_t)",
+    horizon=lambda s: (1.0, 1.0),
+    returns_minus_values=lambda s: True,
+    uses_lam=False,
+)
+def td0(rewards, values, response_mask, *, gamma, lam, config):
+    return estimators.td0(rewards, values, response_mask, gamma)
+
+
+@register_estimator(
+    "nstep",
+    options=(N_STEP,),
+    formula="returns = G_t^(n) = Σ_{k=t}^{t+n−1} γ^{k−t} r_k + γ^n V(s_{t+n});  advantage = G_t^(n) − V(s_t)",
+    horizon=lambda s: (float(s["n_step"]),) * 2,
+    returns_minus_values=lambda s: True,
+    uses_lam=False,
+)
+def nstep(rewards, values, response_mask, *, gamma, lam, config):
+    return estimators.nstep(rewards, values, response_mask, gamma, config["n_step"])
+
+
+def _gae_lambdas(settings: Settings) -> tuple[float, float | None]:
+    """(λ_critic, λ_actor), λ_actor None when length-adaptive."""
+    lam = settings["lam"]
+    critic = lam if settings.get("lam_critic") is None else settings["lam_critic"]
+    if settings.get("lam_length_alpha") is not None:
+        return critic, None
+    return critic, lam if settings.get("lam_actor") is None else settings["lam_actor"]
+
+
+def _gae_ext_horizon(settings: Settings) -> tuple[float, float]:
+    critic, actor = _gae_lambdas(settings)
+    gamma = settings["gamma"]
+    # a length-adaptive λ_actor has a horizon below L; L itself is the safe bound
+    return _discount_horizon(gamma * critic), math.inf if actor is None else _discount_horizon(gamma * actor)
+
+
+@register_estimator(
+    "gae_ext",
+    options=(LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA),
+    formula="returns = GAE(γ, λ_critic) + V(s_t);  advantage = GAE(γ, λ_actor), λ_actor optionally 1 − 1/(α·L)",
+    horizon=_gae_ext_horizon,
+    returns_minus_values=lambda s: _gae_lambdas(s)[0] == _gae_lambdas(s)[1],
+)
+def gae_ext(rewards, values, response_mask, *, gamma, lam, config):
+    lam_critic, lam_actor = _gae_lambdas({**config, "lam": lam})
+    if lam_actor is None:
+        lam_actor = estimators.length_adaptive_lam(response_mask, config["lam_length_alpha"]).to(rewards.device)
+    elif lam_actor == lam_critic:
+        return estimators.gae(rewards, values, response_mask, gamma, lam_actor)
+    return estimators.gae_decoupled(rewards, values, response_mask, gamma, lam_critic, lam_actor)

@@ -1,0 +1,169 @@
+"""The index of every place where verl-ext touches verl: one record each, with why and for which verl.
+
+``verl-ext doctor`` lists these records with their state in the running process. Two components:
+
+* ``plugin``: active in every verl process once verl loads verl-ext (entry point, or
+  ``VERL_USE_EXTERNAL_MODULES=verl_ext``); supported verl versions :data:`SUPPORTED_VERL`.
+* ``cpu``: the CPU backend (``VERL_EXT_CPU=1``, verl 0.9.1 only): makes verl's real trainers run on
+  a CPU-only machine. Never installed on a GPU run.
+
+The records only name the code they run (``"module:attribute"``): this module imports nothing.
+How they are applied: :mod:`verl_ext.patching`.
+"""
+
+from __future__ import annotations
+
+from verl_ext.patching import Touch
+
+#: verl versions the plugin is tested with (scripts/check_verl_versions.sh; 0.9.1 in CI).
+SUPPORTED_VERL = ("0.6.1", "0.9.1")
+PLUGIN_VERSIONS = " - ".join(SUPPORTED_VERL)
+V1_VERSIONS = "0.9.0 - 0.9.1"
+#: The CPU backend's patches target this verl's code exactly.
+CPU_VERL = "0.9.1"
+
+_PATCHES = "verl_ext.integration.patches"
+_CPU = "verl_ext.cpu.patches"
+_IN_PROCESS = "verl_ext.cpu.in_process"
+
+PLUGIN_TOUCHES = (
+    Touch(
+        "patch", "verl.trainer.ppo.ray_trainer", "compute_advantage", "plugin",
+        why="verl never passes `values` to a registered estimator: verl-ext's estimators (verl_ext.registry) are "
+        "computed here with the batch's values and whitened; every estimator's result is handed to the trace",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_compute_advantage",
+    ),
+    Touch(
+        "registration", "verl.trainer.ppo.core_algos", "ADV_ESTIMATOR_REGISTRY", "plugin",
+        why="every name of verl_ext.registry (built-in or a user's, registered before or after this import) is "
+        "put in verl's registry so that verl accepts it; the function registered only explains that verl called "
+        "it without values, which happens only to a trainer that bypassed the compute_advantage patch",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:register_estimators",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.utils", "need_critic", "plugin",
+        why="verl switches the critic on only for `gae`; an estimator registered with needs_critic needs it too, "
+        "and an explicit critic.enable=False with one of them must stop the run before training",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_need_critic",
+    ),
+    Touch(
+        "patch", "verl.utils.config", "validate_config", "plugin",
+        why="verl never validates algorithm.adv_estimator before step 1; check the name, the estimator options "
+        "and the trace options on the driver, before Ray starts",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_validate_config",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.ray_trainer", "apply_kl_penalty", "plugin",
+        why="the trace records kld_t and the β actually applied at each step; verl keeps neither",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_apply_kl_penalty",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.fit", "plugin",
+        why="open the trace before the legacy trainer's first step and flush it when fit() ends, even on error",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_legacy_fit",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer.fit", "plugin",
+        why="open the trace before the V1 trainer's first step and flush it when fit() ends, even on error",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_fit",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage", "plugin",
+        why="the V1 trainer computes advantages on a reduced batch without token ids; after it stores them in "
+        "TransferQueue, the trace reads back the tensors the trainer will use, with token ids and the step",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_compute_advantage",
+    ),
+)  # fmt: skip
+
+CPU_TOUCHES = (
+    Touch(
+        "patch", "verl.utils.distributed", "initialize_global_process_group_ray", "cpu",
+        why="its default backend f'cpu:gloo,{device}:{ccl}' (distributed.py:89) becomes the invalid "
+        "'cpu:gloo,cpu:gloo' on a CPU platform; plain 'gloo' is what a CPU process group needs",
+        versions=CPU_VERL, code=f"{_CPU}:gloo_process_group",
+    ),
+    Touch(
+        "patch", "verl.utils.model", "load_valuehead_model", "cpu",
+        why="the critic's value model is loaded with a hard-coded attn_implementation='flash_attention_2' "
+        "(model.py:649,674), which needs CUDA; the config's own attention (sdpa on CPU) is used instead",
+        versions=CPU_VERL, code=f"{_CPU}:value_model_with_config_attention",
+    ),
+    Touch(
+        "patch", "verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy", "cpu",
+        why="the FSDP2 reference model is always built with CPUOffloadPolicy(pin_memory=True) "
+        "(transformer_impl.py:462); pinning host memory needs an accelerator",
+        versions=CPU_VERL, code=f"{_CPU}:unpinned_offload_policy",
+    ),
+    Touch(
+        "registration", "verl.plugin.platform.platform_manager", "PlatformRegistry", "cpu",
+        why="a `cpu` platform (verl_ext.cpu.platform), selected with VERL_PLATFORM=cpu: without it every "
+        "get_device_name() says cuda. If verl resolved its platform before the backend was active, the cached "
+        "private `_current_platform` is replaced through set_platform",
+        versions=CPU_VERL, code=f"{_CPU}:register_platform",
+    ),
+    Touch(
+        "registration", "verl.workers.engine.fsdp.transformer_impl", "EngineRegistry", "cpu",
+        why="verl registers its FSDP engines for devices cuda and npu only (transformer_impl.py:1143,1594); the "
+        "same classes are registered for device cpu (reads the private EngineRegistry._engines to stay idempotent)",
+        versions=CPU_VERL, code=f"{_CPU}:register_fsdp_engines",
+    ),
+    Touch(
+        "registration", "verl.workers.rollout.base", "_ROLLOUT_REGISTRY", "cpu",
+        why="private dict: ('hf', 'async') -> verl_ext.cpu.rollout.HFServerAdapter, the rollout object inside "
+        "ActorRolloutRefWorker (verl registers only vllm, sglang and trtllm, none of which runs on a CPU)",
+        versions=CPU_VERL, code=f"{_CPU}:register_rollout_adapter",
+    ),
+    Touch(
+        "registration", "verl.workers.rollout.replica", "RolloutReplicaRegistry", "cpu",
+        why="'hf' -> verl_ext.cpu.rollout.HFReplica, the generation server the trainer starts per replica",
+        versions=CPU_VERL, code=f"{_CPU}:register_rollout_replica",
+    ),
+    Touch(
+        "registration", "verl.utils.tokenizer.continuous_token_wiring", "_MODEL_TYPE_TO_FAMILY", "cpu",
+        why="private dict: model_type 'llama' -> the default family, so that the agent loop does not warn once "
+        "per sample (continuous_token_wiring.py:210) about the tiny llama it does not list",
+        versions=CPU_VERL, code=f"{_CPU}:register_llama_token_family",
+    ),
+    Touch(
+        "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.init_workers", "cpu",
+        why="the in-process runner builds verl's own workers in one process (a gloo group of one rank, "
+        "identity dispatch) instead of Ray worker groups (ray_trainer.py:772-981)",
+        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer.init_workers",
+    ),
+    Touch(
+        "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._update_critic", "cpu",
+        why="private method: the in-process runner reports each step's batch (after advantages, before the "
+        "updates) to its on_batch hook, then calls verl's own method",
+        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer._update_critic",
+    ),
+    Touch(
+        "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._update_actor", "cpu",
+        why="private method: as _update_critic, for critic-free estimators",
+        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer._update_actor",
+    ),
+    Touch(
+        "override", "verl.workers.rollout.llm_server", "LLMServerManager._init_global_load_balancer", "cpu",
+        why="private method: the load balancer is built on the in-process actor loop instead of as a Ray actor",
+        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessLLMServerManager._init_global_load_balancer",
+    ),
+    Touch(
+        "override", "verl.workers.rollout.llm_server", "LLMServerManager.__init__", "cpu",
+        why="its hook 'for recipe to change' (llm_server.py:391): a class attribute rollout_replica_class is used "
+        "instead of the registry's replica, so that the in-process replica keeps its server on the actor loop",
+        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessLLMServerManager.rollout_replica_class",
+    ),
+    Touch(
+        "override", "verl.experimental.agent_loop", "AgentLoopManager._init_agent_loop_workers", "cpu",
+        why="private method: the agent-loop workers are built on the in-process actor loop instead of as Ray actors",
+        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessAgentLoopManager._init_agent_loop_workers",
+    ),
+    Touch(
+        "override", "verl.workers.rollout.replica", "RolloutReplica.launch_servers", "cpu",
+        why="the hf rollout's replica starts one HF-generate server (a named Ray actor, or on the in-process "
+        "actor loop) where verl's replicas start vLLM/SGLang servers",
+        versions=CPU_VERL, code="verl_ext.cpu.rollout:HFReplica.launch_servers",
+    ),
+)  # fmt: skip
+
+#: Every touch, in the order doctor lists them.
+TOUCHES = PLUGIN_TOUCHES + CPU_TOUCHES
