@@ -8,10 +8,12 @@ test below, and a test fails if a verified block disappears from the document.
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -264,3 +266,49 @@ def test_check_output(tmp_path, run_cli):
     shown = verified_block("check-output").split("\n", 1)[1].rsplit("\n", 1)[0]  # inside the ``` fence
     assert without_errors(shown) == without_errors(out.split("\n\n")[1])
     assert out.splitlines()[-1] == "PASS (7 passed, 0 failed, 0 skipped)"
+
+
+def test_seed_004_update():
+    """§8, the update: each row's term and clip from verl's own compute_policy_loss_vanilla, one token
+    at a time (a one-token token-mean is the token's term), ε = 0.2, c = 3."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+    from verl.workers.config import ActorConfig
+
+    table = verified_table("seed-004-update")
+    advantage, old, new = numbers(table["A_t"]), numbers(table["old_log_prob"]), numbers(table["log_prob"])
+    assert advantage == [0.13, 0.10, 0.08, 0.05, 0.03, 0.05]  # seed dialogue 004
+    assert old == [-0.12, -0.08, -0.15, -0.10, -0.05, -0.02]
+    assert [round(n - o, 10) for n, o in zip(new, old)] == [0.3, 0.1, -0.3, 0.0, 0.25, -0.5]
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2)
+
+    def verl_term(a, log_prob, old_log_prob):
+        t = lambda x: torch.tensor([[x]], dtype=torch.float64)  # noqa: E731
+        loss, metrics = compute_policy_loss_vanilla(
+            old_log_prob=t(old_log_prob), log_prob=t(log_prob), advantages=t(a),
+            response_mask=torch.ones(1, 1, dtype=torch.bool), loss_agg_mode="token-mean", config=config,
+        )  # fmt: skip
+        return float(loss), metrics["actor/pg_clipfrac"] > 0
+
+    first = [verl_term(a, o, o) for a, o in zip(advantage, old)]
+    later = [verl_term(a, n, o) for a, n, o in zip(advantage, new, old)]
+    assert_shown(table["ratio"], [math.exp(n - o) for n, o in zip(new, old)])
+    assert_shown(table["term (first mini-batch)"], [term for term, _ in first])
+    assert_shown(table["term"], [term for term, _ in later])
+    assert table["clip"] == ["high" if clipped else "none" for _, clipped in later]
+    text = doc_text()
+    assert f"−{abs(np.mean([t for t, _ in first])):.4f} at the first mini-batch" in text
+    assert f"−{abs(np.mean([t for t, _ in later])):.4f} later" in text
+
+
+def test_update_columns():
+    """§9: every column of the update tables is in the document's table, and nothing else."""
+    from verl_ext.trace.schema import UPDATE_COLUMNS
+
+    table = verified_table("update-columns")
+    documented = {kind: set() for kind in ("actor", "critic")}
+    for kind, cell in zip(table["table"], table["column"]):
+        for name in re.findall(r"`(\w+)`", cell):
+            for k in (("actor", "critic") if kind == "both" else (kind,)):
+                documented[k].add(name)
+    for kind, columns in UPDATE_COLUMNS.items():
+        assert documented[kind] == {c.name for c in columns} - {"step"}, kind

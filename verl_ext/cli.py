@@ -92,6 +92,9 @@ def show_arguments(parser: argparse.ArgumentParser) -> None:
     _run_argument(parser)
     parser.add_argument("--step", type=int, metavar="S", help="step (default: the first traced step)")
     parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample (row in the step's batch; default 0)")
+    parser.add_argument(
+        "--epoch", type=int, metavar="E", help="add what the update of PPO epoch E did: mini-batch, log-prob, ratio, clip, loss terms"
+    )
     _tokenizer_argument(parser)
     _format_arguments(parser)
 
@@ -105,7 +108,7 @@ def show(args: argparse.Namespace) -> int:
     trace = _open_run(args.run)
     step = trace.steps[0] if args.step is None else args.step
     decoder = decoder_for(trace, args.tokenizer)
-    view = sample_view(trace, step, args.sample, decoder)
+    view = sample_view(trace, step, args.sample, decoder, epoch=args.epoch)
     if not decoder.available:  # said after the step was read, so that a bad trace stays a one-line error
         print(f"note: {decoder.problem}; tokens are shown as ids", file=sys.stderr)
     if args.format != "csv":

@@ -110,6 +110,7 @@ TRACE_KEYS = {
     "max_samples_per_step": None,
     "on_error": "warn",
     "queue_size": 2,
+    "update": True,
 }
 
 
@@ -122,6 +123,7 @@ class TraceOptions:
     max_samples_per_step: int | None = None
     on_error: str = "warn"
     queue_size: int = 2
+    update: bool = True  # the update tables (actor and critic, per epoch and mini-batch)
 
     def __post_init__(self) -> None:
         """Every TraceOptions is valid, however it was made (ValueError naming the key otherwise)."""
@@ -131,6 +133,7 @@ class TraceOptions:
             raise ValueError(f"verl_ext.trace.dir must be a non-empty path or URL, got {self.dir!r}")
         positive_int("verl_ext.trace.every", self.every)
         positive_int("verl_ext.trace.queue_size", self.queue_size)
+        boolean("verl_ext.trace.update", self.update)
         if self.max_samples_per_step is not None:
             positive_int("verl_ext.trace.max_samples_per_step", self.max_samples_per_step)
 

@@ -68,6 +68,37 @@ PLUGIN_TOUCHES = (
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_fit",
     ),
     Touch(
+        "patch", "verl.workers.utils.losses", "ppo_loss", "plugin",
+        why="the update side of the trace: on a traced step the actor's per-token log-prob, ratio, advantage, "
+        "clip and loss term (the first matrix verl's policy loss hands to core_algos.agg_loss, recorded by "
+        "swapping core_algos.agg_loss and the POLICY_LOSS_REGISTRY entry for the duration of the call) go back "
+        "in the loss metrics; verl's loss itself runs unchanged",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_ppo_loss",
+    ),
+    Touch(
+        "patch", "verl.workers.utils.losses", "value_loss", "plugin",
+        why="the update side of the trace: on a traced step the critic's per-token prediction, clipped "
+        "prediction, return and loss term go back in the loss metrics; verl's loss itself runs unchanged",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_value_loss",
+    ),
+    Touch(
+        "patch", "verl.utils.tensordict_utils", "make_iterator", "plugin",
+        why="tags each mini-batch of a traced batch with its PPO epoch and index, which verl does not pass to "
+        "the loss function (engine_workers.py:273)",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_make_iterator",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.ray_trainer", "reduce_metrics", "plugin",
+        why="the legacy trainer reduces the update's metrics here (ray_trainer.py:1680,1718): the trace's "
+        "per-token reports are taken out first (np.mean cannot average them) and written as update tables",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_reduce_metrics",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.v1.trainer_base", "reduce_metrics", "plugin",
+        why="as in the legacy trainer, for the V1 trainer's updates (trainer_base.py:1822,1863)",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_reduce_metrics",
+    ),
+    Touch(
         "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage", "plugin",
         why="the V1 trainer computes advantages on a reduced batch without token ids; after it stores them in "
         "TransferQueue, the trace reads back the tensors the trainer will use, with token ids and the step",

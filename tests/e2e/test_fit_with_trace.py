@@ -1,6 +1,8 @@
 """verl's real RayPPOTrainer.fit() on CPU, in-process, for every estimator (verl-ext's four, verl's gae
 and grpo, and the README's example of a user's estimator, loaded through VERL_USE_EXTERNAL_MODULES),
-with KL in the reward and the per-token trace on. One fresh interpreter per scenario (the platform, registries and
+with KL in the reward and the per-token trace on, its update tables included: two PPO epochs of two
+shuffled mini-batches of two micro-batches each, a large actor learning rate and a small clip ratio,
+so that ratios move away from 1 and clipping happens. One fresh interpreter per scenario (the platform, registries and
 patches are process-global).
 
 What each run is checked against, independently of verl-ext's own code:
@@ -37,6 +39,15 @@ SCENARIO_OVERRIDES = {
     "grpo": [],
     "td_half": [],  # the README's example, tests/integration/test_user_estimator.py
 }
+UPDATE_OVERRIDES = [
+    "actor_rollout_ref.actor.ppo_epochs=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.shuffle=True",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+    "actor_rollout_ref.actor.clip_ratio=0.1",
+    "actor_rollout_ref.actor.calculate_entropy=True",
+]
 
 
 def user_module_env(out: Path) -> dict[str, str]:
@@ -48,7 +59,7 @@ def user_module_env(out: Path) -> dict[str, str]:
     return {"PYTHONPATH": f"{out / 'user'}:{ROOT}", "VERL_USE_EXTERNAL_MODULES": "my_estimators"}
 
 
-def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int = 1):
+def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int = 1, steps: int = 2):
     out = tmp_path_factory.mktemp(estimator)
     overrides = [
         "algorithm.use_kl_in_reward=True",
@@ -56,10 +67,11 @@ def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int 
         f"algorithm.gamma={GAMMA}",
         f"algorithm.lam={LAM}",
         f"verl_ext.trace.dir={out / 'trace'}",
+        *UPDATE_OVERRIDES,
         *extra,
     ]
     command = [
-        sys.executable, str(SCENARIOS), "in-process", str(out), "--estimator", estimator, "--steps", "2",
+        sys.executable, str(SCENARIOS), "in-process", str(out), "--estimator", estimator, "--steps", str(steps),
         "--rollout-n", str(rollout_n), "--config-dir", str(ROOT / "verl_ext" / "configs"),
         "--config-name", "verl_ext_trainer", "--", *overrides,
     ]  # fmt: skip
@@ -210,3 +222,137 @@ def test_check_passes(finished_run):
     statuses = {identity["identity"]: identity["status"] for identity in report["identities"]}
     recomputed = "skipped" if estimator == "grpo" else "pass"  # grpo's advantages are group statistics
     assert statuses["returns"] == statuses["advantage_raw"] == recomputed
+    update = {"update_rows", "ratio", "ratio_first", "pg_loss", "clip", "update_metrics"}
+    assert {statuses[key] for key in update} == {"pass"}
+    assert statuses["vf_loss"] == ("skipped" if estimator == "grpo" else "pass")
+
+
+# --------------------------------------------------------------------------- the update tables
+
+
+def trained_tokens(batch) -> set[tuple[int, int]]:
+    """(sample, token_index) of every valid token of the batch the trainer used (the recorder's copy)."""
+    return {(int(i), int(t)) for i, t in np.argwhere(batch["response_mask"].numpy() != 0)}
+
+
+def test_update_rows_cover_every_trained_token_once_per_epoch(finished_run):
+    from verl_ext.trace.reader import open_trace
+
+    estimator, out, batches = finished_run
+    trace = open_trace(str(out / "trace"))
+    kinds = ["actor"] + ([] if estimator == "grpo" else ["critic"])
+    assert trace.update_steps == {"actor": [1, 2], "critic": [1, 2] if "critic" in kinds else []}
+    for step, batch in batches["steps"].items():
+        expected = trained_tokens(batch)
+        for kind in kinds:
+            table = (trace.actor_update if kind == "actor" else trace.critic_update)(step).to_pandas()
+            assert sorted(table["epoch"].unique()) == [0, 1]
+            for _, rows in table.groupby("epoch"):
+                keys = list(zip(rows["sample"], rows["token_index"]))
+                assert len(keys) == len(set(keys)) and set(keys) == expected, kind
+                assert sorted(rows["minibatch"].unique()) == [0, 1]
+        actor = trace.actor_update(step).to_pandas()
+        positions = (actor["sample"].to_numpy(), actor["token_index"].to_numpy())
+        np.testing.assert_array_equal(actor["advantage"].to_numpy(np.float32), batch["advantages"].numpy()[positions])
+        np.testing.assert_array_equal(actor["old_log_prob"].to_numpy(np.float32), batch["old_log_probs"].numpy()[positions])
+        assert actor["entropy"].notna().all()
+
+
+def test_the_update_moves_ratios_and_clips(finished_run):
+    from verl_ext.trace.reader import open_trace
+
+    _, out, _ = finished_run
+    trace = open_trace(str(out / "trace"))
+    actor = pd_concat(trace.actor_update(step).to_pandas() for step in trace.steps)
+    first = actor[(actor.epoch == 0) & (actor.minibatch == 0)]
+    assert np.abs(first["ratio"] - 1).max() < 1e-5  # fp32 on CPU: the policy that produced old_log_prob
+    later = actor[(actor.epoch == 1)]
+    assert np.abs(later["ratio"] - 1).max() > 0.05
+    assert {"low", "high"} <= set(actor["clip"])
+
+
+def pd_concat(frames):
+    import pandas as pd
+
+    return pd.concat(list(frames))
+
+
+def test_update_reproduces_verls_logged_metrics(finished_run):
+    """verl's own metrics file against the update tables, aggregated here as verl's token-mean does:
+    per mini-batch over its tokens, then the mean over mini-batches and epochs; clip fractions as
+    means of micro-batch fractions."""
+    from tests.cpu.helpers import read_metrics
+    from verl_ext.trace.reader import open_trace
+
+    estimator, out, _ = finished_run
+    trace, metrics = open_trace(str(out / "trace")), read_metrics(out)
+    for step in trace.steps:
+        actor = trace.actor_update(step).to_pandas()
+        per_minibatch = actor.groupby(["epoch", "minibatch"])
+        assert per_minibatch["pg_loss"].mean().mean() == pytest.approx(metrics[step]["actor/pg_loss"], rel=1e-5, abs=1e-7)
+        clipped = actor.assign(clipped=actor["clip"].isin(["low", "high"]))
+        micro = clipped.groupby(["epoch", "minibatch", "microbatch"])["clipped"].mean()
+        assert micro.groupby(["epoch", "minibatch"]).mean().mean() == pytest.approx(metrics[step]["actor/pg_clipfrac"], abs=1e-6)
+        if estimator == "grpo":
+            continue
+        critic = trace.critic_update(step).to_pandas()
+        vf = 0.5 * critic.groupby(["epoch", "minibatch"])["vf_loss"].mean().mean()
+        assert vf == pytest.approx(metrics[step]["critic/vf_loss"], rel=1e-5, abs=1e-7)
+        fractions = critic.groupby(["epoch", "minibatch", "microbatch"])["vf_clipped"].mean()
+        assert fractions.mean() == pytest.approx(metrics[step]["critic/vf_clipfrac"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory):
+    return scenario(tmp_path_factory, "mc", [], steps=1) / "trace"
+
+
+PLANTS = {  # column of an update table -> the identity that must catch a change of it
+    ("actor", "log_prob"): "ratio",
+    ("actor", "ratio"): "ratio",
+    ("actor", "old_log_prob"): "update_rows",
+    ("actor", "advantage"): "update_rows",
+    ("actor", "pg_loss"): "pg_loss",
+    ("actor", "clip"): "clip",
+    ("actor", "sample"): "update_rows",
+    ("actor", "epoch"): "update_rows",
+    ("critic", "vpred"): "vf_loss",
+    ("critic", "vpred_clipped"): "vf_loss",
+    ("critic", "vf_loss"): "vf_loss",
+    ("critic", "vf_clipped"): "vf_loss",
+    ("critic", "value"): "update_rows",
+    ("critic", "return"): "update_rows",
+    ("critic", "token_index"): "update_rows",
+}
+
+
+@pytest.mark.parametrize("plant", PLANTS, ids=lambda p: f"{p[0]}.{p[1]}")
+def test_a_planted_error_in_each_update_column_is_caught(one_step_run, tmp_path, plant):
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_ext.inspect.check import check_trace
+    from verl_ext.trace.schema import update_file
+
+    kind, column = plant
+    trace = tmp_path / "trace"
+    shutil.copytree(one_step_run, trace)
+    path = trace / update_file(kind, 1)
+    table = pq.read_table(path)
+    values = table[column].to_pylist()
+    row = len(values) // 2
+    if column == "clip":
+        values[row] = "dual" if values[row] != "dual" else "none"
+    elif isinstance(values[row], bool):
+        values[row] = not values[row]
+    elif isinstance(values[row], int):
+        values[row] = values[row] + 7
+    else:
+        values[row] = values[row] * 1.01 + (0.01 if abs(values[row]) < 1e-3 else 0.0)
+    table = table.set_column(table.schema.get_field_index(column), column, pa.array(values, table[column].type))
+    pq.write_table(table, path)
+    report = check_trace(str(trace))
+    failed = {r.identity for r in report.identities if r.status == "fail"}
+    assert PLANTS[plant] in failed, (failed, [str(r.first) for r in report.identities if r.first])

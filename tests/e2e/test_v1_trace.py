@@ -1,5 +1,7 @@
-"""verl 0.9's default V1 trainer, through the real CLI on Ray: the trace equals what the actor
-update read from TransferQueue (captured by tests/e2e/v1_capture.py), and it passes the checker."""
+"""verl 0.9's default V1 trainer, through the real CLI on Ray, with the README's example of a user's
+estimator (loaded in every process through VERL_USE_EXTERNAL_MODULES): the trace equals what the
+actor update read from TransferQueue (captured by tests/e2e/v1_capture.py), its update tables cover
+every trained token once per epoch and reproduce verl's logged metrics, and it passes the checker."""
 
 from __future__ import annotations
 
@@ -20,26 +22,29 @@ def v1_run(tmp_path_factory):
     from verl_ext.cpu.assets import build_assets
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
+    from tests.e2e.test_fit_with_trace import UPDATE_OVERRIDES, user_module_env
+
     out = tmp_path_factory.mktemp("v1")
     capture = out / "captured"
     capture.mkdir()
+    user = user_module_env(out)
     overrides = merge_overrides(
-        cpu_overrides(build_assets(), out, steps=2, estimator="gae", use_v1=True),
+        cpu_overrides(build_assets(), out, steps=2, estimator="td_half", use_v1=True),
         [
             "algorithm.use_kl_in_reward=True",
             "algorithm.kl_ctrl.kl_coef=0.05",
-            "algorithm.lam=0.9",
             f"verl_ext.trace.dir={out / 'trace'}",
-            "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=tests.e2e.v1_capture",
+            *UPDATE_OVERRIDES,
+            "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
             f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
-            f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
         ],
     )
     command = [
         sys.executable, "-m", "verl.trainer.main_ppo",
         f"--config-path={ROOT / 'verl_ext' / 'configs'}", "--config-name=verl_ext_trainer", *overrides,
     ]  # fmt: skip
-    env = {**os.environ, **cpu_environment(out), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **cpu_environment(out), **user}
     result = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     (out / "train.log").write_text(result.stdout + result.stderr)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
@@ -84,8 +89,33 @@ def test_v1_trace_equals_what_the_actor_update_read(v1_run):
 
 
 def test_v1_trace_passes_the_checker(v1_run):
+    from tests.e2e.test_fit_with_trace import user_module_env
+
     result = subprocess.run(
         [sys.executable, "-m", "verl_ext.cli", "check", str(v1_run / "trace"), "--quiet"],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env={**os.environ, **user_module_env(v1_run)},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "returns recomputed: td_half" in result.stdout and "8.6" in result.stdout
+
+
+def test_v1_update_tables_cover_every_trained_token_and_reproduce_verls_metrics(v1_run):
+    from tests.cpu.helpers import read_metrics
+    from verl_ext.trace.reader import open_trace
+
+    trace, metrics = open_trace(str(v1_run / "trace")), read_metrics(v1_run)
+    assert trace.update_steps == {"actor": [1, 2], "critic": [1, 2]}
+    for step in trace.steps:
+        used = torch.load(v1_run / "captured" / f"step{step}.pt")
+        expected = {(int(i), int(t)) for i, t in np.argwhere(used["response_mask"].numpy() != 0)}
+        actor, critic = trace.actor_update(step).to_pandas(), trace.critic_update(step).to_pandas()
+        for table in (actor, critic):
+            for _, rows in table.groupby("epoch"):
+                keys = list(zip(rows["sample"], rows["token_index"]))
+                assert len(keys) == len(set(keys)) and set(keys) == expected
+        positions = (actor["sample"].to_numpy(), actor["token_index"].to_numpy())
+        np.testing.assert_array_equal(actor["advantage"].to_numpy(np.float32), used["advantages"].numpy()[positions])
+        pg_loss = actor.groupby(["epoch", "minibatch"])["pg_loss"].mean().mean()
+        assert pg_loss == pytest.approx(metrics[step]["actor/pg_loss"], rel=1e-5, abs=1e-7)
+        vf_loss = 0.5 * critic.groupby(["epoch", "minibatch"])["vf_loss"].mean().mean()
+        assert vf_loss == pytest.approx(metrics[step]["critic/vf_loss"], rel=1e-5, abs=1e-7)

@@ -181,8 +181,15 @@ def algorithm(name: str, gamma: float = 1.0, lam: float = 1.0, kl: str | None = 
 
 
 def write_trace(
-    directory: Path, algo: dict, batches: dict[int, Batch], max_samples: int | None = None, tokenizer_path: str = ""
+    directory: Path,
+    algo: dict,
+    batches: dict[int, Batch],
+    max_samples: int | None = None,
+    tokenizer_path: str = "",
+    updates: dict[int, list] | None = None,
+    update_settings: dict | None = None,
 ) -> str:
+    """A trace of ``batches`` written by the real TraceWriter; ``updates``: UpdateCaptures per step."""
     options = TraceOptions(dir=str(directory), max_samples_per_step=max_samples)
     run_record = RunRecord(
         verl_ext_version="test",
@@ -194,6 +201,7 @@ def write_trace(
         tokenizer_path=tokenizer_path,
         rollout_n=1,
         trace=options.as_dict(),
+        update=update_settings or {},
     )
     with TraceWriter(options, run_record) as writer:
         for step, b in batches.items():
@@ -214,6 +222,8 @@ def write_trace(
                     kl_coef=b.kl_coef,
                 )
             )
+            for update in (updates or {}).get(step, []):
+                writer.submit_update(update)
     return str(directory)
 
 

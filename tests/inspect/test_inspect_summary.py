@@ -26,6 +26,7 @@ def test_summary_numbers_by_hand(tmp_path):
         "step": 3, "samples": 2, "tokens": 5, "score": 0.75, "reward": 0.75, "kl": None, "value": 0.32,
         "return": 0.8, "adv_raw_mean": 0.48, "adv_raw_std": (0.208 / 4) ** 0.5, "adv_mean": 0.48,
         "adv_std": (0.208 / 4) ** 0.5, "explained_var": 1 - 0.052 / 0.075,
+        "clip_low": None, "clip_high": None, "clip_dual": None, "adv_dlogp_corr": None,  # no update tables
     }  # fmt: skip
     assert row == pytest.approx(expected, abs=1e-6)
 

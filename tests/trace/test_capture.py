@@ -103,8 +103,23 @@ def test_prompt_table_strips_left_padding():
         }
         for i in range(3)
     ]
-    assert table.to_pylist() == expected
+    assert table.select(["step", "sample", "uid", "prompt_token_ids"]).to_pylist() == expected
     assert all(len(row["prompt_token_ids"]) >= 1 for row in expected)
+
+
+def test_prompt_table_says_how_each_response_ended():
+    """MASK's rows end at positions 2, 4, (none), 5, 2 of 6; token 9 is EOS: by hand, row 0 ends with
+    EOS, row 3 fills all 6 positions without EOS (truncated), the others end otherwise."""
+    capture = make_capture()
+    capture.token_id[0, 2] = 9
+    capture.token_id[4, 2] = 9
+    capture.token_id[[1, 3], [4, 5]] = 10
+    capture.eos_token_ids, capture.max_response_length = (9,), 6
+    rows = prompt_table(take_snapshot(capture, None)).select(["response_length", "eos", "truncated"]).to_pylist()
+    assert [tuple(row.values()) for row in rows] == [
+        (3, True, False), (5, False, False), (0, False, False), (6, False, True), (3, True, False),
+    ]
+    assert prompt_table(take_snapshot(make_capture(), None))["eos"].null_count == len(MASK)  # no EOS ids: null
 
 
 def test_prompt_table_without_mask_or_without_prompts():

@@ -226,3 +226,34 @@ def test_empty_trace(tmp_path):
     trace = open_trace(str(tmp_path))
     assert trace.steps == [] and trace.to_pandas().empty and trace.dataset().to_table().num_rows == 0
     assert pa.concat_tables([t for _, t in trace.iter_steps()] or [TOKEN_SCHEMA.empty_table()]).num_rows == 0
+
+
+def test_a_version_1_trace_stays_readable(tmp_path):
+    """A trace as verl-ext 0.1 wrote it (schema version 1: no rollout_log_prob, no end flags, no
+    update tables): the new columns read as null, nothing else changes."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from verl_ext.trace.schema import SCHEMA_VERSION_METADATA_KEY, prompt_file, token_file
+
+    directory = tmp_path / "v1"
+    capture = make_capture(1)
+    with TraceWriter(TraceOptions(dir=str(directory)), run_record()) as writer:
+        writer.submit(capture)
+    for relative, dropped in ((token_file(1), ["rollout_log_prob"]), (prompt_file(1), ["response_length", "eos", "truncated"])):
+        table = pq.read_table(directory / relative)
+        metadata = {**table.schema.metadata, SCHEMA_VERSION_METADATA_KEY.encode(): b"1"}
+        pq.write_table(table.drop_columns(dropped).replace_schema_metadata(metadata), directory / relative)
+    record = json.loads((directory / "_run.json").read_text())
+    record = {k: v for k, v in record.items() if k not in ("update", "host")} | {"schema_version": 1}
+    (directory / "_run.json").write_text(json.dumps(record))
+
+    trace = open_trace(str(directory))
+    assert trace.record.schema_version == 1 and trace.update_steps == {"actor": [], "critic": []}
+    table = trace.read_step(1)
+    assert table["rollout_log_prob"].null_count == table.num_rows
+    assert table.drop_columns(["step", "rollout_log_prob"]).to_pylist() == [
+        {k: v for k, v in row.items() if k != "rollout_log_prob"} for row in reference_rows(capture)
+    ]
+    assert trace.prompts(1)["eos"].null_count == trace.prompts(1).num_rows

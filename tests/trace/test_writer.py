@@ -9,6 +9,7 @@ import threading
 import warnings
 from datetime import datetime, timedelta, timezone
 
+import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
@@ -29,6 +30,8 @@ RUN_FIELDS = {
     "tokenizer_path": "tiny",
     "rollout_n": 2,
     "trace": TraceOptions(dir="x").as_dict(),
+    "update": {"actor": {"loss_mode": "vanilla", "loss_agg_mode": "token-mean"}},
+    "host": "trainer-node-0",
 }
 RUN_RECORD = RunRecord(**RUN_FIELDS)
 
@@ -305,3 +308,33 @@ def test_stale_temporaries_are_cleared(tmp_path):
     (tmp_path / "_tmp" / "step=3~part-0.parquet.dead.tmp").write_bytes(b"partial")
     TraceWriter(TraceOptions(dir=str(tmp_path)), RUN_RECORD).close()
     assert os.listdir(tmp_path / "_tmp") == []
+
+
+def test_update_tables_from_several_ranks_are_sorted_and_truncated_like_the_token_table(tmp_path):
+    from verl_ext.trace.capture import UpdateCapture
+
+    def report(rank, samples, epoch):
+        count = len(samples)
+        return {
+            "epoch": epoch, "minibatch": 0, "microbatch": 0, "rank": rank, "batch_num_tokens": 4,
+            "global_batch_size": 4, "dp_size": 2,
+            "columns": {
+                "sample": np.array(samples, np.int32), "token_index": np.zeros(count, np.int32),
+                "vpred": np.arange(count, dtype=np.float32) + rank, "vf_clipped": np.zeros(count, bool),
+            },
+        }  # fmt: skip
+
+    directory = str(tmp_path / "t")
+    with TraceWriter(TraceOptions(dir=directory, max_samples_per_step=3), RUN_RECORD) as writer:
+        writer.submit(make_capture(1))
+        parts = [report(1, [3, 2], 1), report(0, [1, 0], 1), report(1, [3, 2], 0), report(0, [1, 0], 0)]
+        writer.submit_update(UpdateCapture(1, "critic", parts, {"critic/vf_loss": 0.5}))
+    trace = open_trace(directory)
+    table = trace.critic_update(1).to_pydict()
+    assert list(zip(table["epoch"], table["sample"], table["rank"])) == [
+        (0, 0, 0), (0, 1, 0), (0, 2, 1), (1, 0, 0), (1, 1, 0), (1, 2, 1)
+    ]  # sample 3 is past max_samples_per_step, as in the token table
+    assert table["vpred"] == [1.0, 0.0, 2.0, 1.0, 0.0, 2.0] and table["vf_loss"] == [None] * 6
+    assert trace.record.steps["1"].updates["critic"].logged == {"critic/vf_loss": 0.5}
+    with pytest.raises(TraceError, match="no actor update table for step 1"):
+        trace.actor_update(1)

@@ -52,6 +52,7 @@ import pyarrow as pa
 import torch
 
 from verl_ext import registry
+from verl_ext.inspect import update
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace, step_beta
 from verl_ext.torch_threads import one_torch_thread
 
@@ -320,7 +321,8 @@ def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData) -> Recompute
 # --------------------------------------------------------------------------- the identities
 
 
-#: The identities, in report order (what each says depends on the run: see ``_titles``).
+#: The identities of the token table, in report order (what each says depends on the run: see
+#: ``_titles``); a trace with update tables adds :data:`update.UPDATE_IDENTITIES` after them.
 IDENTITIES = (
     "advantage_raw",
     "whitening",
@@ -330,7 +332,7 @@ IDENTITIES = (
     "mask_layout",
     "finite",
 )
-QUANTITIES = ("score", "reward", "value", "return", "advantage", "advantage_raw", "kl")
+QUANTITIES = ("score", "reward", "value", "return", "advantage", "advantage_raw", "kl", "old_log_prob")
 
 
 def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | None = None) -> CheckReport:
@@ -338,16 +340,20 @@ def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | 
     trace = as_trace(trace)
     algorithm = RecordedAlgorithm.from_record(trace.record)
     selected = tuple(trace.steps if steps is None else steps)
+    with_updates = any(trace.update_steps.values())  # a trace without update tables has no §8.6 rows
     per_step: list[StepResult] = []
     tokens = 0
     for done, step in enumerate(selected, start=1):
         data = StepData.read(trace, step, QUANTITIES)
         per_step.extend(_StepCheck(algorithm, trace.step_record(step), data).results())
+        if with_updates:
+            per_step.extend(_update_result(step, outcome) for outcome in update.check_update(trace, step, data))
         tokens += data.tokens
         if progress is not None:
             progress(done, len(selected), tokens)
     titles = _titles(algorithm)
-    identities = tuple(aggregate(key, *titles[key], [r for r in per_step if r.identity == key]) for key in IDENTITIES)
+    checked = IDENTITIES + update.UPDATE_IDENTITIES if with_updates else IDENTITIES
+    identities = tuple(aggregate(key, *titles[key], [r for r in per_step if r.identity == key]) for key in checked)
     return CheckReport(str(trace.path), algorithm, selected, tokens, identities, tuple(per_step))
 
 
@@ -373,7 +379,20 @@ def _titles(algorithm: RecordedAlgorithm) -> dict[str, tuple[str, str]]:
         "rewards": (rewards, ELEMENTWISE_TEXT),
         "mask_layout": ("rows 0…n−1 per sample, ending on a valid token", "exact"),
         "finite": ("quantities present and finite on valid tokens", "exact"),
+        **{key: (update.TITLES[key], update.TOLERANCE_TEXT[key]) for key in update.UPDATE_IDENTITIES},
     }
+
+
+def _update_result(step: int, outcome: "update.Outcome") -> StepResult:
+    first = None
+    if outcome.first is not None:
+        f = outcome.first
+        where = Location(step, f.get("sample"), f.get("token_index"))
+        first = Violation(where, f["column"], f.get("actual"), f.get("expected"), f.get("error"), f.get("tolerance"), f.get("detail"))
+    return StepResult(
+        outcome.identity, step, outcome.status, checked=outcome.checked, violations=outcome.violations,
+        max_abs_error=outcome.max_abs_error, first=first, note=outcome.note,
+    )  # fmt: skip
 
 
 class _StepCheck:

@@ -7,6 +7,10 @@ notebook (a returned Figure displays itself) and in ``verl-ext plot`` (Agg, save
 * :func:`over_steps`: mean score and explained variance (and KL) over training steps
 * :func:`value_vs_return`: every valid token's value against its return
 * :func:`advantage_heatmap`: one sample's advantages token by token, with the decoded tokens
+* :func:`ratio_vs_advantage`: every actor-update row's ratio against its advantage, with vanilla
+  PPO's clip regions drawn in: the PPO picture (needs update tables)
+* :func:`logprob_change`: log_prob − old_log_prob along one response, per PPO epoch, under its
+  advantages (needs update tables)
 
 A figure that draws token text says so in a footnote when a character had to be shown as a code
 point, and warns (``FontFallbackWarning``, a :class:`PlotNote`).
@@ -222,6 +226,84 @@ def advantage_heatmap(
     return fig
 
 
+CLIP_COLORS = {"none": "#7f7f7f", "low": "#1f77b4", "high": "#d62728", "dual": "#9467bd"}
+
+
+def ratio_vs_advantage(trace, step: int | None = None, max_points: int = SCATTER_MAX_POINTS) -> Figure:
+    """Each actor-update row (every epoch and mini-batch) as (advantage, ratio), coloured by its clip;
+    shaded where vanilla PPO clips: ratio > 1+ε_high with A > 0, ratio < 1−ε_low with A < 0, and the
+    dual clip ratio > c with A < 0. There the gradient of the token is zero."""
+    trace = as_trace(trace)
+    step = _step(trace, step)
+    if step not in trace.update_steps.get("actor", []):
+        raise UsageError(f"step {step} has no actor update table (verl_ext.trace.update=false, or an older trace)")
+    table = trace.actor_update(step, ["advantage", "ratio", "clip"]).to_pydict()
+    advantage, ratio, clip = np.array(table["advantage"], float), np.array(table["ratio"], float), np.array(table["clip"], object)
+    settings = (trace.record.update or {}).get("actor", {})
+    low, high, c = settings.get("clip_ratio_low", 0.2), settings.get("clip_ratio_high", 0.2), settings.get("clip_ratio_c", 3.0)
+    shown = np.arange(len(ratio))
+    if len(ratio) > max_points:
+        shown = np.sort(np.random.default_rng(0).choice(len(ratio), max_points, replace=False))
+    fig = Figure(figsize=(8, 6), layout="constrained")
+    axis = fig.subplots()
+    left, right = min(float(advantage.min(initial=0)), -1e-3) * 1.05, max(float(advantage.max(initial=0)), 1e-3) * 1.05
+    dual = bool(((advantage < 0) & (ratio > c)).any())
+    top = max(float(ratio.max(initial=1)), 1 + high, c if dual else 0.0) * 1.05
+    bottom = min(float(ratio.min(initial=1)), 1 - low) * 0.95
+    axis.fill_between([0, right], 1 + high, top, color=CLIP_COLORS["high"], alpha=0.08, label=f"clipped high (ratio > {1 + high:g})")
+    axis.fill_between([left, 0], bottom, 1 - low, color=CLIP_COLORS["low"], alpha=0.08, label=f"clipped low (ratio < {1 - low:g})")
+    if dual:
+        axis.fill_between([left, 0], c, top, color=CLIP_COLORS["dual"], alpha=0.08, label=f"dual clip (ratio > c = {c:g})")
+    for code, color in CLIP_COLORS.items():
+        chosen = shown[clip[shown] == code]
+        if len(chosen):
+            axis.scatter(advantage[chosen], ratio[chosen], s=8, alpha=0.7, color=color, linewidths=0, label=f"{code} ({len(chosen):,})")
+    axis.axhline(1, color="grey", linewidth=0.8)
+    axis.axvline(0, color="grey", linewidth=0.8)
+    axis.set_xlim(left, right)
+    axis.set_ylim(bottom, top)
+    axis.set_xlabel("advantage A_t (what the actor trains on)")
+    axis.set_ylabel("ratio = π_θ / π_old")
+    axis.legend(loc="best", frameon=False, fontsize=8)
+    axis.grid(alpha=0.3)
+    subsample = f", {len(shown):,} shown" if len(shown) < len(ratio) else ""
+    fig.suptitle(f"Step {step}: ratio against advantage, {len(ratio):,} update rows (all epochs){subsample}")
+    return fig
+
+
+def logprob_change(trace, step: int | None = None, sample: int = 0) -> Figure:
+    """Along one response: its advantages, and log_prob − old_log_prob per PPO epoch (what the updates
+    before each mini-batch had done to each token's probability)."""
+    trace = as_trace(trace)
+    step = _step(trace, step)
+    if step not in trace.update_steps.get("actor", []):
+        raise UsageError(f"step {step} has no actor update table (verl_ext.trace.update=false, or an older trace)")
+    table = trace.actor_update(step, ["sample", "token_index", "epoch", "log_prob", "old_log_prob", "advantage"]).to_pydict()
+    rows = np.array(table["sample"]) == sample
+    if not rows.any():
+        raise UsageError(f"step {step} has no actor update rows of sample {sample}")
+    token, epoch = np.array(table["token_index"])[rows], np.array(table["epoch"])[rows]
+    change = (np.array(table["log_prob"], float) - np.array(table["old_log_prob"], float))[rows]
+    advantage = np.array(table["advantage"], float)[rows]
+    fig = Figure(figsize=(10, 6), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[1, 2])
+    first = epoch == epoch.min()
+    top.bar(token[first], advantage[first], color=[ADVANTAGE_COLOR if a >= 0 else RETURN_COLOR for a in advantage[first]])
+    top.axhline(0, color="grey", linewidth=0.8)
+    top.set_ylabel("advantage")
+    for e in np.unique(epoch):
+        chosen = np.argsort(token[epoch == e])
+        bottom.plot(token[epoch == e][chosen], change[epoch == e][chosen], marker="o", markersize=3, label=f"epoch {e}")
+    bottom.axhline(0, color="grey", linewidth=0.8)
+    bottom.set_ylabel("log_prob − old_log_prob")
+    bottom.set_xlabel("token position t")
+    bottom.legend(loc="best", frameon=False)
+    for axis in (top, bottom):
+        axis.grid(alpha=0.3)
+    fig.suptitle(f"Step {step}, sample {sample}: how the update moved each token's log-prob")
+    return fig
+
+
 def save_plots(
     trace, out_dir, step: int | None = None, sample: int = 0, tokenizer=None, progress: Progress | None = None
 ) -> list[Path]:
@@ -239,12 +321,15 @@ def save_plots(
         f"value_vs_return_step{step}.png": lambda: value_vs_return(trace, step),
         f"advantages_step{step}_sample{sample}.png": lambda: advantage_heatmap(trace, step, sample, tokenizer),
     }
+    if step in trace.update_steps.get("actor", []):
+        figures[f"ratio_vs_advantage_step{step}.png"] = lambda: ratio_vs_advantage(trace, step)
+        figures[f"logprob_change_step{step}_sample{sample}.png"] = lambda: logprob_change(trace, step, sample)
     written = []
     for name, build in figures.items():
         try:
             fig = build()
         except UsageError as skipped:
-            if name.startswith("value_vs_return"):
+            if name.startswith(("value_vs_return", "logprob_change")):
                 warnings.warn(f"{name} left out: {skipped}", PlotNote, stacklevel=2)
                 continue
             raise

@@ -105,6 +105,13 @@ SECTION = {
     "rewards": "8.4",
     "mask_layout": "8.5",
     "finite": "8.5",
+    "update_rows": "8.6",
+    "ratio": "8.6",
+    "ratio_first": "8.6",
+    "pg_loss": "8.6",
+    "clip": "8.6",
+    "vf_loss": "8.6",
+    "update_metrics": "8.6",
 }
 LEGEND = (
     "ε = float32 epsilon (1.19e-07); n = terms the producer summed (row length, or the estimator's horizon "

@@ -7,6 +7,10 @@
 * ``adv_raw_mean``, ``adv_raw_std``, ``adv_mean``, ``adv_std``: raw and trained-on advantage
   (std with n − 1, like masked_whiten, so a fully traced whitened step shows 1)
 * ``explained_var``: 1 − Var(returns − values) / Var(returns), verl's ``critic/vf_explained_var``
+* ``clip_low``, ``clip_high``, ``clip_dual``: fractions of the actor update's rows (all epochs)
+  clipped low (A < 0), high (A > 0) and by the dual clip (null without update tables)
+* ``adv_dlogp_corr``: correlation of the advantage with log_prob − old_log_prob in the last epoch:
+  positive when the update raised the probability of the tokens it was told to raise
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.inspect.stepdata import Progress, StepData, as_trace
+from verl_ext.inspect.update import update_statistics
 
 SUMMARY_SCHEMA = pa.schema(
     [("step", pa.int64()), ("samples", pa.int64()), ("tokens", pa.int64())]
@@ -33,6 +38,10 @@ SUMMARY_SCHEMA = pa.schema(
             "adv_mean",
             "adv_std",
             "explained_var",
+            "clip_low",
+            "clip_high",
+            "clip_dual",
+            "adv_dlogp_corr",
         )
     ]
 )
@@ -46,7 +55,7 @@ def summarize(trace, steps: Iterable[int] | None = None, progress: Progress | No
     rows, tokens = [], 0
     for done, step in enumerate(selected, start=1):
         data = StepData.read(trace, step, _COLUMNS)
-        rows.append(step_summary(data))
+        rows.append(step_summary(data) | update_statistics(trace, step))
         tokens += data.tokens
         if progress is not None:
             progress(done, len(selected), tokens)

@@ -5,6 +5,9 @@ return, advantage_raw, advantage. ``delta`` is the TD residual δ_t = r_t + γ·
 sample's valid tokens (V of the next valid token, 0 after the last one); it is null on masked
 tokens and when the run has no values. Every other number is the trace's, unchanged.
 
+With ``epoch`` the update of that PPO epoch is added from the update tables (docs/definitions.md
+§8): minibatch, log_prob, ratio, clip, pg_loss (the actor's), vpred, vf_loss (the critic's).
+
 Decoding (:class:`TokenDecoder`): Token ids to the text a person reads.
 
 The tokenizer is loaded from local files only (``local_files_only=True``: never the network), from
@@ -49,10 +52,15 @@ class SampleView:
         return int(pc.sum(self.table.column("mask")).as_py() or 0)
 
 
-def sample_view(trace, step: int, sample: int, tokenizer=None) -> SampleView:
+#: Update-table columns ``sample_view(..., epoch=e)`` adds, by kind.
+UPDATE_COLUMNS = {"actor": ("minibatch", "log_prob", "ratio", "clip", "pg_loss"), "critic": ("vpred", "vf_loss")}
+
+
+def sample_view(trace, step: int, sample: int, tokenizer=None, epoch: int | None = None) -> SampleView:
     """The per-token table of ``sample`` at ``step`` (UsageError when either is not in the trace).
 
     ``tokenizer``: a TokenDecoder, a Hugging Face tokenizer or a path; default the run record's.
+    ``epoch``: add the update of that PPO epoch (the trace's update tables).
     """
     trace = as_trace(trace)
     trace.require_step(step)
@@ -77,6 +85,8 @@ def sample_view(trace, step: int, sample: int, tokenizer=None) -> SampleView:
             **{name: rows.column(name) for name in ("return", "advantage_raw", "advantage")},
         }
     )
+    if epoch is not None:
+        table = _with_update(trace, step, sample, epoch, table)
     prompt_ids = _prompt_ids(trace, step, sample)
     valid_ids = [i for i, valid in zip(token_ids, mask) if valid and i is not None]
     return SampleView(
@@ -88,6 +98,32 @@ def sample_view(trace, step: int, sample: int, tokenizer=None) -> SampleView:
         response_text=decoder.text(valid_ids),
         prompt_token_ids=prompt_ids,
     )
+
+
+def _with_update(trace, step: int, sample: int, epoch: int, table: pa.Table) -> pa.Table:
+    """``table`` with the update columns of ``epoch`` at its token positions (null where not trained)."""
+    added = 0
+    for kind, names in UPDATE_COLUMNS.items():
+        if step not in trace.update_steps.get(kind, []):
+            continue
+        update = trace.actor_update(step) if kind == "actor" else trace.critic_update(step)
+        rows = update.filter(pc.and_(pc.equal(update["sample"], sample), pc.equal(update["epoch"], epoch)))
+        position = {t: i for i, t in enumerate(rows["token_index"].to_pylist())}
+        order = [position.get(t) for t in table["t"].to_pylist()]
+        for name in names:
+            table = table.append_column(name, rows[name].take(pa.array(order, pa.int64())))
+        added += rows.num_rows
+    if not added:
+        epochs = sorted({e for kind in UPDATE_COLUMNS for e in _epochs(trace, kind, step)})
+        raise UsageError(f"step {step} has no update rows of sample {sample} in epoch {epoch} (epochs traced: {listing(epochs)})")
+    return table
+
+
+def _epochs(trace, kind: str, step: int) -> list[int]:
+    if step not in trace.update_steps.get(kind, []):
+        return []
+    table = trace.actor_update(step, ["epoch"]) if kind == "actor" else trace.critic_update(step, ["epoch"])
+    return pc.unique(table["epoch"]).to_pylist()
 
 
 def _td_residual(rows: pa.Table, mask: np.ndarray, gamma: float) -> pa.Array:

@@ -174,7 +174,53 @@ def wrap_v1_compute_advantage(original: Callable) -> Callable:
     @functools.wraps(original)
     def _compute_advantage(self, batch, metrics):
         batch = original(self, batch, metrics)
-        trace_hook.after_v1_advantage(self, batch)
-        return batch
+        return trace_hook.after_v1_advantage(self, batch)
 
     return _compute_advantage
+
+
+# --------------------------------------------------------------------------- the update side of the trace
+
+
+def wrap_ppo_loss(original: Callable) -> Callable:
+    from verl_ext.integration.update_hook import traced_ppo_loss
+
+    @functools.wraps(original)
+    def ppo_loss(config, model_output, data, dp_group=None):
+        return traced_ppo_loss(original, config, model_output, data, dp_group)
+
+    return ppo_loss
+
+
+def wrap_value_loss(original: Callable) -> Callable:
+    from verl_ext.integration.update_hook import traced_value_loss
+
+    @functools.wraps(original)
+    def value_loss(config, model_output, data, dp_group=None):
+        return traced_value_loss(original, config, model_output, data, dp_group)
+
+    return value_loss
+
+
+def wrap_make_iterator(original: Callable) -> Callable:
+    from verl_ext.integration.update_hook import tagged_make_iterator
+
+    @functools.wraps(original)
+    def make_iterator(tensordict, mini_batch_size, epochs, seed=None, dataloader_kwargs=None):
+        return tagged_make_iterator(original, tensordict, mini_batch_size, epochs, seed, dataloader_kwargs)
+
+    return make_iterator
+
+
+def wrap_reduce_metrics(original: Callable) -> Callable:
+    from verl_ext.integration import trace_hook
+
+    @functools.wraps(original)
+    def reduce_metrics(metrics: dict, *args, **kwargs):
+        reports = trace_hook.take_update_reports(metrics)  # before verl averages them as numbers
+        reduced = original(metrics, *args, **kwargs)
+        if reports:
+            trace_hook.after_update(reports, reduced)
+        return reduced
+
+    return reduce_metrics

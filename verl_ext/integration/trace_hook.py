@@ -1,6 +1,6 @@
 """Where verl's trainers meet the per-token trace.
 
-The patches in :mod:`verl_ext.integration.patches` call in here at four moments of a training
+The patches in :mod:`verl_ext.integration.patches` call in here at five moments of a training
 step; everything returns at once when tracing is off (``verl_ext.trace.dir`` unset), so the
 hooks cost nothing then:
 
@@ -13,12 +13,17 @@ hooks cost nothing then:
   here, with the raw (unwhitened) advantage when the estimator has one.
 * ``after_v1_advantage`` after the V1 trainer stored advantages in TransferQueue: the V1 batch is
   read back from TransferQueue, i.e. exactly what its actor and critic will be given.
+* ``take_update_reports`` / ``after_update`` when the trainer reduces an update's metrics: the
+  per-token reports of the workers' loss functions (:mod:`update_hook`) become the step's update
+  tables. A traced step (with ``verl_ext.trace.update`` on) carries the row key that asks the
+  workers for them; it is added at capture time, in both trainers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -83,19 +88,26 @@ def after_advantage(data: Any, estimator: str, advantage_raw: torch.Tensor | Non
         _active.pending["advantage_raw"] = advantage_raw  # captured once V1 has stored its results
         return
     _submit(batch, data.non_tensor_batch.get("uid"), advantage_raw)
+    if _active.options.update:
+        from verl_ext.integration.update_hook import ROW_KEY
+
+        batch[ROW_KEY] = torch.arange(len(batch["response_mask"]))  # the token table's sample, to the workers
 
 
-def after_v1_advantage(trainer: Any, batch_meta: Any) -> None:
+def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
+    """Capture the V1 step; returns the batch meta the updates should use (with the row key when asked)."""
     if _active is None or not _active.traces_current_step():
-        return
+        return batch_meta
     import transfer_queue as tq
 
     wanted = [
         "uid", "prompts", "responses", "response_mask", "rm_scores", "token_level_rewards",
-        "values", "advantages", "returns", "old_log_probs", "ref_log_prob",
+        "values", "advantages", "returns", "old_log_probs", "ref_log_prob", "rollout_log_probs",
     ]  # fmt: skip
     if not trainer.config.algorithm.use_kl_in_reward:
         wanted.remove("token_level_rewards")  # V1 stores rewards only when they differ from the scores
+    if batch_meta.fields is not None:
+        wanted = [name for name in wanted if name in batch_meta.fields or name == "uid"]
     stored = tq.kv_batch_get(keys=batch_meta.keys, partition_id=batch_meta.partition_id, select_fields=wanted)
     uid = stored.pop("uid").tolist()
     prompts = stored.pop("prompts")
@@ -106,6 +118,53 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> None:
     prompt_lengths = prompts.offsets().diff()
     tensors["prompt_mask"] = torch.arange(tensors["prompts"].shape[1]) < prompt_lengths.unsqueeze(1)
     _submit(tensors, uid, _active.pending.get("advantage_raw"))
+    if not _active.options.update:
+        return batch_meta
+    from tensordict import TensorDict
+
+    from verl_ext.integration.update_hook import ROW_KEY
+
+    rows = TensorDict({ROW_KEY: torch.arange(len(batch_meta.keys))}, batch_size=len(batch_meta.keys))
+    return tq.kv_batch_put(keys=batch_meta.keys, partition_id=batch_meta.partition_id, fields=rows)
+
+
+def take_update_reports(metrics: dict) -> dict[str, list[dict]]:
+    """Remove the workers' per-token reports from an update's metrics: {"actor"|"critic": reports}."""
+    from verl_ext.integration.update_hook import PAYLOAD_KEY
+
+    reports: dict[str, list[dict]] = {}
+    for key in [key for key in metrics if key.endswith(PAYLOAD_KEY)]:
+        kind = key.split("/", 1)[0]
+        reports.setdefault(kind, []).extend(_flatten(metrics.pop(key)))
+    return reports
+
+
+#: verl's logged metrics of an update that its per-token terms must reproduce (docs/definitions.md §8).
+LOGGED = {
+    "actor": ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"),
+    "critic": ("critic/vf_loss", "critic/vf_clipfrac"),
+}
+
+
+def after_update(reports: dict[str, list[dict]], reduced: dict) -> None:
+    if _active is None:
+        return
+    from verl_ext.trace.capture import UpdateCapture
+
+    for kind, parts in reports.items():
+        if kind not in LOGGED:
+            continue
+        logged = {key: float(reduced[key]) for key in LOGGED[kind] if key in reduced}
+        _active.writer.submit_update(UpdateCapture(step=_active.step, kind=kind, parts=parts, logged=logged))
+
+
+def _flatten(value: Any) -> Iterator[dict]:
+    """verl's gathering nests the reports in lists (per micro-batch, rank, mini-batch): the reports."""
+    if isinstance(value, dict):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flatten(item)
 
 
 def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None) -> None:
@@ -134,8 +193,17 @@ def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None) -> None:
             prompts=prompts,
             prompt_mask=prompt_mask,
             kl_coef=pending.get("kl_coef"),
+            eos_token_ids=_eos_token_ids(session.trainer),
+            max_response_length=session.trainer.config.data.get("max_response_length"),
         )
     )
+
+
+def _eos_token_ids(trainer: Any) -> tuple[int, ...] | None:
+    eos = getattr(getattr(trainer, "tokenizer", None), "eos_token_id", None)
+    if eos is None:
+        return None
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 def _padded(value: torch.Tensor) -> torch.Tensor:
@@ -179,4 +247,36 @@ def run_record(config: Any, kind: str, options: TraceOptions):
         tokenizer_path=str(model.get("tokenizer_path") or model.path),
         rollout_n=int(config.actor_rollout_ref.rollout.n),
         trace=options.as_dict(),
+        update=update_settings(config),
+        host=socket.gethostname(),
     )
+
+
+def update_settings(config: Any) -> dict[str, Any]:
+    """How the actor and critic losses are computed and aggregated (what the update checks need)."""
+    actor, critic, n = config.actor_rollout_ref.actor, config.get("critic") or {}, int(config.actor_rollout_ref.rollout.n)
+    clip = actor.get("clip_ratio", 0.2)
+    settings = {
+        "actor": {
+            "loss_mode": str((actor.get("policy_loss") or {}).get("loss_mode", "vanilla")),
+            "loss_agg_mode": str(actor.get("loss_agg_mode", "token-mean")),
+            "clip_ratio_low": float(actor.get("clip_ratio_low") if actor.get("clip_ratio_low") is not None else clip),
+            "clip_ratio_high": float(actor.get("clip_ratio_high") if actor.get("clip_ratio_high") is not None else clip),
+            "clip_ratio_c": float(actor.get("clip_ratio_c", 3.0)),
+            "loss_scale_factor": actor.get("loss_scale_factor"),
+            "ppo_epochs": int(actor.get("ppo_epochs", 1)),
+            "ppo_mini_batch_size": int(actor.get("ppo_mini_batch_size", 0)) * n,
+            "shuffle": bool(actor.get("shuffle", False)),
+            "entropy_coeff": float(actor.get("entropy_coeff", 0.0)),
+            "calculate_entropy": bool(actor.get("calculate_entropy", False)),
+        },
+    }
+    if critic:
+        settings["critic"] = {
+            "cliprange_value": float(critic.get("cliprange_value", 0.5)),
+            "loss_agg_mode": str(critic.get("loss_agg_mode", "token-mean")),
+            "loss_scale_factor": critic.get("loss_scale_factor"),
+            "ppo_epochs": int(critic.get("ppo_epochs", 1)),
+            "ppo_mini_batch_size": int(critic.get("ppo_mini_batch_size", 0)) * n,
+        }
+    return settings

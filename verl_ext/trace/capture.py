@@ -25,7 +25,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -38,10 +38,14 @@ from verl_ext.trace.schema import (
     PROMPT_SCHEMA,
     STEP_RECORD_METADATA_KEY,
     TOKEN_FILE_SCHEMA,
+    UPDATE_FILE_SCHEMAS,
+    UPDATE_RECORD_METADATA_KEY,
     WRITE_ID_METADATA_KEY,
     StepEntry,
+    UpdateEntry,
     prompt_file,
     token_file,
+    update_file,
 )
 
 
@@ -62,6 +66,8 @@ class StepCapture:
     prompts: torch.Tensor | None = None  # (B, P) prompt token ids, left-padded as in verl
     prompt_mask: torch.Tensor | None = None  # (B, P) 1 on real prompt tokens; None: every position is one
     kl_coef: float | None = None  # β applied at this step
+    eos_token_ids: Sequence[int] | None = None  # what ends a response (for the eos/truncated flags)
+    max_response_length: int | None = None  # data.max_response_length (for the truncated flag)
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ class StepSnapshot:
     kl_coef: float | None
     whiten: dict[str, float] | None  # {"mean", "var"} of advantage_raw over the full batch
     block: torch.Tensor  # the memory all arrays above live in (see SnapshotMemory)
+    eos: np.ndarray | None = None  # (N,) bool: the last valid token is an EOS token
+    truncated: np.ndarray | None = None  # (N,) bool: the last valid token is at max_response_length − 1, not EOS
 
     @property
     def samples(self) -> int:
@@ -130,6 +138,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             kl_coef=None if capture.kl_coef is None else float(capture.kl_coef),
             whiten=whiten_stats(capture.floats.get("advantage_raw"), capture.mask),
             block=block.memory,
+            **_end_flags(capture, lengths.numpy(), copies["token_id"]),
         )
 
 
@@ -216,9 +225,24 @@ def prompt_table(snapshot: StepSnapshot) -> pa.Table:
             np.arange(samples, dtype=np.int32),
             pa.nulls(samples, pa.string()) if snapshot.uid is None else pa.array(snapshot.uid, pa.string()),
             prompt_ids,
+            snapshot.lengths.astype(np.int32),
+            pa.nulls(samples, pa.bool_()) if snapshot.eos is None else pa.array(snapshot.eos),
+            pa.nulls(samples, pa.bool_()) if snapshot.truncated is None else pa.array(snapshot.truncated),
         ],
         schema=PROMPT_SCHEMA,
     )
+
+
+def _end_flags(capture: StepCapture, lengths: np.ndarray, token_id: np.ndarray | None) -> dict[str, np.ndarray | None]:
+    """How each kept response ended: with an EOS token, cut at max_response_length, or neither."""
+    if token_id is None or not capture.eos_token_ids:
+        return {"eos": None, "truncated": None}
+    rows = np.arange(len(lengths))
+    last = np.where(lengths > 0, token_id[rows, np.maximum(lengths - 1, 0)], -1)
+    eos = (lengths > 0) & np.isin(last, list(capture.eos_token_ids))
+    if capture.max_response_length is None:
+        return {"eos": eos, "truncated": None}
+    return {"eos": eos, "truncated": (lengths == capture.max_response_length) & ~eos}
 
 
 @dataclass(frozen=True)
@@ -252,6 +276,76 @@ class StepFiles:
             tokens=tokens.replace_schema_metadata({**tokens.schema.metadata, **write_id, **footer}),
             prompts=prompts.replace_schema_metadata({**prompts.schema.metadata, **write_id}),
         )
+
+
+#: The keys of one part (what one loss call reported) besides its per-token columns.
+UPDATE_PART_SCALARS = ("epoch", "minibatch", "microbatch", "rank", "batch_num_tokens", "global_batch_size", "dp_size")
+
+
+@dataclass
+class UpdateCapture:
+    """One update table of a step: the parts every loss call reported (in any order, from any rank),
+    and verl's logged metrics of that update.
+
+    Each part is ``{"epoch": e, "minibatch": k, "microbatch": m, "rank": r, "batch_num_tokens": N_ek,
+    "global_batch_size": G, "dp_size": D, "columns": {column: (n,) array}}``, the columns named as in
+    the update schema of ``kind`` (at least ``sample`` and ``token_index``); absent columns are null.
+    """
+
+    step: int
+    kind: str  # "actor" | "critic"
+    parts: list[Mapping[str, Any]]
+    logged: dict[str, float]
+
+
+@dataclass(frozen=True)
+class UpdateFiles:
+    step: int
+    kind: str
+    entry: UpdateEntry
+    table: pa.Table
+
+    @classmethod
+    def build(cls, capture: UpdateCapture, max_samples: int | None) -> "UpdateFiles":
+        """The table sorted by (epoch, sample, token_index); samples past ``max_samples`` are left out,
+        as in the token table. A column some part did not report is null."""
+        schema = UPDATE_FILE_SCHEMAS[capture.kind]
+        kept = []
+        for part in capture.parts:
+            sample = np.asarray(part["columns"]["sample"])
+            keep = (sample >= 0) & (sample < (max_samples if max_samples is not None else np.iinfo(np.int64).max))
+            kept.append((part, keep))
+
+        def column(field: pa.Field) -> pa.Array:
+            if field.name in UPDATE_PART_SCALARS:
+                pieces = [np.full(int(keep.sum()), part[field.name], np.int32) for part, keep in kept]
+            elif all(part["columns"].get(field.name) is not None for part, _ in kept):
+                pieces = [np.asarray(part["columns"][field.name])[keep] for part, keep in kept]
+            else:
+                return pa.nulls(sum(int(keep.sum()) for _, keep in kept), field.type)
+            return pa.array(np.concatenate(pieces) if pieces else [], field.type)
+
+        table = pa.Table.from_arrays([column(field) for field in schema], schema=schema)
+        order = np.lexsort((table["token_index"].to_numpy(), table["sample"].to_numpy(), table["epoch"].to_numpy()))
+        table = table.take(order)
+        minibatches = {
+            (int(part["epoch"]), int(part["minibatch"])): {
+                "epoch": int(part["epoch"]),
+                "minibatch": int(part["minibatch"]),
+                **{name: part.get(name) for name in ("batch_num_tokens", "global_batch_size", "dp_size")},
+            }
+            for part in capture.parts
+        }
+        entry = UpdateEntry(
+            kind=capture.kind,
+            rows=table.num_rows,
+            file=update_file(capture.kind, capture.step),
+            written_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            logged=dict(capture.logged),
+            minibatches=[minibatches[key] for key in sorted(minibatches)],
+        )
+        footer = {UPDATE_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(entry))}
+        return cls(capture.step, capture.kind, entry, table.replace_schema_metadata({**schema.metadata, **footer}))
 
 
 def _check(capture: StepCapture) -> None:

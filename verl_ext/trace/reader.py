@@ -28,18 +28,26 @@ from verl_ext.trace.schema import (
     TOKEN_FILE,
     TOKEN_FILE_SCHEMA,
     TOKEN_SCHEMA,
+    UPDATE_DIRS,
+    UPDATE_FILE_SCHEMAS,
+    UPDATE_RECORD_METADATA_KEY,
+    UPDATE_SCHEMAS,
     WRITE_ID_METADATA_KEY,
     RunRecord,
     StepEntry,
+    UpdateEntry,
     prompt_file,
     token_file,
+    update_file,
 )
 
 if TYPE_CHECKING:
     import pandas
     import polars
 
-_TOKEN_FILE_PATH = re.compile(rf"step=(\d+)/{re.escape(TOKEN_FILE)}")
+_FILE_PATH = re.compile(rf"(?:(?P<kind>{'|'.join(UPDATE_DIRS.values())})/)?step=(?P<step>\d+)/{re.escape(TOKEN_FILE)}")
+#: Columns added in schema version 2: read as null from a version-1 file.
+NEW_IN_VERSION_2 = frozenset({"rollout_log_prob", "response_length", "eos", "truncated"})
 
 
 def open_trace(path: str, *, filesystem=None) -> "Trace":
@@ -61,16 +69,21 @@ def open_trace(path: str, *, filesystem=None) -> "Trace":
     run_record = record.read(fs, root, path)
     if run_record is None:
         raise TraceError(f"{path} is not a verl-ext trace: it has no {RUN_RECORD}")
-    return Trace(path, run_record, _steps_on_disk(fs, root), fs, root)
+    steps, updates = _steps_on_disk(fs, root)
+    return Trace(path, run_record, steps, fs, root, updates)
 
 
-def _steps_on_disk(fs: pafs.FileSystem, root: str) -> list[int]:
-    steps = []
+def _steps_on_disk(fs: pafs.FileSystem, root: str) -> tuple[list[int], dict[str, list[int]]]:
+    """Steps with a token file, and per update kind the steps with an update file (one listing)."""
+    directories = {name: kind for kind, name in UPDATE_DIRS.items()}
+    steps: list[int] = []
+    updates: dict[str, list[int]] = {kind: [] for kind in UPDATE_DIRS}
     for info in fs.get_file_info(pafs.FileSelector(root, recursive=True)):
-        match = _TOKEN_FILE_PATH.fullmatch(posixpath.relpath(info.path, root))
+        match = _FILE_PATH.fullmatch(posixpath.relpath(info.path, root))
         if match and info.type == pafs.FileType.File:
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+            step = int(match.group("step"))
+            (updates[directories[match.group("kind")]] if match.group("kind") else steps).append(step)
+    return sorted(steps), {kind: sorted(found) for kind, found in updates.items()}
 
 
 class Trace:
@@ -78,10 +91,20 @@ class Trace:
     on disk), and per-step tables. Token tables have TOKEN_SCHEMA's columns in its order (``step``
     included), rows sorted by (sample, token_index)."""
 
-    def __init__(self, path: str, run_record: RunRecord, steps: list[int], fs: pafs.FileSystem, root: str):
+    def __init__(
+        self,
+        path: str,
+        run_record: RunRecord,
+        steps: list[int],
+        fs: pafs.FileSystem,
+        root: str,
+        updates: dict[str, list[int]] | None = None,
+    ):
         self.path = path
         self.record = run_record
         self.steps = steps
+        #: kind ("actor", "critic") -> sorted steps with an update table of that kind on disk
+        self.update_steps = updates or {kind: [] for kind in UPDATE_DIRS}
         self._fs = fs
         self._root = root
         self._footers: dict[int, dict[bytes, bytes]] = {}
@@ -110,6 +133,25 @@ class Trace:
                 "table (a re-trace of the step was interrupted); trace the step again"
             )
         return table.replace_schema_metadata(PROMPT_SCHEMA.metadata)
+
+    def actor_update(self, step: int, columns: list[str] | None = None) -> pa.Table:
+        """The actor's update table of one step (ACTOR_UPDATE_SCHEMA, ``step`` included), sorted by
+        (epoch, sample, token_index); join the token table on (step, sample, token_index)."""
+        return self._update_table("actor", step, columns)
+
+    def critic_update(self, step: int, columns: list[str] | None = None) -> pa.Table:
+        """The critic's update table of one step (CRITIC_UPDATE_SCHEMA), like :meth:`actor_update`."""
+        return self._update_table("critic", step, columns)
+
+    def update_record(self, kind: str, step: int) -> UpdateEntry:
+        """What the update table of ``kind`` at ``step`` holds, as stored in its footer (incl. verl's logged metrics)."""
+        self._require_update(kind, step)
+        relative = update_file(kind, step)
+        footer = self._attempt(relative, lambda file: pq.read_metadata(file).metadata or {})
+        entry = footer.get(UPDATE_RECORD_METADATA_KEY.encode())
+        if entry is None:
+            raise TraceError(f"{self.path}/{relative} has no update record in its footer")
+        return UpdateEntry.from_dict(json.loads(entry), f"{self.path}/{relative} footer")
 
     def step_record(self, step: int) -> StepEntry:
         """The step's entry of the run record, as stored with its data (the token file's footer)."""
@@ -145,6 +187,22 @@ class Trace:
             return self.read_step(step)
         return pa.concat_tables([self.read_step(s) for s in self.steps] or [TOKEN_SCHEMA.empty_table()])
 
+    def _update_table(self, kind: str, step: int, columns: list[str] | None) -> pa.Table:
+        schema = UPDATE_SCHEMAS[kind]
+        names = _known_columns(columns, schema)
+        self._require_update(kind, step)
+        file_columns = [name for name in names if name != "step"] or ["sample"]
+        table = self._read_file(update_file(kind, step), UPDATE_FILE_SCHEMAS[kind], file_columns)
+        arrays = [pa.array(np.full(table.num_rows, step, np.int64)) if name == "step" else table[name] for name in names]
+        return pa.Table.from_arrays(arrays, schema=_subschema(schema, names))
+
+    def _require_update(self, kind: str, step: int) -> None:
+        if kind not in UPDATE_DIRS:
+            raise UsageError(f"unknown update kind {kind!r}; the kinds are {', '.join(UPDATE_DIRS)}")
+        if step not in self.update_steps[kind]:
+            on_disk = self.update_steps[kind]
+            raise TraceError(f"{self.path} has no {kind} update table for step {step} (steps with one: {listing(on_disk)})")
+
     def require_step(self, step: int) -> int:
         """``step``, or a one-line TraceError naming the steps there are."""
         if step not in self.steps:
@@ -161,16 +219,23 @@ class Trace:
     def _read_parquet(self, step: int, relative: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
         """``columns`` of one of the step's files, checked against ``schema`` and cast to its types."""
         self.require_step(step)
+        return self._read_file(relative, schema, columns)
 
+    def _read_file(self, relative: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
         def read(file) -> pa.Table:
             parquet = pq.ParquetFile(file)
             version = (parquet.schema_arrow.metadata or {}).get(SCHEMA_VERSION_METADATA_KEY.encode())
             if version is not None and version.decode() not in map(str, READABLE_SCHEMA_VERSIONS):
                 raise TraceError(f"{self.path}/{relative}: schema version {version.decode()} is not supported")
             missing = [name for name in schema.names if name not in parquet.schema_arrow.names]
-            if missing:
-                raise TraceError(f"{self.path}/{relative} lacks column(s) {', '.join(missing)}")
-            table = parquet.read(columns=columns).select(columns)
+            absent = set(missing) & NEW_IN_VERSION_2 if version in (None, b"1") else set()
+            if set(missing) - absent:
+                raise TraceError(f"{self.path}/{relative} lacks column(s) {', '.join(n for n in missing if n not in absent)}")
+            table = parquet.read(columns=[name for name in columns if name not in absent])
+            table = table.select([name for name in columns if name not in absent])
+            for name in columns:
+                if name in absent:  # a version-1 file: the column is null
+                    table = table.add_column(columns.index(name), schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
             return table.cast(_subschema(schema, columns).with_metadata(table.schema.metadata))
 
         return self._attempt(relative, read)
@@ -188,13 +253,13 @@ class Trace:
             raise TraceError(f"{self.path}/{relative} is not a readable Parquet file ({one_line(error)})") from None
 
 
-def _known_columns(columns: list[str] | None) -> list[str]:
+def _known_columns(columns: list[str] | None, schema: pa.Schema = TOKEN_SCHEMA) -> list[str]:
     if columns is None:
-        return list(TOKEN_SCHEMA.names)
-    unknown = sorted(set(columns) - set(TOKEN_SCHEMA.names))
+        return list(schema.names)
+    unknown = sorted(set(columns) - set(schema.names))
     if unknown:
-        raise UsageError(f"unknown trace column(s) {', '.join(unknown)}; the columns are {', '.join(TOKEN_SCHEMA.names)}")
-    return [name for name in TOKEN_SCHEMA.names if name in columns]
+        raise UsageError(f"unknown trace column(s) {', '.join(unknown)}; the columns are {', '.join(schema.names)}")
+    return [name for name in schema.names if name in columns]
 
 
 def _subschema(schema: pa.Schema, names: list[str]) -> pa.Schema:

@@ -7,14 +7,26 @@ Layout of a trace directory (local path or fsspec URL)::
       _run.json                   the run record (:class:`RunRecord`)
       step=<n>/part-0.parquet     token table of step n (TOKEN_SCHEMA), one row per response
                                   position up to the sample's last valid token
-      _prompts/step=<n>.parquet   one row per traced sample of step n (PROMPT_SCHEMA)
+      _prompts/step=<n>.parquet   one row per traced sample of step n (PROMPT_SCHEMA): its prompt,
+                                  response length, and whether it ended with EOS or was truncated
+      _actor_update/step=<n>/part-0.parquet    the actor's update of step n (ACTOR_UPDATE_SCHEMA): one
+                                  row per trained token per PPO epoch
+      _critic_update/step=<n>/part-0.parquet   the critic's update of step n (CRITIC_UPDATE_SCHEMA)
       _tmp/                       files being written (invisible to readers; removed by a clean close)
 
 ``step`` is the hive partition key: it lives in the directory name, not inside the files, so each
 reader's standard call sees one token table with a ``step`` column (the README gives the calls that
 make it an integer in every reader). Names beginning with ``_`` or ``.`` (the run record, the
-prompt tables, files being written) are skipped by pyarrow's and pandas' discovery and do not match
-the ``step=*/*.parquet`` globs.
+prompt tables, the update tables, files being written) are skipped by pyarrow's and pandas'
+discovery and do not match the ``step=*/*.parquet`` globs; pointed at ``TRACE/_actor_update`` or
+``TRACE/_critic_update``, the same calls read an update table.
+
+Update tables (schema version 2): for every PPO epoch e and mini-batch k of a traced step, one row
+per valid token the mini-batch trains, keyed by (step, sample, token_index) like the token table
+(``sample`` is the row of the trainer's batch, whatever shuffling, mini-batches, micro-batches and
+data-parallel ranks did to it). Each row also says where it was trained: ``epoch``, ``minibatch``
+(within the epoch, per rank), ``microbatch`` (within the mini-batch) and ``rank`` (data-parallel).
+Values are as verl's loss function saw them, before its optimizer step of that mini-batch.
 
 Rows: sample i of a traced step contributes token_index 0 … L_i − 1, where L_i − 1 is its last valid
 response position; masked interior positions are rows with ``mask = false`` (their float values are
@@ -40,12 +52,15 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 1
-#: Schema versions this code reads.
-READABLE_SCHEMA_VERSIONS = (1,)
+SCHEMA_VERSION = 2
+#: Schema versions this code reads. Version 1 (verl-ext 0.1) has no update tables, no
+#: rollout_log_prob column and no per-sample end flags: those read as null.
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 RUN_RECORD = "_run.json"
 PROMPTS_DIR = "_prompts"
+#: Update tables, by kind: "actor" and "critic".
+UPDATE_DIRS = {"actor": "_actor_update", "critic": "_critic_update"}
 TOKEN_FILE = "part-0.parquet"
 TMP_DIR = "_tmp"
 
@@ -67,6 +82,10 @@ def prompt_file(step: int) -> str:
 
 def token_file(step: int) -> str:
     return f"{step_dir(step)}/{TOKEN_FILE}"
+
+
+def update_file(kind: str, step: int) -> str:
+    return f"{UPDATE_DIRS[kind]}/{step_dir(step)}/{TOKEN_FILE}"
 
 
 # --------------------------------------------------------------------------- columns
@@ -101,6 +120,7 @@ FLOAT_COLUMNS = (
     Column("old_log_prob", pa.float32(), "log π_old(y_t | s_t), the policy that generated the step", "old_log_probs"),
     Column("ref_log_prob", pa.float32(), "log π_ref(y_t | s_t) of the reference policy", "ref_log_prob"),
     Column("kl", pa.float32(), "kld_t = kl_penalty(old_log_prob, ref_log_prob), before β (KL in the reward only)"),
+    Column("rollout_log_prob", pa.float32(), "log-prob of y_t the rollout engine reported (train/inference mismatch: − old_log_prob)", "rollout_log_probs"),
 )  # fmt: skip
 FLOAT_COLUMN_NAMES = tuple(column.name for column in FLOAT_COLUMNS)
 
@@ -126,8 +146,50 @@ PROMPT_COLUMNS = (
     Column("sample", pa.int32(), "row of the sample in the trainer's batch", nullable=False),
     Column("uid", pa.string(), "verl's prompt id"),
     Column("prompt_token_ids", pa.list_(pa.int32()), "the prompt's token ids, without padding", "prompts"),
+    Column("response_length", pa.int32(), "L: last valid response position + 1 (0 without a valid token)"),
+    Column("eos", pa.bool_(), "the last valid token is an EOS token of the tokenizer"),
+    Column("truncated", pa.bool_(), "cut at max_response_length: the last valid token is at the last position and is not EOS"),
 )
 PROMPT_SCHEMA = pa.schema([c.field for c in PROMPT_COLUMNS], metadata=_VERSION)
+
+_WHERE_TRAINED = (
+    Column("sample", pa.int32(), "row of the sample in the trainer's batch (joins the token table)", nullable=False),
+    Column("token_index", pa.int32(), "t, the position in the response (joins the token table)", nullable=False),
+    Column("epoch", pa.int32(), "PPO epoch e (0-based)", nullable=False),
+    Column("minibatch", pa.int32(), "mini-batch k within the epoch, on its rank (one optimizer step each)", nullable=False),
+    Column("microbatch", pa.int32(), "micro-batch within the mini-batch (gradient accumulation)", nullable=False),
+    Column("rank", pa.int32(), "data-parallel rank that trained the row", nullable=False),
+)
+#: ``clip`` values: which clip of vanilla PPO applies to the token (docs/definitions.md §8).
+CLIP_CODES = ("none", "low", "high", "dual")
+ACTOR_UPDATE_COLUMNS = (
+    STEP_COLUMN,
+    *_WHERE_TRAINED,
+    Column("log_prob", pa.float32(), "log π_θ(y_t | s_t) of the actor as it is when the mini-batch is processed"),
+    Column("old_log_prob", pa.float32(), "log π_old(y_t | s_t), as the loss read it"),
+    Column("ratio", pa.float32(), "exp(clamp(log_prob − old_log_prob, −20, 20)), as verl computes it"),
+    Column("advantage", pa.float32(), "the advantage the loss used (the token table's advantage)"),
+    Column("pg_loss", pa.float32(), "the per-token policy-loss term of the configured loss, before aggregation"),
+    Column("clip", pa.string(), "none | low (A<0, ratio<1−ε_low) | high (A>0, ratio>1+ε_high) | dual (A<0, ratio>c)"),
+    Column("entropy", pa.float32(), "entropy of π_θ(· | s_t) where verl computes it (actor.calculate_entropy or entropy_coeff)"),
+    Column("is_weight", pa.float32(), "rollout-correction importance weight multiplied into pg_loss, when configured"),
+)
+CRITIC_UPDATE_COLUMNS = (
+    STEP_COLUMN,
+    *_WHERE_TRAINED,
+    Column("vpred", pa.float32(), "V_φ(s_t) of the value head being trained, when the mini-batch is processed"),
+    Column("vpred_clipped", pa.float32(), "clip(vpred, value − ε_v, value + ε_v), ε_v = critic.cliprange_value"),
+    Column("value", pa.float32(), "V(s_t) stored in the batch (the token table's value)"),
+    Column("return", pa.float32(), "the regression target (the token table's return)"),
+    Column("vf_loss", pa.float32(), "max((vpred − return)², (vpred_clipped − return)²), before ×½ and aggregation"),
+    Column("vf_clipped", pa.bool_(), "the clipped square is the larger one (counted in critic/vf_clipfrac)"),
+)
+UPDATE_COLUMNS = {"actor": ACTOR_UPDATE_COLUMNS, "critic": CRITIC_UPDATE_COLUMNS}
+#: Update tables as a reader sees them (``step`` from the directory name), and as stored.
+UPDATE_SCHEMAS = {kind: pa.schema([c.field for c in columns], metadata=_VERSION) for kind, columns in UPDATE_COLUMNS.items()}
+UPDATE_FILE_SCHEMAS = {kind: pa.schema([c.field for c in columns[1:]], metadata=_VERSION) for kind, columns in UPDATE_COLUMNS.items()}
+#: Footer key of an update file: its UpdateEntry as JSON.
+UPDATE_RECORD_METADATA_KEY = "verl_ext.update_record"
 
 
 # --------------------------------------------------------------------------- the run record
@@ -150,9 +212,33 @@ class StepEntry:
     #: tokens of the FULL batch (all B samples), sums in float64; null when advantage_raw is absent
     #: or fewer than 2 tokens are valid.
     whiten: dict[str, float] | None
+    #: kind ("actor", "critic") -> its UpdateEntry, once the update table is written (run record only)
+    updates: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "StepEntry":
+        entry = _from_dict(cls, data, where)
+        entry.updates = {kind: UpdateEntry.from_dict(u, f"{where} updates[{kind}]") for kind, u in entry.updates.items()}
+        return entry
+
+
+@dataclass
+class UpdateEntry:
+    """What one update table of a step holds; stored in its footer and in the run record's step entry."""
+
+    kind: str  # "actor" | "critic"
+    rows: int
+    file: str  # "_actor_update/step=<n>/part-0.parquet"
+    written_at: str
+    #: verl's own logged metrics of the step for this model (e.g. actor/pg_loss, actor/pg_clipfrac),
+    #: which the per-token terms must reproduce.
+    logged: dict[str, float]
+    #: per (epoch, minibatch): the global batch information verl's loss normalised with:
+    #: [{"epoch", "minibatch", "batch_num_tokens", "global_batch_size", "dp_size"}]
+    minibatches: list[dict[str, Any]]
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "UpdateEntry":
         return _from_dict(cls, data, where)
 
 
@@ -171,6 +257,12 @@ class RunRecord:
     tokenizer_path: str | None
     rollout_n: int | None
     trace: dict[str, Any]  # TraceOptions.as_dict()
+    #: how the update computed its loss (from the actor and critic configs): {"actor": {loss_mode,
+    #: loss_agg_mode, clip_ratio_low, clip_ratio_high, clip_ratio_c, ppo_epochs, ppo_mini_batch_size,
+    #: shuffle, calculate_entropy, entropy_coeff, loss_scale_factor}, "critic": {cliprange_value,
+    #: loss_agg_mode, ppo_epochs, ppo_mini_batch_size, loss_scale_factor}}; empty in version 1
+    update: dict[str, Any] = field(default_factory=dict)
+    host: str | None = None  # the machine that wrote the trace
     #: {"<n>": StepEntry}, set by the writer; a writer resuming into the directory keeps those there
     steps: dict[str, StepEntry] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION

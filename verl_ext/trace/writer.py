@@ -8,6 +8,9 @@ the copy; the writer thread builds the Arrow tables and publishes, for each step
    its footer holds the step entry (and a write id shared with the prompt file)
 3. ``_run.json`` with the step entry added
 
+and, when the step's updates have run, ``_critic_update/step=<n>/part-0.parquet`` and
+``_actor_update/step=<n>/part-0.parquet`` (each followed by ``_run.json`` with its entry added).
+
 Every file is written under ``_tmp/`` and moved into place (:mod:`storage` says what that
 guarantees per filesystem), so a reader never sees a half-written file, a re-traced step replaces
 the old files (one file per step, never duplicates), and a failed or killed write leaves every
@@ -43,7 +46,15 @@ import pyarrow.parquet as pq
 from verl_ext.errors import TraceError, UsageError, one_line
 from verl_ext.options import TraceOptions
 from verl_ext.trace import record, storage
-from verl_ext.trace.capture import SnapshotMemory, StepCapture, StepFiles, StepSnapshot, take_snapshot
+from verl_ext.trace.capture import (
+    SnapshotMemory,
+    StepCapture,
+    StepFiles,
+    StepSnapshot,
+    UpdateCapture,
+    UpdateFiles,
+    take_snapshot,
+)
 from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RUN_RECORD, RunRecord
 
 #: Parquet encoding of the token file, chosen by benchmarks/bench_trace.py: float columns as
@@ -58,6 +69,12 @@ TOKEN_PARQUET_OPTIONS = {
     "row_group_size": 128 * 1024,
 }
 PROMPT_PARQUET_OPTIONS = {"compression": "zstd", "compression_level": 1}
+UPDATE_PARQUET_OPTIONS = {
+    "compression": "zstd",
+    "compression_level": 1,
+    "use_dictionary": ["clip"],
+    "row_group_size": 128 * 1024,
+}
 
 _STOP = object()
 
@@ -113,6 +130,13 @@ class TraceWriter:
             self._report_failures(may_raise=True)
             return
         self._queue.put(snapshot)
+
+    def submit_update(self, capture: UpdateCapture) -> None:
+        """Queue one update table of a step (its data is already host memory: nothing is copied)."""
+        if self._closed:
+            raise UsageError("TraceWriter.submit_update() called after close()")
+        self._report_failures(may_raise=True)
+        self._queue.put(capture)
 
     def flush(self) -> None:
         """Wait until every submitted step is written (or has failed), then report failures."""
@@ -171,14 +195,17 @@ class TraceWriter:
 
     def _work(self) -> None:
         while True:
-            snapshot = self._queue.get()
-            if snapshot is _STOP:
+            item = self._queue.get()
+            if item is _STOP:
                 self._queue.task_done()
                 return
             try:
-                self._write(snapshot)
+                if isinstance(item, UpdateCapture):
+                    self._publish_update(UpdateFiles.build(item, self._options.max_samples_per_step))
+                else:
+                    self._write(item)
             except Exception as error:  # noqa: BLE001 - reported on the training thread
-                self._record_failure(snapshot.step, error)
+                self._record_failure(item.step, error)
             finally:
                 self._queue.task_done()
 
@@ -205,6 +232,20 @@ class TraceWriter:
         except Exception as error:  # noqa: BLE001 - say that the step itself is safe
             raise OSError(
                 f"the step is in the trace but {RUN_RECORD} was not updated ({one_line(error)})"
+            ) from error
+
+    def _publish_update(self, files: UpdateFiles) -> None:
+        entry = files.entry
+        storage.publish(self._fs, self._root, entry.file, lambda out: pq.write_table(files.table, out, **UPDATE_PARQUET_OPTIONS))
+        step_entry = self._record.steps.get(str(files.step))
+        if step_entry is None:  # the step's token table failed: the update table stands on its own
+            return
+        step_entry.updates[files.kind] = entry
+        try:
+            self._write_record()
+        except Exception as error:  # noqa: BLE001
+            raise OSError(
+                f"the {files.kind} update is in the trace but {RUN_RECORD} was not updated ({one_line(error)})"
             ) from error
 
     def _write_record(self) -> None:

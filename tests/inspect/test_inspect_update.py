@@ -1,0 +1,183 @@
+"""The update tables, worked by hand: two samples of three tokens, two PPO epochs of two mini-batches
+(one sample each), vanilla PPO with ε = 0.2 and dual clip c = 3, value clip ε_v = 0.5. The update
+tables go through the real TraceWriter and reader; every expected number below is computed by hand.
+
+Actor: old_log_prob = −1 everywhere; the ratio is 1 (epoch 0, sample 0), 1.5 (epoch 0, sample 1),
+0.5 (epoch 1, sample 0) and 3.5 (epoch 1, sample 1). With pg1 = −A·r, pg2 = −A·clip(r, 0.8, 1.2),
+l1 = max(pg1, pg2), term = min(l1, −3A) for A < 0:
+
+    sample 0, A = [1, −1, 0.5]      r = 1:   terms [−1, 1, −0.5]          none, none, none
+                                    r = 0.5: terms [−0.5, 0.8, −0.25]     none, low, none
+    sample 1, A = [−0.5, 2, −2]     r = 1.5: terms [0.75, −2.4, 3]        none, high, none
+                                    r = 3.5: terms [1.5, −2.4, 6]         dual, high, dual
+
+token-mean per mini-batch: −1/6, 0.45, 1/60, 1.7 → actor/pg_loss = 0.5; clip fractions per
+mini-batch 0, 1/3, 1/3, 1/3 → actor/pg_clipfrac = 0.25; dual 0, 0, 0, 2/3 → pg_clipfrac_lower = 1/6.
+
+Critic (both epochs alike): value V = [0, 0, 1], vpred = [0.2, 1.0, 0.0], return R = [0, 1, 1]:
+clip(vpred, V ± 0.5) = [0.2, 0.5, 0.5]; (vpred − R)² = [0.04, 0, 1], (clipped − R)² = [0.04, 0.25,
+0.25]; terms max = [0.04, 0.25, 1], clipped chosen [no, yes, no] → critic/vf_loss = ½ · mean over
+mini-batches (the same two rows) = ½ · 1.29/3 = 0.215, vf_clipfrac = 1/3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from tests.inspect.inspect_helpers import algorithm, random_batch, write_trace
+
+from verl_ext.inspect.check import check_trace
+from verl_ext.inspect.summary import summarize
+from verl_ext.trace.capture import UpdateCapture
+
+ADVANTAGES = [[1.0, -1.0, 0.5], [-0.5, 2.0, -2.0]]
+RATIOS = {(0, 0): 1.0, (0, 1): 1.5, (1, 0): 0.5, (1, 1): 3.5}  # (epoch, sample) -> ratio
+TERMS = {(0, 0): [-1, 1, -0.5], (0, 1): [0.75, -2.4, 3], (1, 0): [-0.5, 0.8, -0.25], (1, 1): [1.5, -2.4, 6]}
+CLIPS = {
+    (0, 0): ["none"] * 3, (0, 1): ["none", "high", "none"],
+    (1, 0): ["none", "low", "none"], (1, 1): ["dual", "high", "dual"],
+}  # fmt: skip
+SETTINGS = {
+    "actor": {"loss_mode": "vanilla", "loss_agg_mode": "token-mean", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0},
+    "critic": {"cliprange_value": 0.5, "loss_agg_mode": "token-mean"},
+}  # fmt: skip
+LOGGED = {
+    "actor": {"actor/pg_loss": 0.5, "actor/pg_clipfrac": 0.25, "actor/pg_clipfrac_lower": 1 / 6},
+    "critic": {"critic/vf_loss": 0.215, "critic/vf_clipfrac": 1 / 3},
+}
+
+
+def part(epoch: int, sample: int, columns: dict) -> dict:
+    return {
+        "epoch": epoch, "minibatch": sample, "microbatch": 0, "rank": 0, "batch_num_tokens": 3,
+        "global_batch_size": 1, "dp_size": 1,
+        "columns": {"sample": np.full(3, sample, np.int32), "token_index": np.arange(3, dtype=np.int32), **columns},
+    }  # fmt: skip
+
+
+def actor_part(epoch: int, sample: int) -> dict:
+    ratio = RATIOS[epoch, sample]
+    return part(epoch, sample, {
+        "log_prob": np.full(3, -1 + math.log(ratio), np.float32),
+        "old_log_prob": np.full(3, -1.0, np.float32),
+        "ratio": np.full(3, ratio, np.float32),
+        "advantage": np.array(ADVANTAGES[sample], np.float32),
+        "pg_loss": np.array(TERMS[epoch, sample], np.float32),
+        "clip": np.array(CLIPS[epoch, sample], object),
+    })  # fmt: skip
+
+
+def critic_part(epoch: int, sample: int) -> dict:
+    return part(epoch, sample, {
+        "vpred": np.array([0.2, 1.0, 0.0], np.float32),
+        "vpred_clipped": np.array([0.2, 0.5, 0.5], np.float32),
+        "value": np.array([0.0, 0.0, 1.0], np.float32),
+        "return": np.array([0.0, 1.0, 1.0], np.float32),
+        "vf_loss": np.array([0.04, 0.25, 1.0], np.float32),
+        "vf_clipped": np.array([False, True, False]),
+    })  # fmt: skip
+
+
+def hand_trace(directory, change=None) -> str:
+    """The worked example as a trace; ``change(kind, parts)`` plants an error first."""
+    batch = random_batch(1, B=2, T=3, interior=False)
+    batch.mask[:] = 1
+    batch.advantages = torch.tensor(ADVANTAGES)
+    batch.values, batch.returns = torch.tensor([[0.0, 0.0, 1.0]] * 2), torch.tensor([[0.0, 1.0, 1.0]] * 2)
+    parts = {
+        "actor": [actor_part(e, s) for e in (0, 1) for s in (1, 0)],  # any order: the writer sorts
+        "critic": [critic_part(e, s) for e in (0, 1) for s in (0, 1)],
+    }
+    if change is not None:
+        change(parts)
+    updates = [UpdateCapture(1, kind, parts[kind], LOGGED[kind]) for kind in ("critic", "actor")]
+    return write_trace(directory, algorithm("grpo"), {1: batch}, updates={1: updates}, update_settings=SETTINGS)
+
+
+UPDATE = ("update_rows", "ratio", "ratio_first", "pg_loss", "clip", "vf_loss", "update_metrics")
+
+
+def update_statuses(path) -> dict[str, str]:
+    return {r.identity: r.status for r in check_trace(path).identities if r.identity in UPDATE}
+
+
+def test_the_worked_example_passes_every_update_identity(tmp_path):
+    assert update_statuses(hand_trace(tmp_path / "t")) == {key: "pass" for key in UPDATE}
+
+
+def test_the_tables_read_back_sorted_and_joined(tmp_path):
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(hand_trace(tmp_path / "t"))
+    actor = trace.actor_update(1).to_pydict()
+    assert list(zip(actor["epoch"], actor["sample"], actor["token_index"])) == [
+        (e, s, t) for e in (0, 1) for s in (0, 1) for t in range(3)
+    ]
+    assert actor["clip"] == [c for e in (0, 1) for s in (0, 1) for c in CLIPS[e, s]]
+    assert actor["entropy"] == [None] * 12  # not reported: null
+    record = trace.update_record("actor", 1)
+    assert record.logged == LOGGED["actor"] and record.rows == 12
+    assert [(m["epoch"], m["minibatch"]) for m in record.minibatches] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert trace.record.steps["1"].updates["critic"].rows == 12
+
+
+PLANTS = {
+    "ratio": lambda p: p["actor"][0]["columns"]["ratio"].__setitem__(0, 1.6),
+    "pg_loss": lambda p: p["actor"][1]["columns"]["pg_loss"].__setitem__(2, -0.6),
+    "clip": lambda p: p["actor"][2]["columns"]["clip"].__setitem__(0, "low"),
+    "ratio_first": lambda p: [p["actor"][1]["columns"][k].__setitem__(0, v) for k, v in (("ratio", 1.1), ("log_prob", -1 + math.log(1.1)), ("pg_loss", -1.1))],
+    "update_rows": lambda p: p["actor"][3]["columns"]["token_index"].__setitem__(2, 1),
+    "vf_loss": lambda p: p["critic"][0]["columns"]["vf_clipped"].__setitem__(0, True),
+    "update_metrics": lambda p: LOGGED["critic"].__setitem__("critic/vf_loss", 0.216),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("identity", PLANTS)
+def test_a_planted_error_fails_its_identity(tmp_path, identity, monkeypatch):
+    monkeypatch.setitem(LOGGED, "critic", dict(LOGGED["critic"]))
+    statuses = update_statuses(hand_trace(tmp_path / "t", PLANTS[identity]))
+    assert statuses[identity] == "fail", statuses
+
+
+def test_show_adds_the_update_of_an_epoch(tmp_path, run_cli):
+    code, out, err = run_cli("show", hand_trace(tmp_path / "t"), "--sample", "1", "--epoch", "1", "--format", "csv")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].endswith("minibatch,log_prob,ratio,clip,pg_loss,vpred,vf_loss")
+    assert [line.split(",")[-5:] for line in lines[1:]] == [
+        ["3.5", "dual", "1.5", "0.2", "0.04"], ["3.5", "high", "-2.4", "1.0", "0.25"], ["3.5", "dual", "6.0", "0.0", "1.0"]
+    ]
+    code, _, err = run_cli("show", hand_trace(tmp_path / "u"), "--epoch", "7")
+    assert code == 2 and "no update rows of sample 0 in epoch 7 (epochs traced: 0, 1)" in err
+
+
+def test_summary_reports_clip_fractions_and_the_correlation(tmp_path):
+    row = summarize(hand_trace(tmp_path / "t")).to_pylist()[0]
+    assert row["clip_low"] == pytest.approx(1 / 12) and row["clip_high"] == pytest.approx(2 / 12)
+    assert row["clip_dual"] == pytest.approx(2 / 12)
+    # last epoch: Δlog-prob = ln 0.5 on sample 0 (A = 1, −1, 0.5), ln 3.5 on sample 1 (A = −0.5, 2, −2)
+    change = np.array([math.log(0.5)] * 3 + [math.log(3.5)] * 3)
+    assert row["adv_dlogp_corr"] == pytest.approx(np.corrcoef(np.array(ADVANTAGES).ravel(), change)[0, 1])
+
+
+def test_the_ppo_picture_draws_every_row_in_its_clip_colour(tmp_path):
+    from verl_ext.inspect import plots
+
+    figure = plots.ratio_vs_advantage(hand_trace(tmp_path / "t"))
+    drawn = {
+        collection.get_label().split(" ")[0]: np.asarray(collection.get_offsets())
+        for collection in figure.axes[0].collections
+        if collection.get_label().startswith(("none", "low", "high", "dual"))
+    }
+    expected = {}
+    for (epoch, sample), codes in CLIPS.items():
+        for token, code in enumerate(codes):
+            expected.setdefault(code, set()).add((ADVANTAGES[sample][token], RATIOS[epoch, sample]))
+    assert {code: {tuple(np.round(p, 5)) for p in points} for code, points in drawn.items()} == {
+        code: {tuple(np.round(p, 5)) for p in points} for code, points in expected.items()
+    }
+    change = plots.logprob_change(hand_trace(tmp_path / "u"), sample=1).axes[1].lines
+    np.testing.assert_allclose(change[1].get_ydata(), [math.log(3.5)] * 3, rtol=1e-6)
