@@ -27,4 +27,4 @@ def __getattr__(name: str):
 if "verl_ext" in (module.strip() for module in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")):
     from verl_ext.integration.plugin import activate_loudly
 
-    activate_loudly()
+    activate_loudly("VERL_USE_EXTERNAL_MODULES")

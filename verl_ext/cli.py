@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -32,9 +33,25 @@ def _run_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (a bad one is argparse's one-line error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def _format_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
-    parser.add_argument("--digits", type=int, default=4, help="decimals shown in text and markdown (default: 4)")
+    parser.add_argument("--digits", type=_count(0), default=4, help="decimals shown in text and markdown (default: 4)")
 
 
 def _quiet_argument(parser: argparse.ArgumentParser) -> None:
@@ -47,10 +64,21 @@ def _tokenizer_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _emit(text: str) -> None:
+    """Print to stdout; a reader that went away (``| head -1``) ends the output, not the command."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python would fail again flushing stdout at exit: point it at /dev/null from now on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _open_run(path: str):
     """The trace at ``path``, refusing one without any traced step."""
     from verl_ext.trace.reader import open_trace
 
+    if not path.strip():
+        raise UsageError("RUN must be a trace directory or URL, got an empty string")
     trace = open_trace(path)
     if not trace.steps:
         raise UsageError(f"{path} has no traced steps yet")
@@ -81,7 +109,7 @@ def check(args: argparse.Namespace) -> int:
     trace = _open_run(args.run)
     steps = sorted({trace.require_step(step) for step in args.step}) if args.step else None
     report = check_trace(trace, steps, progress=_progress(args, "check"))
-    print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else format_report(report))
+    _emit(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else format_report(report))
     return 0 if report.passed else 1
 
 
@@ -122,8 +150,8 @@ def show(args: argparse.Namespace) -> int:
             header.append(f"prompt:   {visible(view.prompt_text, show_spaces=False)}")
         if view.response_text is not None:
             header.append(f"response: {visible(view.response_text, show_spaces=False)}")
-        print("\n".join(prefix + line for line in header) + "\n")
-    print(render(view.table, args.format, args.digits))
+        _emit("\n".join(prefix + line for line in header) + "\n")
+    _emit(render(view.table, args.format, args.digits))
     return 0
 
 
@@ -142,7 +170,7 @@ def summary(args: argparse.Namespace) -> int:
     from verl_ext.inspect.summary import summarize
 
     trace = _open_run(args.run)
-    print(render(summarize(trace, progress=_progress(args, "summary")), args.format, args.digits))
+    _emit(render(summarize(trace, progress=_progress(args, "summary")), args.format, args.digits))
     return 0
 
 
@@ -182,8 +210,7 @@ def plot(args: argparse.Namespace) -> int:
         notes.insert(0, f"{decoder.problem}; the heatmap shows token ids")
     for message in dict.fromkeys(notes):  # each distinct note once
         print(f"note: {message}", file=sys.stderr)
-    for path in paths:
-        print(path)
+    _emit("\n".join(map(str, paths)))
     return 0
 
 
@@ -200,10 +227,9 @@ def doctor(args: argparse.Namespace) -> int:
 
     findings = list(diagnose(fresh_import=not args.no_subprocess))
     width = max(len(f.topic) for f in findings)
-    for finding in findings:
-        print(f"{'ok ' if finding.ok else 'BAD'}  {finding.topic:<{width}}  {finding.detail}")
     broken = [f for f in findings if not f.ok]
-    print(f"\n{len(findings) - len(broken)} ok, {len(broken)} broken")
+    lines = [f"{'ok ' if finding.ok else 'BAD'}  {finding.topic:<{width}}  {finding.detail}" for finding in findings]
+    _emit("\n".join(lines) + f"\n\n{len(findings) - len(broken)} ok, {len(broken)} broken")
     return 1 if broken else 0
 
 
@@ -212,7 +238,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"), help="default: outputs/demo")
-    parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    parser.add_argument("--steps", type=_count(1), default=5, help="training steps (default 5)")
     parser.add_argument("--estimator", default="mc", help="algorithm.adv_estimator (default mc)")
     parser.add_argument("--v1", action="store_true", help="verl 0.9's V1 trainer instead of the legacy one")
     parser.add_argument("--sample", type=int, default=0, help="response shown token by token (default 0)")

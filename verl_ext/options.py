@@ -147,8 +147,15 @@ class TraceOptions:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "TraceOptions":
         """Read ``verl_ext.trace`` from the root config; an absent node means tracing is off."""
-        verl_ext_node = config.get("verl_ext") or {}
-        node = verl_ext_node.get("trace") or {}
+        verl_ext_node = config.get("verl_ext")
+        verl_ext_node = {} if verl_ext_node is None else verl_ext_node
+        if not isinstance(verl_ext_node, Mapping):
+            raise ValueError(f"verl_ext must be a node of options (e.g. verl_ext.trace.dir=/runs/trace), got {verl_ext_node!r}")
+        node = verl_ext_node.get("trace")
+        node = {} if node is None else node
+        if not isinstance(node, Mapping):
+            hint = f"; to trace into a directory write verl_ext.trace.dir={node}" if isinstance(node, str) else ""
+            raise ValueError(f"verl_ext.trace must be a node of options ({', '.join(TRACE_KEYS)}), got {node!r}{hint}")
         unknown = sorted(set(verl_ext_node) - {"trace"}) + sorted(f"trace.{k}" for k in set(node) - set(TRACE_KEYS))
         if unknown:
             raise ValueError(

@@ -68,7 +68,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, run_cli, command, case):
 def test_check_exit_codes_and_report(tmp_path, run_cli):
     code, out, err = run_cli("check", good_trace(tmp_path / "good"), "--quiet")
     assert code == 0 and err == ""
-    assert out.splitlines()[-1] == "PASS (7 passed, 0 failed, 0 skipped)"
+    assert out.splitlines()[-1] == "PASS (8 passed, 0 failed, 0 skipped)"
     assert "returns recomputed: td0(γ=1)" in out
 
     code, out, err = run_cli("check", good_trace(tmp_path / "bad", plant=True), "--quiet")

@@ -19,13 +19,20 @@ import sys
 import time
 from pathlib import Path
 
+from verl_ext.errors import UsageError
+
 def run_demo(args: argparse.Namespace) -> int:
     from verl_ext import cli
 
     started = time.monotonic()
     output = args.output_dir.resolve()
     trace_dir = output / "trace"
-    output.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / ".write-probe").touch()
+        (output / ".write-probe").unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write the demo's outputs to {args.output_dir}: {error.strerror or error}") from None
 
     _say(f"1/4 training: {args.steps} PPO steps of `{args.estimator}` on CPU with verl's real trainer (Ray)")
     status = _train(args, output, trace_dir)

@@ -48,10 +48,13 @@ def cpu_overrides(
     response_length: int = 16,
     use_v1: bool = False,
     use_ray: bool = True,
+    ray_address: str | None = None,
 ) -> list[str]:
     """Overrides for ``steps`` PPO steps of ``estimator`` on CPU; checkpoints go under ``output_dir``.
 
     ``use_ray=False`` leaves out the Ray-only settings (the in-process runner starts no Ray).
+    ``ray_address``: join that running Ray cluster (its nodes declare their own CPUs and logical
+    GPUs) instead of starting a local one.
     Adjust the result with :func:`merge_overrides` (hydra rejects a key given twice).
     """
     output = Path(output_dir).resolve()
@@ -113,7 +116,9 @@ def cpu_overrides(
         # V1 only: one TransferQueue storage actor instead of 8 (each reserves a Ray CPU)
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
-    if use_ray:
+    if use_ray and ray_address is not None:
+        overrides.append(f"+ray_kwargs.ray_init.address={ray_address}")
+    elif use_ray:
         overrides += [
             # verl's ResourcePoolManager counts Ray GPU resources: declare one logical GPU.
             "+ray_kwargs.ray_init.num_gpus=1",
@@ -121,6 +126,9 @@ def cpu_overrides(
             # loop, reward loop, load balancer, TransferQueue controller and storage).
             "ray_kwargs.ray_init.num_cpus=8",
             "+ray_kwargs.ray_init.include_dashboard=False",  # one process and ~0.5 GiB less
+        ]
+    if use_ray:
+        overrides += [
             # The CPU switch and the metrics path reach every actor, also on a pre-started cluster
             # (quoted: Ray wants string values, hydra would read "1" as an int).
             *(

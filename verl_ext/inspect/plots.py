@@ -309,12 +309,11 @@ def save_plots(
 ) -> list[Path]:
     """Write every figure as a PNG under ``out_dir``; return the paths written.
 
-    Figures that do not apply to the run (value vs return without values) are left out.
+    Figures that do not apply to the run (value vs return without values) are left out. Nothing is
+    written unless every figure that applies could be drawn.
     """
     trace = as_trace(trace)
     step = _step(trace, step)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     figures = {
         f"positions_step{step}.png": lambda: position_curves(trace, step),
         "over_steps.png": lambda: over_steps(trace, progress),
@@ -324,18 +323,20 @@ def save_plots(
     if step in trace.update_steps.get("actor", []):
         figures[f"ratio_vs_advantage_step{step}.png"] = lambda: ratio_vs_advantage(trace, step)
         figures[f"logprob_change_step{step}_sample{sample}.png"] = lambda: logprob_change(trace, step, sample)
-    written = []
+    built = {}  # every figure first: a bad step or sample writes nothing
     for name, build in figures.items():
         try:
-            fig = build()
+            built[name] = build()
         except UsageError as skipped:
             if name.startswith(("value_vs_return", "logprob_change")):
                 warnings.warn(f"{name} left out: {skipped}", PlotNote, stacklevel=2)
                 continue
             raise
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fig in built.items():
         fig.savefig(out / name, dpi=130)
-        written.append(out / name)
-    return written
+    return [out / name for name in built]
 
 
 # ---------------------------------------------------------------------- helpers

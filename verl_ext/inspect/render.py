@@ -105,6 +105,7 @@ SECTION = {
     "rewards": "8.4",
     "mask_layout": "8.5",
     "finite": "8.5",
+    "steps_on_disk": "8.5",
     "update_rows": "8.6",
     "ratio": "8.6",
     "ratio_first": "8.6",
@@ -165,8 +166,10 @@ def _error_text(error: float | None) -> str:
 
 def _result_text(result) -> str:
     if result.status == "fail":
-        unit = "token" if result.identity not in ("mask_layout", "whitening_stats") else "entry"
-        return f"FAIL ({result.violations} {unit}{'s' * (result.violations != 1)})"
+        unit = {"mask_layout": ("row", "rows"), "whitening_stats": ("statistic", "statistics"),
+                "steps_on_disk": ("file", "files"), "update_metrics": ("metric", "metrics")}.get(
+            result.identity, ("token", "tokens"))  # fmt: skip
+        return f"FAIL ({result.violations} {unit[result.violations != 1]})"
     if result.status == "skipped":
         return "skipped (not applicable)" if any("not applicable" in n for n in result.notes) else "skipped"
     return "pass"

@@ -25,14 +25,16 @@ import sys
 
 LOADED = False
 LOAD_ERROR: str | None = None
+#: How the plugin was activated in this process: "entry point", "VERL_USE_EXTERNAL_MODULES" or "call".
+ACTIVATED_BY: str | None = None
 
 #: The CPU backend's switch (see :mod:`verl_ext.cpu`); read here so that a GPU run never imports it.
 CPU_SWITCH = "VERL_EXT_CPU"
 
 
-def activate() -> None:
+def activate(by: str = "call") -> None:
     """Install the plugin's touches of verl in this process (idempotent); raises on failure."""
-    global LOADED
+    global LOADED, ACTIVATED_BY
     from verl_ext import patching
     from verl_ext.touches import PLUGIN_TOUCHES
 
@@ -41,16 +43,17 @@ def activate() -> None:
         from verl_ext import cpu
 
         cpu.activate()
+    ACTIVATED_BY = ACTIVATED_BY or by
     LOADED = True
 
 
-def activate_loudly() -> bool:
+def activate_loudly(by: str) -> bool:
     """:func:`activate`, reporting a failure on stderr instead of raising (verl would hide it)."""
     global LOAD_ERROR
     if LOADED:
         return True
     try:
-        activate()
+        activate(by)
     except Exception as exc:  # loud, because verl would hide it
         LOAD_ERROR = f"{type(exc).__name__}: {exc}"
         logging.getLogger("verl_ext").exception("verl-ext plugin failed to load")
@@ -60,5 +63,5 @@ def activate_loudly() -> bool:
 
 def __getattr__(name: str):
     if name == "activated":  # what verl's entry-point loader looks up
-        return activate_loudly()
+        return activate_loudly("entry point")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -60,12 +61,42 @@ def session(trainer: Any, kind: str) -> Iterator[None]:
         return
     from verl_ext.trace.writer import TraceWriter
 
-    with TraceWriter(options, run_record(trainer.config, kind, options)) as writer:  # never hides fit()'s error
+    record = run_record(trainer.config, kind, options)
+    _say_where_a_cluster_writes(options.dir, record.node)
+    with TraceWriter(options, record) as writer:  # never hides fit()'s error
         _active = _Session(trainer, kind, writer, options)
         try:
             yield
         finally:
             _active = None
+
+
+def _ray_node() -> str | None:
+    """This process' Ray node id, on a Ray cluster."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - not on Ray, or Ray without a runtime context here
+        return None
+
+
+def _say_where_a_cluster_writes(directory: str, node: str | None) -> None:
+    """On a multi-node Ray cluster a local trace path is on one node's disk: say which, once, at start."""
+    if node is None or ("://" in directory and not directory.startswith("file://")):
+        return
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+        address = next((n.get("NodeManagerAddress") for n in nodes if n.get("NodeID") == node), "?")
+        print(
+            f"verl-ext trace: {len(nodes)}-node Ray cluster: {directory} is written on the TaskRunner's node "
+            f"{node[:12]} ({address}, host {socket.gethostname()}); for a trace every node can read, use a shared "
+            "filesystem or an fsspec URL (s3://, gs://, ...) as verl_ext.trace.dir",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def record_kl(data: Any, beta: float, kl_penalty: str) -> None:
@@ -249,6 +280,7 @@ def run_record(config: Any, kind: str, options: TraceOptions):
         trace=options.as_dict(),
         update=update_settings(config),
         host=socket.gethostname(),
+        node=_ray_node(),
     )
 
 

@@ -53,11 +53,13 @@ def check_config(config: Any) -> None:
 
 
 def check_trace_dir_writable(directory: str) -> None:
-    """Create the trace directory and publish a probe file in it, as the trace writer will."""
+    """That the trace directory can be written and no other writer holds it; leaves nothing behind
+    (verl may still reject the config after this)."""
     from verl_ext.errors import UsageError
-    from verl_ext.trace import storage
+    from verl_ext.trace import lease, storage
 
     try:
-        storage.writable_directory(directory)
+        storage.check_writable(directory)
+        lease.refuse_if_held(*storage.resolve(directory), directory)
     except UsageError as exc:
         raise ValueError(f"verl_ext.trace.dir: {exc}") from None

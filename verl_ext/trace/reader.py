@@ -69,19 +69,29 @@ def open_trace(path: str, *, filesystem=None) -> "Trace":
     run_record = record.read(fs, root, path)
     if run_record is None:
         raise TraceError(f"{path} is not a verl-ext trace: it has no {RUN_RECORD}")
-    steps, updates = _steps_on_disk(fs, root)
+    steps, updates = _steps_on_disk(fs, root, path)
     return Trace(path, run_record, steps, fs, root, updates)
 
 
-def _steps_on_disk(fs: pafs.FileSystem, root: str) -> tuple[list[int], dict[str, list[int]]]:
-    """Steps with a token file, and per update kind the steps with an update file (one listing)."""
+def _steps_on_disk(fs: pafs.FileSystem, root: str, shown_path: str) -> tuple[list[int], dict[str, list[int]]]:
+    """Steps with a token file, and per update kind the steps with an update file (one listing).
+
+    A step directory the writer would not have named (``step=03`` for step 3) is a TraceError: its
+    data would never be read, and a second directory of the same step would hide which one is real.
+    """
     directories = {name: kind for kind, name in UPDATE_DIRS.items()}
     steps: list[int] = []
     updates: dict[str, list[int]] = {kind: [] for kind in UPDATE_DIRS}
     for info in fs.get_file_info(pafs.FileSelector(root, recursive=True)):
-        match = _FILE_PATH.fullmatch(posixpath.relpath(info.path, root))
+        relative = posixpath.relpath(info.path, root)
+        match = _FILE_PATH.fullmatch(relative)
         if match and info.type == pafs.FileType.File:
             step = int(match.group("step"))
+            if f"step={step}" != f"step={match.group('step')}":
+                raise TraceError(
+                    f"{shown_path}/{posixpath.dirname(relative)} is not a directory this trace writes: step {step} "
+                    f"lives in step={step}; remove or rename the copy"
+                )
             (updates[directories[match.group("kind")]] if match.group("kind") else steps).append(step)
     return sorted(steps), {kind: sorted(found) for kind, found in updates.items()}
 

@@ -263,6 +263,7 @@ class RunRecord:
     #: loss_agg_mode, ppo_epochs, ppo_mini_batch_size, loss_scale_factor}}; empty in version 1
     update: dict[str, Any] = field(default_factory=dict)
     host: str | None = None  # the machine that wrote the trace
+    node: str | None = None  # its Ray node id, on a Ray cluster
     #: {"<n>": StepEntry}, set by the writer; a writer resuming into the directory keeps those there
     steps: dict[str, StepEntry] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION

@@ -84,7 +84,7 @@ def publish(fs: pafs.FileSystem, root: str, relative: str, write: Callable[[pa.N
         fs.create_dir(posixpath.dirname(final), recursive=True)
         fs.move(temporary, final)
     except BaseException:
-        _remove_quietly(fs, temporary)
+        remove_quietly(fs, temporary)
         raise
 
 
@@ -93,10 +93,11 @@ def publish_bytes(fs: pafs.FileSystem, root: str, relative: str, data: bytes) ->
 
 
 def prepare_directory(fs: pafs.FileSystem, root: str) -> None:
-    """Create the trace directory, prove that files can be published in it, clear stale temporaries.
+    """Create the trace directory and its ``_tmp/``, clear stale temporaries, prove that files can be
+    published in it. Raises ``OSError`` (or whatever the filesystem raises) when it cannot.
 
-    Raises ``OSError`` (or whatever the filesystem raises) when it cannot. Temporaries left by a
-    writer that was killed are removed, so only one writer may use a directory at a time.
+    Temporaries left by a writer that was killed are removed: call this only while holding the
+    directory's lease (:mod:`verl_ext.trace.lease`).
     """
     fs.create_dir(join(root, TMP_DIR), recursive=True)
     fs.delete_dir_contents(join(root, TMP_DIR), missing_dir_ok=True)
@@ -105,17 +106,46 @@ def prepare_directory(fs: pafs.FileSystem, root: str) -> None:
     fs.delete_file(join(root, probe))
 
 
-def writable_directory(directory: str) -> tuple[pafs.FileSystem, str]:
-    """Resolve and :func:`prepare_directory` a trace directory; a one-line UsageError when it can't be."""
+def remove_empty_tmp(fs: pafs.FileSystem, root: str) -> None:
+    """Remove ``_tmp/`` when nothing is left in it (a finished trace holds only what readers need)."""
+    tmp = join(root, TMP_DIR)
+    try:
+        if not fs.get_file_info(pafs.FileSelector(tmp, allow_not_found=True)):
+            fs.delete_dir(tmp)
+    except Exception:  # noqa: BLE001 - an untidy directory is not worth an error
+        pass
+
+
+def check_writable(directory: str) -> None:
+    """That the trace directory can be created and written, leaving nothing behind (no directory this
+    created, no file): what the driver checks before training. A one-line UsageError when it can't."""
     try:
         fs, root = resolve(directory)
-        prepare_directory(fs, root)
+        created = []
+        path = root
+        while path and fs.get_file_info(path).type == pafs.FileType.NotFound:
+            created.append(path)
+            parent = posixpath.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        try:
+            fs.create_dir(root, recursive=True)
+            probe = join(root, f".verl-ext-probe-{uuid.uuid4().hex}")
+            with fs.open_output_stream(probe, compression=None) as stream:
+                stream.write(b"verl-ext write probe\n")
+            fs.delete_file(probe)
+        finally:
+            for path in created:  # deepest first
+                try:
+                    fs.delete_dir(path)
+                except Exception:  # noqa: BLE001
+                    pass
     except Exception as error:  # noqa: BLE001 - whatever the filesystem raises, the cause is the dir
         raise UsageError(f"trace dir {directory} is not writable: {one_line(error)}") from None
-    return fs, root
 
 
-def _remove_quietly(fs: pafs.FileSystem, path: str) -> None:
+def remove_quietly(fs: pafs.FileSystem, path: str) -> None:
     try:
         fs.delete_file(path)
     except Exception:  # noqa: BLE001 - the original error is the one worth reporting

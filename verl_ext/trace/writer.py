@@ -22,7 +22,9 @@ Failures (of a write, or of a capture that cannot be copied) are collected and r
 training thread at the next ``submit``/``flush``/``close``: as one warning per failed step
 (``on_error="warn"``; training goes on and the step is missing from the trace, unless the message
 says that only ``_run.json`` was not updated), or as a :class:`TraceError` (``on_error="raise"``;
-the step being submitted is then not traced). One writer per trace directory at a time.
+the step being submitted is then not traced). One writer per trace directory at a time: the
+writer holds a lease on the directory (:mod:`lease`) and refuses a directory another one holds;
+closing releases it and removes the empty ``_tmp/``.
 
 Memory: at most ``queue_size`` snapshots wait in the queue, one more is being turned into tables
 and one more may be in ``submit`` waiting for room. A snapshot of N samples of length T takes
@@ -38,6 +40,7 @@ import atexit
 import os
 import queue
 import threading
+import time
 import traceback
 import warnings
 
@@ -45,7 +48,7 @@ import pyarrow.parquet as pq
 
 from verl_ext.errors import TraceError, UsageError, one_line
 from verl_ext.options import TraceOptions
-from verl_ext.trace import record, storage
+from verl_ext.trace import lease, record, storage
 from verl_ext.trace.capture import (
     SnapshotMemory,
     StepCapture,
@@ -55,7 +58,7 @@ from verl_ext.trace.capture import (
     UpdateFiles,
     take_snapshot,
 )
-from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RUN_RECORD, RunRecord
+from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RUN_RECORD, TMP_DIR, RunRecord
 
 #: Parquet encoding of the token file, chosen by benchmarks/bench_trace.py: float columns as
 #: byte-stream-split (no dictionary, which costs a hash per value and rarely pays on floats) then
@@ -94,22 +97,34 @@ class TraceWriter:
         if not options.enabled:
             raise UsageError("verl_ext.trace.dir is not set, so there is nothing to write to")
         self._options = options
-        self._fs, self._root = storage.writable_directory(options.dir)
         try:
             run_record.to_json()
         except (TypeError, ValueError) as error:
             raise UsageError(f"the run record is not JSON data: {error}") from None
-        self._record = record.merge(record.read(self._fs, self._root, options.dir), run_record, options.dir)
         try:
+            self._fs, self._root = storage.resolve(options.dir)
+            self._fs.create_dir(storage.join(self._root, TMP_DIR), recursive=True)
+            self._lease = lease.Holder(self._fs, self._root, options.dir)  # before touching anything else
+        except UsageError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever the filesystem raises, the cause is the dir
+            raise UsageError(f"trace dir {options.dir} is not writable: {one_line(error)}") from None
+        try:
+            storage.prepare_directory(self._fs, self._root)
+            self._record = record.merge(record.read(self._fs, self._root, options.dir), run_record, options.dir)
             self._write_record()
         except Exception as error:  # noqa: BLE001
-            raise UsageError(f"trace dir {options.dir}: cannot write {RUN_RECORD}: {one_line(error)}") from None
+            self._lease.release()
+            if isinstance(error, UsageError):
+                raise
+            raise UsageError(f"trace dir {options.dir} is not writable: {one_line(error)}") from None
 
         self._queue: queue.Queue = queue.Queue(maxsize=options.queue_size)
         self._memory = SnapshotMemory()
         self._failures: list[tuple[int | None, BaseException]] = []
         self._failures_lock = threading.Lock()
         self._closed = False
+        self._lost: BaseException | None = None  # why this writer lost its lease, once it has
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._work, name="verl-ext-trace-writer", daemon=True)
         self._thread.start()
@@ -171,6 +186,8 @@ class TraceWriter:
         self._queue.put(_STOP)
         self._thread.join()
         atexit.unregister(self._close_at_exit)
+        self._lease.release()
+        storage.remove_empty_tmp(self._fs, self._root)
 
     def _report_failures(self, *, may_raise: bool) -> None:
         with self._failures_lock:
@@ -183,10 +200,11 @@ class TraceWriter:
             raise TraceError(
                 f"writing step {step} of the trace to {self._options.dir} failed: {one_line(error)}{more}"
             ) from error
+        consequence = "training goes on" if self._options.on_error == "warn" else "reported when the trace closed"
         for step, error in failures:
+            what = f"writing step {step}" if step is not None else "the trace"
             warnings.warn(
-                f"verl-ext trace: writing step {step} to {self._options.dir} failed: {one_line(error)}; "
-                "training goes on",
+                f"verl-ext trace: {what} to {self._options.dir} failed: {one_line(error)}; {consequence}",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -194,12 +212,27 @@ class TraceWriter:
     # ------------------------------------------------------------------ writer thread
 
     def _work(self) -> None:
+        renew_at = time.monotonic() + lease.RENEW_SECONDS
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=max(0.0, renew_at - time.monotonic()))
+            except queue.Empty:
+                item = None
+            if time.monotonic() >= renew_at:  # keep the directory ours (lease.py)
+                renew_at = time.monotonic() + lease.RENEW_SECONDS
+                try:
+                    self._lease.renew()
+                except Exception as error:  # noqa: BLE001 - another writer, or the filesystem went away
+                    self._lost = error
+                    self._record_failure(None, error)
+            if item is None:
+                continue
             if item is _STOP:
                 self._queue.task_done()
                 return
             try:
+                if self._lost is not None:  # the directory is no longer this writer's
+                    raise OSError(f"not written: {one_line(self._lost)}")
                 if isinstance(item, UpdateCapture):
                     self._publish_update(UpdateFiles.build(item, self._options.max_samples_per_step))
                 else:
@@ -224,8 +257,15 @@ class TraceWriter:
 
     def _publish(self, files: StepFiles) -> None:
         entry = files.entry
+        new_step = not storage.exists(self._fs, storage.join(self._root, entry.file))
         storage.publish(self._fs, self._root, entry.prompts_file, lambda out: pq.write_table(files.prompts, out, **PROMPT_PARQUET_OPTIONS))
-        storage.publish(self._fs, self._root, entry.file, lambda out: pq.write_table(files.tokens, out, **TOKEN_PARQUET_OPTIONS))
+        try:
+            storage.publish(self._fs, self._root, entry.file, lambda out: pq.write_table(files.tokens, out, **TOKEN_PARQUET_OPTIONS))
+        except BaseException:
+            if new_step:  # the step is not in the trace: neither is its prompt table (a re-traced
+                # step keeps the old token file, whose write id tells the reader the pair differs)
+                storage.remove_quietly(self._fs, storage.join(self._root, entry.prompts_file))
+            raise
         self._record.steps[str(files.step)] = entry
         try:
             self._write_record()

@@ -1,0 +1,98 @@
+"""verl's real trainer (the CPU backend) on a two-node Ray cluster on one machine: the head node has no
+CPU to offer, so verl's TaskRunner, which writes the trace, and its workers run on the other node.
+
+The plugin must load from its entry point in every process (recorded by tests/e2e/activation_probe.py
+once verl's core_algos is imported), the run must say at start which node writes the local trace
+directory, the run record must name that node, and the trace must be complete and pass the checker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False},
+    )
+    worker = cluster.add_node(num_cpus=8, num_gpus=1)
+    cluster.wait_for_nodes()
+    yield cluster, worker
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def multinode_run(cluster, tmp_path_factory):
+    from verl_ext.cpu.assets import build_assets
+    from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
+
+    ray_cluster, worker = cluster
+    out = tmp_path_factory.mktemp("multinode")
+    probes = out / "probes"
+    probes.mkdir()
+    overrides = merge_overrides(
+        cpu_overrides(build_assets(), out, steps=2, estimator="mc", ray_address=ray_cluster.address),
+        [
+            f"verl_ext.trace.dir={out / 'trace'}",
+            "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=tests.e2e.activation_probe",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_PROBE_DIR='{probes}'",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",
+        ],
+    )
+    command = [
+        sys.executable, "-m", "verl.trainer.main_ppo",
+        f"--config-path={ROOT / 'verl_ext' / 'configs'}", "--config-name=verl_ext_trainer", *overrides,
+    ]  # fmt: skip
+    env = {
+        **os.environ, **cpu_environment(out), "PYTHONPATH": str(ROOT),
+        "VERL_USE_EXTERNAL_MODULES": "tests.e2e.activation_probe", "VERL_EXT_TEST_PROBE_DIR": str(probes),
+    }  # fmt: skip
+    result = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    (out / "train.log").write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    reports = [json.loads(path.read_text()) for path in probes.glob("*.json")]
+    return out, worker.node_id, ray_cluster.head_node.node_id, reports, result.stdout + result.stderr
+
+
+def test_the_plugin_loads_from_its_entry_point_in_every_process(multinode_run):
+    _, worker, head, reports, _ = multinode_run
+    assert len(reports) >= 3  # the driver, the TaskRunner, the workers
+    assert {r["node"] for r in reports} >= {None, worker}  # the driver is not a Ray worker
+    for report in reports:
+        assert report["loaded"] and report["activated_by"] == "entry point", report
+
+
+def test_the_run_says_which_node_writes_and_records_it(multinode_run):
+    from verl_ext.trace.reader import open_trace
+
+    out, worker, head, _, log = multinode_run
+    record = open_trace(str(out / "trace")).record
+    assert record.node == worker != head
+    notes = [line for line in log.splitlines() if "verl-ext trace: 2-node Ray cluster" in line]
+    assert len(notes) == 1 and f"{out / 'trace'} is written on the TaskRunner's node {worker[:12]}" in notes[0]
+    assert "shared filesystem or an fsspec URL" in notes[0]
+
+
+def test_the_trace_is_complete_and_passes_the_checker(multinode_run):
+    from verl_ext.trace.reader import open_trace
+
+    out, *_ = multinode_run
+    trace = open_trace(str(out / "trace"))
+    assert trace.steps == [1, 2] and sorted(trace.record.steps) == ["1", "2"]
+    assert trace.update_steps == {"actor": [1, 2], "critic": [1, 2]}
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_ext.cli", "check", str(out / "trace"), "--quiet"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
