@@ -75,7 +75,7 @@ def test_check_exit_codes_and_report(tmp_path, run_cli):
     assert code == 1
     assert "advantages = masked_whiten(raw advantage)" in out
     assert "§8.2 advantages = masked_whiten(raw advantage): step 2, sample 4, token 6: advantage = " in out
-    assert out.splitlines()[-1] == "FAIL: 1 violated (6 passed, 1 failed, 0 skipped)"
+    assert out.splitlines()[-1] == "FAIL: 1 violated (7 passed, 1 failed, 0 skipped)"
 
     code, out, _ = run_cli("check", str(tmp_path / "bad"), "--json", "--step", "1", "--step", "2")
     report = json.loads(out)
