@@ -33,6 +33,7 @@ bench: setup
 	$(PY) benchmarks/bench_import.py
 	$(PY) benchmarks/bench_trace.py
 	$(PY) benchmarks/bench_check.py
+	$(PY) benchmarks/bench_update.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .hypothesis

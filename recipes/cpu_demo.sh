@@ -2,8 +2,9 @@
 # verl's real PPO trainer, `python -m verl.trainer.main_ppo`, on a CPU-only machine, on Ray.
 #
 # verl-ext's CPU backend (VERL_EXT_CPU=1) supplies what verl 0.9.1 lacks there: a CPU platform, an
-# HF-generate rollout and a few patches. The model is a tiny random llama, the tokenizer works on
-# characters and the prompts are "a+b=": all built locally on first use, no download.
+# HF-generate rollout and a few patches. The model is the CPU task's warm-started tiny llama, the
+# tokenizer works on characters and the prompts are "请问a+b=c？": all built locally on first use, no
+# download (verl_ext/cpu/assets.py). `make demo` trains the same task longer, in process.
 #
 #   recipes/cpu_demo.sh                                   # 5 steps of verl's gae (critic on), legacy trainer
 #   ESTIMATOR=grpo ROLLOUT_N=4 recipes/cpu_demo.sh         # verl's grpo, 4 samples per prompt

@@ -17,7 +17,7 @@ import torch
 
 from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
 from tests.trace.conftest import hooked_url  # noqa: F401 - a fixture
-from verl_ext.errors import TraceError, UsageError
+from verl_ext.errors import UsageError
 from verl_ext.options import TraceOptions
 
 ROOT = Path(__file__).resolve().parents[1]

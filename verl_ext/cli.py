@@ -186,14 +186,18 @@ def plot_arguments(parser: argparse.ArgumentParser) -> None:
     _quiet_argument(parser)
 
 
-def plot(args: argparse.Namespace) -> int:
-    """PNG figures of a trace in an output directory."""
+def _headless_matplotlib(what: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
     except ImportError:
-        raise UsageError("plot needs matplotlib: pip install 'verl-ext[plot]'") from None
+        raise UsageError(f"{what} needs matplotlib: pip install 'verl-ext[plot]'") from None
+
+
+def plot(args: argparse.Namespace) -> int:
+    """PNG figures of a trace in an output directory."""
+    _headless_matplotlib("plot")
     from verl_ext.inspect.plots import PlotNote, save_plots
     from verl_ext.inspect.table import decoder_for
 
@@ -211,6 +215,60 @@ def plot(args: argparse.Namespace) -> int:
     for message in dict.fromkeys(notes):  # each distinct note once
         print(f"note: {message}", file=sys.stderr)
     _emit("\n".join(map(str, paths)))
+    return 0
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def _lambdas(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if any(not 0.0 <= value <= 1.0 for value in values):
+        raise argparse.ArgumentTypeError(f"every λ must be in [0, 1], got {text}")
+    return values
+
+
+def compare_arguments(parser: argparse.ArgumentParser) -> None:
+    _run_argument(parser)
+    parser.add_argument("--step", type=int, required=True, metavar="S", help="the traced step to re-estimate")
+    parser.add_argument("--sample", type=_count(0), default=0, metavar="I", help="sample of the per-token table (default 0)")
+    parser.add_argument("--n", type=_count(1), default=3, help="n of the n-step estimator (default 3)")
+    parser.add_argument("--lambdas", type=_lambdas, default=(0.5, 0.9, 0.95), metavar="L,L,…", help="λ of the GAE columns (default 0.5,0.9,0.95)")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the comparison into this PNG file")
+    _tokenizer_argument(parser)
+    _format_arguments(parser)
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Re-estimate one traced step with every estimator (no retraining) and show them side by side."""
+    from verl_ext.inspect.comparison import compare as compare_step
+    from verl_ext.inspect.render import render
+
+    comparison = compare_step(_open_run(args.run), args.step, args.sample, args.n, args.lambdas, args.tokenizer)
+    if args.plot:
+        _headless_matplotlib("--plot")
+        try:
+            comparison.figure().savefig(args.plot, dpi=130)
+        except OSError as error:
+            raise UsageError(f"cannot write {args.plot}: {error.strerror or error}") from None
+    if args.format == "csv":
+        _emit(render(comparison.table.drop_columns(["reward", "value"]), "csv"))
+        return 0
+    sections = [
+        f"step {comparison.step}, sample {comparison.sample}: raw advantages (before whitening) by estimator",
+        render(comparison.table, args.format, args.digits),
+        "per estimator, over the step's valid tokens:",
+        render(comparison.statistics, args.format, args.digits),
+        "share of the step's Σ|A| per position:",
+        render(comparison.shares, args.format, args.digits),
+        "correlation between estimators:",
+        render(comparison.correlation, args.format, 2),
+        *(f"note: {note}" for note in comparison.notes),
+    ]
+    _emit("\n\n".join(sections))
     return 0
 
 
@@ -236,12 +294,16 @@ def doctor(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- demo
 
 
+DEMO_STEPS = 80
+STUDY_STEPS = 80
+
+
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"), help="default: outputs/demo")
-    parser.add_argument("--steps", type=_count(1), default=5, help="training steps (default 5)")
+    parser.add_argument("--steps", type=_count(1), default=DEMO_STEPS, help=f"training steps (default {DEMO_STEPS})")
     parser.add_argument("--estimator", default="mc", help="algorithm.adv_estimator (default mc)")
-    parser.add_argument("--v1", action="store_true", help="verl 0.9's V1 trainer instead of the legacy one")
-    parser.add_argument("--sample", type=int, default=0, help="response shown token by token (default 0)")
+    parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
+    parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a wrong verdict)")
     parser.add_argument("overrides", nargs="*", help="more hydra overrides for the trainer; they win")
 
 
@@ -249,7 +311,48 @@ def demo(args: argparse.Namespace) -> int:
     """Train a tiny model with verl's real PPO trainer on CPU, trace every step, check and show the trace."""
     from verl_ext.cpu.demo import run_demo
 
+    _require_writable(args.output_dir, "the demo's outputs")
     return run_demo(args)
+
+
+# --------------------------------------------------------------------------- study
+
+
+def study_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.cpu.study import DEFAULT_ESTIMATORS
+
+    parser.add_argument("--estimators", default=",".join(DEFAULT_ESTIMATORS), metavar="E,E,…", help=f"default: {','.join(DEFAULT_ESTIMATORS)}")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 … N-1 per estimator (default 3)")
+    parser.add_argument("--steps", type=int, default=STUDY_STEPS, help=f"PPO steps per run (default {STUDY_STEPS})")
+    parser.add_argument("--test-freq", type=int, default=10, metavar="F", help="validate every F steps (default 10)")
+    parser.add_argument("--threshold", type=float, default=0.8, help="held-out accuracy for 'steps to threshold' (default 0.8)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at a time (default: 2, or 1 on one core)")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+
+
+def study(args: argparse.Namespace) -> int:
+    """Run every estimator with every seed on the CPU task through verl's real trainer; compare them."""
+    from verl_ext.cpu.study import StudySettings, parse_estimators, run_study
+
+    estimators = parse_estimators(args.estimators)
+    for name, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--test-freq", args.test_freq), ("--jobs", args.jobs)):
+        if value < 1:
+            raise UsageError(f"{name} must be an integer >= 1, got {value}")
+    if not 0.0 <= args.threshold <= 1.0:
+        raise UsageError(f"--threshold must be in [0, 1], got {args.threshold}")
+    _require_writable(args.out, "the study's outputs")
+    settings = StudySettings(args.steps, args.test_freq, args.threshold)
+    return run_study(estimators, args.seeds, settings, args.out.resolve(), args.jobs)
+
+
+def _require_writable(directory: Path, what: str) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".write-probe"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write {what} to {directory}: {error.strerror or error}") from None
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -260,13 +363,22 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[a
     "show": (show_arguments, show),
     "summary": (summary_arguments, summary),
     "plot": (plot_arguments, plot),
+    "compare": (compare_arguments, compare),
     "doctor": (doctor_arguments, doctor),
     "demo": (demo_arguments, demo),
+    "study": (study_arguments, study),
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error convention: one line on stderr (no usage block), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="verl-ext", description="Token-level inspection and value-based advantage estimators for verl PPO."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

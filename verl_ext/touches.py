@@ -173,6 +173,12 @@ CPU_TOUCHES = (
         versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer._update_actor",
     ),
     Touch(
+        "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._validate", "cpu",
+        why="private method: the in-process runner names the rollout's random streams 'validation' around "
+        "verl's own validation, so that how often a run validates does not change what its training samples",
+        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer._validate",
+    ),
+    Touch(
         "override", "verl.workers.rollout.llm_server", "LLMServerManager._init_global_load_balancer", "cpu",
         why="private method: the load balancer is built on the in-process actor loop instead of as a Ray actor",
         versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessLLMServerManager._init_global_load_balancer",

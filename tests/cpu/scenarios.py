@@ -63,7 +63,7 @@ def hf_server(output_dir: Path):
 
     assets = build_assets()
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
-    chats = [[{"role": "user", "content": question}] for question in ("1+2=", "3+4=", "请问1+1=2？")]
+    chats = [[{"role": "user", "content": question}] for question in ("1+2=", "请问3+4=6？", "请问1+1=2？")]
     prompts = [
         tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
         for chat in chats
@@ -83,7 +83,9 @@ def hf_server(output_dir: Path):
     state = {name: torch.zeros_like(p) for name, p in server.model.state_dict().items()}
     asyncio.run(server.update_weights(state, global_steps=7))
     after = asyncio.run(requests({"temperature": 0, "logprobs": False}))
+    determinism = deterministic_sampling(assets, tokenizer, prompts, config)
     result = {
+        **determinism,
         "generate_calls": [list(shape) for shape in calls],
         "eos_token_id": server.eos_token_id,
         "sampled": [o.model_dump() for o in sampled],
@@ -94,6 +96,67 @@ def hf_server(output_dir: Path):
         "prompt_lengths": [len(p) for p in prompts],
     }
     (output_dir / "server.json").write_text(json.dumps(result))
+
+
+def deterministic_sampling(assets, tokenizer, prompts, config) -> dict:
+    """Request ids det-<i> (verl's rollout.full_determinism): each request's sample depends on its id,
+    the stream and the weights version alone; and the samples follow the model's distribution.
+
+    Drawn at an undecided position, the verdict after "请问3+4=6？" + "等于7，" (the warm start is
+    near-certain elsewhere, where every stream would give the same tokens and the checks would
+    have no power)."""
+    import asyncio
+
+    import torch
+
+    from verl_ext.cpu.rollout import HFGenerationServer
+
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    context = prompts[1] + tokenizer.encode("等于7，", add_special_tokens=False)
+
+    def fresh():
+        return HFGenerationServer(str(assets.model_dir), config)
+
+    # three different prompts and 24 copies of the undecided one, 4 tokens each
+    contexts = prompts + [context] * 24
+    ids = [f"det-{i}" for i in range(len(contexts))]
+    short = {**sampling, "max_tokens": 4}
+
+    async def together(server, order):
+        outputs = await asyncio.gather(*[server.generate(ids[i], contexts[i], short) for i in order])
+        return {ids[i]: o.token_ids for i, o in zip(order, outputs)}
+
+    async def one_by_one(server, order):
+        return {ids[i]: (await server.generate(ids[i], contexts[i], short)).token_ids for i in order}
+
+    forward = list(range(len(ids)))
+    server = fresh()
+    batched, repeated = asyncio.run(together(server, forward)), asyncio.run(together(server, forward))
+    server.use_stream("validation")
+    other_stream = asyncio.run(together(server, forward))
+    alone = asyncio.run(one_by_one(fresh(), forward[::-1]))
+
+    # the verdict sampled 3000 times against the model's own probabilities there (one forward pass)
+    server = fresh()
+    one_token = {**sampling, "max_tokens": 1}
+
+    async def verdicts():
+        outputs = await asyncio.gather(*[server.generate(f"det-{i}", context, one_token) for i in range(3000)])
+        return [o.token_ids[0] for o in outputs]
+
+    drawn = asyncio.run(verdicts())
+    with torch.no_grad():
+        logits = server.model(input_ids=torch.tensor([context])).logits[0, -1]
+    probabilities = torch.softmax(logits.double(), dim=-1)
+    candidates = [tokenizer.convert_tokens_to_ids(ch) for ch in ("是", "不")]
+    return {
+        "det_batched": [batched[i] for i in ids],
+        "det_alone": [alone[i] for i in ids],
+        "det_repeated": [repeated[i] for i in ids],
+        "det_other_stream": [other_stream[i] for i in ids],
+        "verdict_frequency": [drawn.count(token) / len(drawn) for token in candidates],
+        "verdict_probability": [float(probabilities[token]) for token in candidates],
+    }
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from verl_ext.cpu.assets import CHARACTERS, AssetSpec, arithmetic_problems, build_assets
+from verl_ext.cpu.assets import CHARACTERS, AssetSpec, build_assets, task_problems, token_id
 
 SEED_PROMPT, SEED_RESPONSE = "请问1+1=2？", "是的，等于2！"
 
@@ -28,7 +28,7 @@ def test_a_different_spec_gets_its_own_directory(assets_dir):
     assert AssetSpec(seed=1).key() != AssetSpec().key()
 
 
-@pytest.mark.parametrize("text", [SEED_PROMPT, SEED_RESPONSE, "12+34=46\n", CHARACTERS])
+@pytest.mark.parametrize("text", [SEED_PROMPT, SEED_RESPONSE, "等于12，不是！", "12+34=46\n", CHARACTERS])
 def test_tokenizer_round_trips_exactly(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) == len(text)  # one token per character
@@ -52,24 +52,34 @@ def test_special_tokens(tokenizer):
     assert len({tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id}) == 3
 
 
+def test_token_ids_without_loading_the_tokenizer(tokenizer):
+    assert [token_id(ch) for ch in CHARACTERS] == tokenizer.convert_tokens_to_ids(list(CHARACTERS))
+
+
 def test_model_is_a_tiny_llama(assets, tokenizer):
     config = AutoConfig.from_pretrained(assets.model_dir)
     assert config.model_type == "llama"  # transformers 5 forces Qwen2Tokenizer for qwen2
-    assert (config.hidden_size, config.num_hidden_layers) == (64, 2)
+    assert (config.hidden_size, config.num_hidden_layers) == (128, 2)
     assert config.vocab_size == len(tokenizer)
     assert config.eos_token_id == tokenizer.eos_token_id
 
 
 def test_prompts_follow_verls_dataset_schema(assets):
+    import re
+
     train, val = pd.read_parquet(assets.train_file), pd.read_parquet(assets.val_file)
     for frame in (train, val):
         assert {"data_source", "prompt", "reward_model", "extra_info"} <= set(frame.columns)
-        row = frame.iloc[0]
-        (message,) = row["prompt"]
-        assert message["role"] == "user"
-        a, b = message["content"].rstrip("=").split("+")
-        assert row["reward_model"]["ground_truth"] == str(int(a) + int(b))
+        for _, row in frame.iterrows():
+            (message,) = row["prompt"]
+            assert message["role"] == "user"
+            a, b, c = map(int, re.fullmatch(r"请问(\d)\+(\d)=(\d+)？", message["content"]).groups())
+            verdict = "是的" if a + b == c else "不是"
+            assert row["reward_model"]["ground_truth"] == f"等于{a + b}，{verdict}！"
         assert list(frame["extra_info"].map(lambda info: info["index"])) == list(range(len(frame)))
     questions = lambda frame: {m[0]["content"] for m in frame["prompt"]}  # noqa: E731
     assert not questions(train) & questions(val), "validation problems must be held out"
-    assert len(train) + len(val) == len(set(arithmetic_problems(AssetSpec())[0] + arithmetic_problems(AssetSpec())[1]))
+    assert len(val) == AssetSpec().val_problems and len(train) == AssetSpec().train_rows
+    right = train["reward_model"].map(lambda r: r["ground_truth"].endswith("是的！"))
+    assert right.mean() == 0.5  # right and wrong prompts alternate
+    assert [p.question() for p in task_problems(AssetSpec())[1]] == [m[0]["content"] for m in val["prompt"]]

@@ -37,6 +37,20 @@ def test_responses_end_at_eos_or_the_length_limit(server_run):
         assert all(lp <= 0.0 for lp in output["log_probs"])
 
 
+def test_a_deterministic_request_samples_the_same_alone_or_batched(server_run):
+    """verl's full_determinism ids (det-<i>): the sample depends on the id, not on its batch or order."""
+    assert server_run["det_batched"] == server_run["det_alone"]
+    assert server_run["det_repeated"] != server_run["det_batched"]  # the next round draws afresh
+    assert server_run["det_other_stream"] != server_run["det_repeated"]
+
+
+def test_samples_follow_the_models_distribution(server_run):
+    """3000 verdicts drawn at one position against the softmax of the model's logits there (4 σ)."""
+    for frequency, probability in zip(server_run["verdict_frequency"], server_run["verdict_probability"], strict=True):
+        assert 0.05 < probability < 0.95  # an undecided position: the check has power
+        assert abs(frequency - probability) < 4 * (probability * (1 - probability) / 3000) ** 0.5
+
+
 def test_greedy_decoding_is_deterministic(server_run):
     assert server_run["greedy_a"] == server_run["greedy_b"]
 

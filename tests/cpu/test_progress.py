@@ -9,7 +9,8 @@ from verl_ext.cpu.progress import follow
 OUTPUT = [
     "2026 INFO worker.py:2029 -- Started a local Ray instance.\n",
     "(TaskRunner pid=1) TaskRunner hostname: vm, PID: 1\n",
-    "(TaskRunner pid=1) step:0 - val-aux/x/score/mean@1:np.float64(0.14) - val-core/x/acc/mean@1:np.float64(0.0)\n",
+    "(TaskRunner pid=1) step:0 - val-aux/x/score/mean@1:np.float64(0.14) - val-core/x/acc/mean@1:np.float64(0.0)"
+    " - val-core/x/acc/best@4/mean:np.float64(0.75) - val-core/x/acc/best@4/std:np.float64(0.05)\n",
     "(TaskRunner pid=1) step:1 - critic/score/mean:0.0375 - critic/values/mean:-0.5 - timing_s/step:0.45\n",
     "(TaskRunner pid=1) Traceback (most recent call last):\n",
     '  File "x.py", line 1\n',
@@ -22,6 +23,6 @@ def test_follow_keeps_everything_and_prints_the_events(tmp_path):
     assert (tmp_path / "train.log").read_text() == "".join(OUTPUT)
     printed = out.getvalue()
     assert "Ray started" in printed and "task runner up (legacy RayPPOTrainer)" in printed
-    assert "[step 0/5] val acc 0.000" in printed
+    assert "[step 0/5] val acc 0.000\n" in printed  # the mean, not verl's best@n bootstrap
     assert "[step 1/5] score 0.0375  value -0.5  step_s 0.45" in printed
     assert printed.endswith('Traceback (most recent call last):\n  File "x.py", line 1\n')

@@ -268,7 +268,9 @@ def test_the_update_moves_ratios_and_clips(finished_run):
     assert np.abs(first["ratio"] - 1).max() < 1e-5  # fp32 on CPU: the policy that produced old_log_prob
     later = actor[(actor.epoch == 1)]
     assert np.abs(later["ratio"] - 1).max() > 0.05
-    assert {"low", "high"} <= set(actor["clip"])
+    # clipping happens; which side depends on the estimator: the warm start's tokens are mostly
+    # near-certain, and a token of probability p cannot reach a ratio above 1/p
+    assert set(actor["clip"]) & {"low", "high", "dual"}
 
 
 def pd_concat(frames):

@@ -10,7 +10,8 @@ touch of verl is a record of :data:`verl_ext.touches.CPU_TOUCHES`.
 Public entry points (import them from their modules):
 
 * :func:`activate`: install the platform, the patches and the ``hf`` rollout in this process;
-* :func:`verl_ext.cpu.assets.build_assets`: the tiny model, tokenizer, prompts (cached);
+* :func:`verl_ext.cpu.assets.build_assets`: the task's warm-started tiny model, tokenizer, prompts (cached);
+* :mod:`verl_ext.cpu.learning`: one learning run of the task (the recipe the demo and the study share);
 * :func:`verl_ext.cpu.overrides.cpu_overrides` / ``cpu_environment`` / ``merge_overrides``: the
   hydra overrides and environment variables of a CPU run;
 * :func:`verl_ext.cpu.in_process.run_in_process`: verl's real ``RayPPOTrainer.fit()`` without Ray,

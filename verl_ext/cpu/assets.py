@@ -2,12 +2,17 @@
 
 ``build_assets()`` writes, once per spec, into a cache directory:
 
-* ``model/``: a randomly initialised ``llama`` model (hidden 64, 2 layers, fixed seed) saved with
-  ``save_pretrained``, next to a character-level tokenizer built with the ``tokenizers`` library.
-  ``llama`` and not ``qwen2``: transformers 5 forces ``Qwen2Tokenizer`` for ``model_type: qwen2``,
-  which breaks a character-level vocabulary; a ``llama`` config round-trips exactly.
-* ``train.parquet`` / ``val.parquet``: "a+b=" prompts in verl's RLHFDataset schema (chat-message
-  ``prompt``, ``reward_model.ground_truth``, ``extra_info.index``); validation problems are held out.
+* ``model/``: the warm-started policy. A ``llama`` model (hidden 128, 2 layers, fixed seed) is
+  initialised at random and fine-tuned for a few hundred steps on the CPU task
+  (:mod:`verl_ext.cpu.warm_start`, ~20 s on one core), then saved with ``save_pretrained`` next to
+  a character-level tokenizer built with the ``tokenizers`` library. The actor, the reference and
+  the critic (with verl's fresh value head) all start from it. ``llama`` and not ``qwen2``:
+  transformers 5 forces ``Qwen2Tokenizer`` for ``model_type: qwen2``, which breaks a
+  character-level vocabulary; a ``llama`` config round-trips exactly.
+* ``warm_start.json``: its settings, final loss, time, and held-out accuracy (greedy and sampled).
+* ``train.parquet`` / ``val.parquet``: "请问a+b=c？" prompts (:mod:`verl_ext.cpu.task`) in verl's
+  RLHFDataset schema (chat-message ``prompt``, ``reward_model.ground_truth`` = the expected answer,
+  ``extra_info.index``); validation problems are held out from the warm start and from RL.
 * the reward function is :mod:`verl_ext.cpu.reward` (a source file verl loads by path).
 
 The build is idempotent and safe to race: a finished build is a directory named after the hash of
@@ -19,28 +24,31 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
+import sys
 import tempfile
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from verl_ext.cpu import reward
+from verl_ext.cpu.task import Problem, balanced_sample, problem_sets
+from verl_ext.cpu.warm_start import WarmStartSettings
 
 #: Bump when the layout or content of the assets changes, so old caches are not reused.
-ASSETS_FORMAT = 1
+ASSETS_FORMAT = 3
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
-#: What the arithmetic task and the seed dialogue ("请问1+1=2？" / "是的，等于2！") need.
-CHARACTERS = "0123456789+-*/=?()., \n" + "请问是的，等于！？"
+#: What the task and the seed dialogue ("请问1+1=2？" / "是的，等于2！") need.
+CHARACTERS = "0123456789+-*/=?()., \n" + "请问是的，等于！？不"
 #: Renders ``<|role|>content`` per message; an assistant turn ends with EOS.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
     "{% if message['role'] == 'assistant' %}" + EOS + "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-DATA_SOURCE = "verl_ext/arithmetic"
+DATA_SOURCE = "verl_ext/sum_check"
 
 
 @dataclass(frozen=True)
@@ -48,11 +56,14 @@ class AssetSpec:
     """Everything that determines the content of the assets (hashed into the cache key)."""
 
     seed: int = 0
-    hidden_size: int = 64
+    hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
-    max_operand: int = 9
-    val_fraction: float = 0.2
+    #: A wrong ``c`` is ``a+b+d`` with ``1 <= |d| <= max_delta``.
+    max_delta: int = 3
+    val_problems: int = 60
+    train_rows: int = 2048
+    warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
     format: int = ASSETS_FORMAT
 
     def key(self) -> str:
@@ -68,6 +79,7 @@ class CpuAssets:
     train_file: Path
     val_file: Path
     reward_file: Path
+    warm_start_report: Path
     reward_name: str = "compute_score"
 
 
@@ -85,8 +97,8 @@ def build_assets(cache_dir: str | os.PathLike | None = None, spec: AssetSpec = A
         staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
         staging.chmod(0o755)  # mkdtemp makes it private; the published assets are plain files
         try:
-            _write_model_and_tokenizer(staging / "model", spec)
-            _write_prompts(staging, spec)
+            train, val = _write_prompts(staging, spec)
+            _write_model_and_tokenizer(staging, spec, train, val)
             (staging / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
             try:
                 staging.rename(target)
@@ -105,7 +117,13 @@ def _paths(target: Path) -> CpuAssets:
         train_file=target / "train.parquet",
         val_file=target / "val.parquet",
         reward_file=Path(reward.__file__).resolve(),
+        warm_start_report=target / "warm_start.json",
     )
+
+
+def token_id(character: str) -> int:
+    """The id of one character in the tokenizer :func:`build_tokenizer` builds."""
+    return len((PAD, UNK, BOS, EOS, *ROLE_TOKENS)) + CHARACTERS.index(character)
 
 
 def build_tokenizer():
@@ -126,9 +144,11 @@ def build_tokenizer():
     return tokenizer
 
 
-def _write_model_and_tokenizer(model_dir: Path, spec: AssetSpec) -> None:
+def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Problem], val: list[Problem]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verl_ext.cpu.warm_start import evaluate, supervised_fine_tune
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
@@ -146,33 +166,48 @@ def _write_model_and_tokenizer(model_dir: Path, spec: AssetSpec) -> None:
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    settings = spec.warm_start
+    print(f"[verl-ext] building the CPU assets: warm start, {settings.steps} supervised steps (~20 s) ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    loss = supervised_fine_tune(model, tokenizer, train, settings, seed=spec.seed)
+    seconds = time.monotonic() - started
+    greedy = evaluate(model, tokenizer, val, greedy=True)
+    sampled = evaluate(model, tokenizer, val, samples=8, greedy=False, seed=spec.seed)
+    model.save_pretrained(directory / "model")
+    tokenizer.save_pretrained(directory / "model")
+    report = {"settings": asdict(settings), "final_loss": loss, "seconds": round(seconds, 1),
+              "held_out_greedy": asdict(greedy), "held_out_sampled": asdict(sampled)}  # fmt: skip
+    (directory / "warm_start.json").write_text(json.dumps(report, indent=2))
+    print(
+        f"[verl-ext] warm start done in {seconds:.0f} s; held-out greedy: sum {greedy.sum:.2f}, verdict "
+        f"{greedy.verdict:.2f}; sampled: verdict {sampled.verdict:.2f}, fully right {sampled.acc:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
-def arithmetic_problems(spec: AssetSpec) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """All ``a+b`` with operands in [0, max_operand], shuffled with the spec's seed and split train/val."""
-    problems = [(a, b) for a in range(spec.max_operand + 1) for b in range(spec.max_operand + 1)]
-    random.Random(spec.seed).shuffle(problems)
-    n_val = max(1, round(len(problems) * spec.val_fraction))
-    return problems[n_val:], problems[:n_val]
-
-
-def prompt_row(a: int, b: int, split: str, index: int) -> dict:
-    """One row in verl's RLHFDataset schema."""
+def prompt_row(problem: Problem, split: str, index: int) -> dict:
+    """One row in verl's RLHFDataset schema, and nothing more: verl carries every column through
+    every step as per-response Python objects."""
     return {
         "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-        "ability": "arithmetic",
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+        "prompt": [{"role": "user", "content": problem.question()}],
+        "reward_model": {"style": "rule", "ground_truth": problem.answer()},
+        "extra_info": {"split": split, "index": index},
     }
 
 
-def _write_prompts(directory: Path, spec: AssetSpec) -> None:
+def task_problems(spec: AssetSpec) -> tuple[list[Problem], list[Problem]]:
+    """The training rows (right and wrong alternating) and the held-out validation problems."""
+    sets = problem_sets(spec.seed, spec.max_delta, spec.val_problems)
+    return balanced_sample(sets, spec.train_rows, spec.seed), sets.val
+
+
+def _write_prompts(directory: Path, spec: AssetSpec) -> tuple[list[Problem], list[Problem]]:
     import pandas as pd
 
-    train, val = arithmetic_problems(spec)
+    train, val = task_problems(spec)
     for split, problems in (("train", train), ("val", val)):
-        rows = [prompt_row(a, b, split, index) for index, (a, b) in enumerate(problems)]
+        rows = [prompt_row(problem, split, index) for index, problem in enumerate(problems)]
         pd.DataFrame(rows).to_parquet(directory / f"{split}.parquet")
+    return train, val

@@ -1,10 +1,14 @@
-"""``make demo`` (``verl-ext demo``): verl's real PPO trainer on CPU, traced, then inspected.
+"""``make demo`` (``verl-ext demo``): verl's real PPO trainer learns the CPU task, traced, then inspected.
 
-Runs ``python -m verl.trainer.main_ppo`` on Ray with verl-ext's CPU backend and config: a tiny
-random llama learning "a+b=" prompts (built locally, nothing downloaded), ``algorithm.adv_estimator
-=mc`` with the critic switched on by the plugin, KL in the reward, the per-token trace on. Then it
-checks the trace against the definitions, prints one response's per-token table, the per-step
-summary and the validation score before and after training, and draws the plots.
+1. The task and the warm start (:mod:`verl_ext.cpu.task`, :mod:`verl_ext.cpu.warm_start`): built
+   once and cached, nothing downloaded.
+2. Training: ``algorithm.adv_estimator=mc`` (the critic switched on by the plugin) with the recipe
+   of :mod:`verl_ext.cpu.learning`, verl's ``RayPPOTrainer.fit()`` in a child process without Ray,
+   the per-token trace on. verl validates on the held-out prompts before and after.
+3. The trace checked against the definitions.
+4. Where the credit lands, step by step (:mod:`verl_ext.cpu.credit`), and one response token by
+   token with its verdict token's advantage.
+5. Held-out accuracy before and after (verl's validation), and the plots.
 
 Exit code: the trainer's when it fails, else ``verl-ext check``'s (0 when every identity holds).
 """
@@ -13,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from verl_ext.errors import UsageError
 
 def run_demo(args: argparse.Namespace) -> int:
     from verl_ext import cli
@@ -27,91 +29,127 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     output = args.output_dir.resolve()
     trace_dir = output / "trace"
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        (output / ".write-probe").touch()
-        (output / ".write-probe").unlink()
-    except OSError as error:
-        raise UsageError(f"cannot write the demo's outputs to {args.output_dir}: {error.strerror or error}") from None
 
-    _say(f"1/4 training: {args.steps} PPO steps of `{args.estimator}` on CPU with verl's real trainer (Ray)")
-    status = _train(args, output, trace_dir)
+    _say("1/5 the task and the warm-started policy")
+    _describe_task()
+
+    _say(f"2/5 training: {args.steps} PPO steps of `{args.estimator}` with verl's real trainer (in process, CPU)")
+    status = _train(args, output)
     if status != 0:
         print(f"\n[demo] the trainer failed (exit {status}); its full output is in {output / 'train.log'}")
         return status
 
-    _say("2/4 checking the trace against the definitions (docs/definitions.md §8)")
+    _say("3/5 checking the trace against the definitions (docs/definitions.md §8)")
     checked = cli.main(["check", str(trace_dir), "--quiet"])
-    last_step = _last_step(trace_dir)
-    _say(f"3/4 one response of step {last_step}, token by token")
-    cli.main(["show", str(trace_dir), "--step", str(last_step), "--sample", str(args.sample)])
+
+    _say("4/5 where the credit lands: mean |advantage| at the verdict token against the rest")
+    last_step = _print_credit(trace_dir)
+    sample = args.sample if args.sample is not None else _interesting_sample(trace_dir, last_step)
     print()
-    cli.main(["summary", str(trace_dir)])
+    cli.main(["show", str(trace_dir), "--step", str(last_step), "--sample", str(sample)])
+    _explain_verdict(trace_dir, last_step, sample, args.estimator)
     _print_validation(output)
 
-    _say("4/4 plots")
-    cli.main(["plot", str(trace_dir), "--out", str(output / "plots")])
+    _say("5/5 plots")
+    cli.main(["plot", str(trace_dir), "--out", str(output / "plots"), "--sample", str(sample)])
 
     print(f"\n[demo] done in {time.monotonic() - started:.0f} s. Outputs in {output}:")
-    print(f"  trace/          the per-token trace (verl-ext check|show|summary|plot {trace_dir})")
-    print("  plots/          value, return and advantage curves, heatmap of one response")
+    print(f"  trace/          the per-token trace (verl-ext check|show|summary|plot|compare {trace_dir})")
+    print("  plots/          value, return and advantage curves, heatmaps, the PPO picture")
     print("  train.log       verl's full output;  metrics.jsonl  verl's metrics, one line per step")
     return checked
 
 
-def _train(args: argparse.Namespace, output: Path, trace_dir: Path) -> int:
+def _describe_task() -> None:
     from verl_ext.cpu.assets import build_assets
-    from verl_ext.cpu.overrides import METRICS_FILE, cpu_environment, cpu_overrides, merge_overrides
+    from verl_ext.cpu.task import Problem
+
+    assets = build_assets()
+    report = json.loads(assets.warm_start_report.read_text())
+    right, wrong = Problem(2, 3, 5), Problem(2, 3, 6)
+    print(f"  task: {right.question()} -> {right.answer()}    {wrong.question()} -> {wrong.answer()}")
+    print("  reward on the last token: 1.0 fully right; else 0.2 for the right sum + 0.2 for the right verdict")
+    greedy, sampled = report["held_out_greedy"], report["held_out_sampled"]
+    print(
+        f"  warm start ({report['settings']['steps']} supervised steps, verdict prior "
+        f"{report['settings']['verdict_prior']}): held-out sum right {greedy['sum']:.2f} (greedy); "
+        f"verdict right {sampled['verdict']:.2f} sampled, {greedy['verdict']:.2f} greedy"
+    )
+
+
+def _train(args: argparse.Namespace, output: Path) -> int:
     from verl_ext.cpu.progress import follow
 
-    overrides = merge_overrides(
-        cpu_overrides(build_assets(), output, steps=args.steps, estimator=args.estimator, use_v1=args.v1),
-        [
-            "algorithm.use_kl_in_reward=True",
-            "algorithm.kl_ctrl.kl_coef=0.01",
-            f"trainer.test_freq={args.steps}",  # validation before training and after the last step
-            f"verl_ext.trace.dir={trace_dir}",
-        ],
-        args.overrides,
-    )
-    configs = Path(__file__).resolve().parents[1] / "configs"
     command = [
-        sys.executable, "-m", "verl.trainer.main_ppo",
-        f"--config-path={configs}", "--config-name=verl_ext_trainer", *overrides,
+        sys.executable, "-m", "verl_ext.cpu.learning", str(output),
+        "--estimator", args.estimator, "--seed", str(args.seed), "--steps", str(args.steps),
+        "--test-freq", str(args.steps), "--trace", "--", *args.overrides,
     ]  # fmt: skip
-    env = {**os.environ, **cpu_environment(output)}
-    (output / METRICS_FILE).unlink(missing_ok=True)
-    with subprocess.Popen(
-        command, cwd=output, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as trainer:
-        follow(trainer.stdout, output / "train.log", args.steps)
+    with subprocess.Popen(command, cwd=output, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trainer:
+        follow(trainer.stdout, output / "train.log", args.steps, every=10)
     return trainer.returncode
 
 
-def _last_step(trace_dir: Path) -> int:
+def _print_credit(trace_dir: Path) -> int:
+    from verl_ext.cpu.credit import verdict_credit
     from verl_ext.trace.reader import open_trace
 
-    return open_trace(str(trace_dir)).steps[-1]
+    trace = open_trace(str(trace_dir))
+    for step in trace.steps:
+        print("  " + verdict_credit(trace, step).line())
+    return trace.steps[-1]
+
+
+def _interesting_sample(trace_dir: Path, step: int) -> int:
+    """A response of ``step`` with the wrong verdict (its advantage shows the push back), else 0."""
+    from verl_ext.cpu.credit import verdict_positions
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(trace_dir))
+    scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()
+    verdicts = verdict_positions(trace, step)
+    wrong = [sample for sample, score in scores.items() if sample in verdicts and score < 1.0]
+    return int(wrong[0]) if wrong else 0
+
+
+def _explain_verdict(trace_dir: Path, step: int, sample: int, estimator: str) -> None:
+    from verl_ext.cpu.credit import verdict_positions
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(trace_dir))
+    index = verdict_positions(trace, step).get(sample)
+    if index is None:
+        print("(this response has no verdict token)")
+        return
+    table = trace.read_step(step, ["sample", "token_index", "advantage", "value", "score"]).to_pandas()
+    rows = table[table["sample"] == sample].set_index("token_index")
+    score = rows["score"].sum()
+    print(
+        f"\nThe verdict is token {index}: advantage {rows.at[index, 'advantage']:+.3f} (whitened; value before it "
+        f"{rows.at[index, 'value']:.3f}, score {score:.1f})."
+        + (
+            " mc gives every token return − value; the tokens before the verdict were near-certain, so the "
+            "verdict's log-probability is what the update moves."
+            if estimator == "mc"
+            else ""
+        )
+    )
 
 
 def _print_validation(output: Path) -> None:
-    """Held-out accuracy and score before training (step 0) and after the last step (verl's metrics)."""
+    """Held-out accuracy before training (step 0) and after the last step (verl's validation metrics)."""
+    from verl_ext.cpu.learning import validation_accuracy
     from verl_ext.cpu.overrides import METRICS_FILE
 
-    metrics = output / METRICS_FILE
-    by_step: dict[int, dict[str, float]] = {}
-    for line in (metrics.read_text().splitlines() if metrics.exists() else []):
-        record = json.loads(line)
-        for key, value in record["data"].items():
-            if key.startswith("val-") and key.endswith(("/acc/mean@1", "/score/mean@1")):
-                by_step.setdefault(record["step"], {})[key.split("/")[-2]] = value
+    by_step = validation_accuracy(output / METRICS_FILE)
     if len(by_step) >= 2:
         first, last = min(by_step), max(by_step)
-        for name in sorted(by_step[first].keys() & by_step[last].keys()):
-            print(f"held-out {name:5s}: {by_step[first][name]:.3f} before training, {by_step[last][name]:.3f} after step {last}")
+        print(
+            f"\nheld-out accuracy (verl's validation, 60 prompts x 8 samples at temperature 1): "
+            f"{by_step[first]:.3f} before training, {by_step[last]:.3f} after step {last} "
+            f"({100 * (by_step[last] - by_step[first]):+.1f} points)"
+        )
 
 
 def _say(message: str) -> None:
     print(f"\n[demo] {message}", flush=True)
-
-

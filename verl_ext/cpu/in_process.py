@@ -233,6 +233,20 @@ class InProcessPPOTrainer(RayPPOTrainer):
         self.checkpoint_manager = InProcessWeightSync(self.actor_rollout_wg, self.llm_server_manager.get_replicas())
         self.checkpoint_manager.sleep_replicas()
 
+    def _validate(self, *args, **kwargs):
+        """verl's validation, its rollouts sampled from their own random streams (see
+        ``HFGenerationServer.use_stream``): how often a run validates does not change its training."""
+        self._use_stream("validation")
+        try:
+            return super()._validate(*args, **kwargs)
+        finally:
+            self._use_stream("training")
+
+    def _use_stream(self, name: str) -> None:
+        for replica in self.llm_server_manager.get_replicas():
+            for server in replica.servers:
+                server.use_stream.remote(name).result()
+
     # The step hook: _update_critic runs right after compute_advantage when there is a critic,
     # _update_actor otherwise; whichever comes first in a step reports the batch.
     def _update_critic(self, batch: DataProto) -> DataProto:

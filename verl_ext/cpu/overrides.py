@@ -22,7 +22,7 @@ from verl_ext.cpu.assets import CpuAssets, build_assets
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-#: Prompts are "<|user|>a+b=<|assistant|>" (6 tokens with one-digit operands).
+#: Prompts are "<|user|>请问a+b=c？<|assistant|>" (at most 11 tokens).
 PROMPT_LENGTH = 16
 METRICS_FILE = "metrics.jsonl"
 
@@ -49,12 +49,13 @@ def cpu_overrides(
     use_v1: bool = False,
     use_ray: bool = True,
     ray_address: str | None = None,
+    seed: int = 0,
 ) -> list[str]:
     """Overrides for ``steps`` PPO steps of ``estimator`` on CPU; checkpoints go under ``output_dir``.
 
     ``use_ray=False`` leaves out the Ray-only settings (the in-process runner starts no Ray).
     ``ray_address``: join that running Ray cluster (its nodes declare their own CPUs and logical
-    GPUs) instead of starting a local one.
+    GPUs) instead of starting a local one. ``seed``: the data order and the rollout's sampling.
     Adjust the result with :func:`merge_overrides` (hydra rejects a key given twice).
     """
     output = Path(output_dir).resolve()
@@ -68,7 +69,7 @@ def cpu_overrides(
         f"data.max_prompt_length={PROMPT_LENGTH}",
         f"data.max_response_length={response_length}",
         "data.dataloader_num_workers=0",  # no loader subprocesses on a 2-core machine
-        "data.seed=0",
+        f"data.seed={seed}",
         # model: the tiny llama; sdpa attention (verl's default, flash_attention_2, needs CUDA)
         f"actor_rollout_ref.model.path={assets.model_dir}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -83,13 +84,16 @@ def cpu_overrides(
         f"actor_rollout_ref.actor.ppo_mini_batch_size={train_batch_size}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro_batch}",
-        "actor_rollout_ref.actor.optim.lr=1e-3",  # a random 87k-parameter model: a large step is fine
+        "actor_rollout_ref.actor.optim.lr=3e-4",
         # rollout: the HF-generate backend (verl_ext.cpu.rollout), one replica, one agent-loop worker
         f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}",
         f"actor_rollout_ref.rollout.n={rollout_n}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_batch}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
+        # request ids det-<index>: the hf rollout then samples each from a stream seeded by the id
+        "actor_rollout_ref.rollout.full_determinism=True",
+        f"actor_rollout_ref.rollout.seed={seed}",
         # critic: the same tiny model with a value head, the same CPU settings
         f"critic.model.path={assets.model_dir}",
         "+critic.model.override_config.attn_implementation=sdpa",

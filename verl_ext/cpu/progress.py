@@ -40,7 +40,8 @@ _SHOWN = {  # metric -> label, in display order
 
 def summarize_step(step: int, metrics: dict[str, float], total: int | None) -> str | None:
     """One line for a step's metrics, or None if the line holds none worth showing."""
-    validation = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
+    # verl's val-core/<data_source>/<metric>/mean@<n> (its best@n / worst@n bootstraps are left out)
+    validation = {k: v for k, v in metrics.items() if k.startswith("val-core/") and k.split("/")[-1].startswith("mean@")}
     shown = [f"{label} {metrics[key]:.4g}" for key, label in _SHOWN.items() if key in metrics]
     shown += [f"val {key.split('/')[-2]} {value:.3f}" for key, value in validation.items()]
     if not shown:
@@ -49,8 +50,11 @@ def summarize_step(step: int, metrics: dict[str, float], total: int | None) -> s
     return f"[{where}] " + "  ".join(shown)
 
 
-def follow(lines: Iterable[str], log_file: str | os.PathLike, steps: int | None = None, out: TextIO = sys.stdout):
-    """Copy ``lines`` (a trainer's output) to ``log_file``; print the progress lines to ``out``."""
+def follow(
+    lines: Iterable[str], log_file: str | os.PathLike, steps: int | None = None, out: TextIO = sys.stdout, every: int = 1
+):
+    """Copy ``lines`` (a trainer's output) to ``log_file``; print the progress lines to ``out``:
+    the step lines of every ``every``-th step, the first and last step and validation steps."""
     started, in_traceback, seen_phases = time.monotonic(), False, set()
     with open(log_file, "w") as log:
         for line in lines:
@@ -68,8 +72,10 @@ def follow(lines: Iterable[str], log_file: str | os.PathLike, steps: int | None 
                     print(f"{elapsed}  {phase}", file=out, flush=True)
             match = _STEP.search(line)
             if match:
+                step = int(match.group(1))
                 metrics = {key: float(value) for key, value in _METRIC.findall(match.group(2))}
-                summary = summarize_step(int(match.group(1)), metrics, steps)
+                shown = step % every == 0 or step in (1, steps) or any(k.startswith("val-core/") for k in metrics)
+                summary = summarize_step(step, metrics, steps) if shown else None
                 if summary:
                     print(f"{elapsed}  {summary}", file=out, flush=True)
 

@@ -1,51 +1,25 @@
-"""Rule-based reward for the generated arithmetic prompts ("a+b=").
+"""The reward verl calls for the CPU task (:mod:`verl_ext.cpu.task`): "请问a+b=c？" -> "等于<a+b>，是的！|不是！".
 
-verl calls this as its custom reward function (``reward.custom_reward_function.path`` pointing at
-this file, ``name=compute_score``). verl itself puts the returned score on the last valid response
-token (``AgentLoopWorker._postprocess``: ``rm_scores[i, valid_length - 1] = score``), so
+verl loads this file by path as its custom reward function (``reward.custom_reward_function.path``,
+``name=compute_score``) and puts the returned score on the last valid response token
+(``AgentLoopWorker._postprocess``: ``rm_scores[i, valid_length - 1] = score``), so
 ``token_level_scores`` is zero everywhere except that token.
 
-Score (documented, so a random model still produces non-trivial ``token_level_scores``):
-
-* 1.0 when the response starts with the correct integer (leading spaces allowed; the number ends at
-  the first non-digit, e.g. ``"8</s>"`` or ``"8=..."``);
-* otherwise, when the response starts with an integer at all:
-  ``0.1 + 0.4 * (leading digits that match the answer's digits position by position) / len(answer)``,
-  i.e. a value in [0.1, 0.5] (0.5: every digit right, but too many of them, e.g. "81" for 8);
-* 0.0 when the response does not start with a digit.
+Score (:func:`verl_ext.cpu.task.score_response`): 1.0 for exactly the expected answer; otherwise
+0.2 for the right "等于<sum>，" plus 0.2 for the right verdict (at most 0.4).
 """
 
 from __future__ import annotations
 
-import re
-
-_LEADING_INTEGER = re.compile(r"\s*(\d+)")
-
-CORRECT = 1.0
-FORMAT_CREDIT = 0.1
-DIGIT_CREDIT = 0.4
-
-
-def arithmetic_score(response: str, answer: str) -> float:
-    """The score of one response against the expected answer (a non-negative integer as text)."""
-    match = _LEADING_INTEGER.match(response)
-    if match is None:
-        return 0.0
-    produced = match.group(1)
-    if produced == answer:
-        return CORRECT
-    matched = 0
-    for got, want in zip(produced, answer):
-        if got != want:
-            break
-        matched += 1
-    return FORMAT_CREDIT + DIGIT_CREDIT * matched / len(answer)
+from verl_ext.cpu.task import score_response
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
     """verl's custom-reward-function signature (``NaiveRewardManager.run_single``).
 
-    Returns a dict so verl logs ``acc`` (exact correctness) next to ``score`` in its metrics.
+    Returns a dict, so verl logs ``acc`` (fully right) next to ``score``; in validation
+    ``val-core/<data_source>/acc/mean@<n>``. Nothing more: verl carries every entry per response
+    through the whole step and bootstraps each in validation, which costs seconds on a CPU.
     """
-    score = arithmetic_score(solution_str, str(ground_truth))
-    return {"score": score, "acc": float(score == CORRECT)}
+    scored = score_response(solution_str, str(ground_truth))
+    return {"score": scored.score, "acc": scored.acc}

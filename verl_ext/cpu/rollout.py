@@ -7,7 +7,11 @@ This backend plugs into the same two registries they use, under the name ``hf``
 * ``HFGenerationServer``: the token-in/token-out server verl's ``LLMServerClient`` calls
   (``generate(request_id, prompt_ids, sampling_params) -> TokenOutput``). It batches the requests
   that arrive together into one ``generate`` call and reports the weights version in
-  ``extra_fields["global_steps"]``, which verl's V1 trainer requires.
+  ``extra_fields["global_steps"]``, which verl's V1 trainer requires. Each request samples from its
+  own random stream, so what it gets does not depend on which requests share its batch; under
+  verl's ``rollout.full_determinism=True`` (request ids ``det-<index>``) the stream is a function
+  of the rollout seed, the request id, the weights version and the round's name alone ("training",
+  or "validation" when the in-process trainer says so), and a run is reproducible.
 * ``HFReplica`` (``RolloutReplicaRegistry``): starts one server per replica; on Ray a named actor.
 * ``HFServerAdapter`` (``_ROLLOUT_REGISTRY``): the rollout object inside verl's hybrid
   ``ActorRolloutRefWorker``; it forwards the trainer's weights to its replica's server.
@@ -19,6 +23,7 @@ registers a local server handle with :func:`register_local_server`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -102,13 +107,14 @@ class HFGenerationServer:
         self.max_model_len = rollout_config.max_model_len or (
             rollout_config.prompt_length + rollout_config.response_length
         )
-        # A private RNG stream: sampling neither consumes nor resets the process' global torch RNG,
-        # which the in-process runner shares with training.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rollout_config.seed + replica_rank)
-            self._rng_state = torch.get_rng_state()
+        # Private random streams: sampling never touches the process' global torch RNG, which the
+        # in-process runner shares with training.
+        self._seed = rollout_config.seed + replica_rank
+        self._generator = torch.Generator().manual_seed(self._seed)
+        self._stream = "training"
+        self._repeats: dict[str, int] = {}  # seed/stream/version/request id -> times seen
         self.global_steps: int | None = None
-        self._pending: list[tuple[list[int], _Sampling, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], _Sampling, int, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
 
     # ---- token-in, token-out generation (called by verl's LLMServerClient) ----
@@ -120,7 +126,8 @@ class HFGenerationServer:
         if room < 1:
             raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room within {self.max_model_len}")
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((list(prompt_ids), _Sampling.from_request(sampling_params, room), future))
+        sampling = _Sampling.from_request(sampling_params, room)
+        self._pending.append((list(prompt_ids), sampling, self._request_seed(request_id), future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         token_ids, log_probs = await future
@@ -141,48 +148,56 @@ class HFGenerationServer:
                 break
         while self._pending:
             batch, self._pending = self._pending, []
-            groups: dict[_Sampling, list[tuple[list[int], asyncio.Future]]] = {}
-            for prompt, sampling, future in batch:
-                groups.setdefault(sampling, []).append((prompt, future))
+            groups: dict[_Sampling, list[tuple[list[int], int, asyncio.Future]]] = {}
+            for prompt, sampling, seed, future in batch:
+                groups.setdefault(sampling, []).append((prompt, seed, future))
             for sampling, requests in groups.items():
                 try:
-                    results = self._generate_batch([prompt for prompt, _ in requests], sampling)
+                    results = self._generate_batch([p for p, _, _ in requests], sampling, [s for _, s, _ in requests])
                 except Exception as exc:  # fail the waiting requests, not the server
-                    for _, future in requests:
+                    for _, _, future in requests:
                         if not future.done():
                             future.set_exception(exc)
                     continue
-                for (_, future), result in zip(requests, results, strict=True):
+                for (_, _, future), result in zip(requests, results, strict=True):
                     if not future.done():  # a request cancelled by its caller
                         future.set_result(result)
 
+    def use_stream(self, name: str) -> None:
+        """Name the rounds that follow ("training", "validation"); a deterministic request's stream
+        depends on the name, so validating does not change what training samples."""
+        self._stream = name
+
+    def _request_seed(self, request_id: str) -> int:
+        """The seed of a request's random stream. For a deterministic id (``det-<index>``, repeated
+        every round): from the rollout seed, the stream name, the weights version, the id and how
+        often that combination was seen before; else drawn from the server's private stream."""
+        if not str(request_id).startswith("det-"):
+            return int(torch.randint(2**62, (1,), generator=self._generator))
+        key = f"{self._seed}/{self._stream}/{self.global_steps}/{request_id}"
+        repeat = self._repeats[key] = self._repeats.get(key, -1) + 1
+        digest = hashlib.sha256(f"{key}/{repeat}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 2
+
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], sampling: _Sampling):
+    def _generate_batch(self, prompts: list[list[int]], sampling: _Sampling, seeds: list[int]):
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding, as decoder-only generation requires
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
-        kwargs: dict[str, Any] = {"do_sample": False} if sampling.greedy else {
-            "do_sample": True,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k > 0 else 0,
-        }
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(self._rng_state)
-            output = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=sampling.max_new_tokens,
-                eos_token_id=self.eos_token_id,
-                pad_token_id=self.pad_token_id,
-                return_dict_in_generate=True,
-                output_logits=sampling.logprobs,
-                **kwargs,
-            )
-            self._rng_state = torch.get_rng_state()
+        output = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=sampling.logprobs,
+            do_sample=False,  # greedy over the processed scores: with Gumbel noise added, an exact sample
+            logits_processor=None if sampling.greedy else [_PerRowSampling(sampling, seeds)],
+        )
         generated = output.sequences[:, width:]
         if sampling.logprobs:
             logits = torch.stack(output.logits, dim=1).float() / (sampling.temperature or 1.0)
@@ -231,6 +246,32 @@ class HFGenerationServer:
 
     async def stop_profile(self) -> None:
         pass
+
+
+class _PerRowSampling:
+    """A logits processor that turns greedy decoding into sampling, one random stream per row.
+
+    Gumbel-max: argmax(log softmax(z) + g) with g ~ Gumbel(0, 1) i.i.d. is a sample of softmax(z).
+    Each row's noise comes from its own generator, so its sample depends on its seed alone.
+    ``z`` is the scores divided by the temperature, then top-k / top-p filtered (HF's warpers).
+    """
+
+    def __init__(self, sampling: _Sampling, seeds: list[int]):
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.warpers = [TemperatureLogitsWarper(sampling.temperature)]
+        if sampling.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
+        return torch.log_softmax(scores.double(), dim=-1) + gumbel
 
 
 def _length_through_eos(tokens: list[int], eos_token_id) -> int:

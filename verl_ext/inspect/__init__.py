@@ -7,12 +7,14 @@
     report = check_trace(trace)                    # CheckReport: .passed, report["returns"], .to_arrow()
     sample_view(trace, 3, 0).table.to_pandas()     # the per-token table with decoded tokens
     summarize(trace).to_pandas()                   # one row per step
+    compare(trace, step=3).statistics.to_pandas()  # every estimator re-estimated on step 3
     plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
 
 Every function takes an open trace or a path. Modules: ``stepdata`` (a step as arrays, and what the
 run record says about its estimator); ``check`` (the identities of docs/definitions.md §8, their
 recomputation and tolerances, the report as data); ``table`` (the per-token table, decoded tokens);
-``summary`` (one row per step); ``plots``; ``render`` (text, CSV, Markdown, the check report,
+``summary`` (one row per step); ``update`` (the update tables' identities and statistics);
+``comparison`` (the estimators side by side on one step); ``plots``; ``render`` (text, CSV, Markdown, the check report,
 progress lines). The commands are in :mod:`verl_ext.cli`.
 """
 
@@ -36,6 +38,8 @@ _EXPORTS = {
     "summarize": "verl_ext.inspect.summary",
     "TokenDecoder": "verl_ext.inspect.table",
     "render": "verl_ext.inspect.render",
+    "compare": "verl_ext.inspect.comparison",
+    "Comparison": "verl_ext.inspect.comparison",
 }
 __all__ = [*_EXPORTS, "plots"]
 

@@ -49,9 +49,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import torch
 
-from verl_ext import registry
 from verl_ext.inspect import update
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace, step_beta
 from verl_ext.torch_threads import one_torch_thread
@@ -286,18 +284,7 @@ def recompute(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
 def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
     layout = data.layout
     reward, value = data.columns["reward"], data.columns["value"]
-    returns, raw = np.empty(data.tokens), np.empty(data.tokens)
-    for group in layout.row_groups():
-        result = registry.run(
-            algorithm.estimator,
-            torch.from_numpy(group.dense(reward)),
-            None if value is None else torch.from_numpy(group.dense(value)),
-            torch.from_numpy(group.mask()),
-            algorithm.settings,
-            whiten=False,
-        )
-        returns[group.tokens] = group.gather(result.returns.numpy())
-        raw[group.tokens] = group.gather(result.advantage_raw.numpy())
+    returns, raw = data.estimate(algorithm.estimator, algorithm.settings)
     # tolerances: the largest magnitude in each row (inputs and outputs) and the terms summed per row
     magnitude = np.maximum(np.abs(returns), np.abs(raw))
     for column in (reward, value):

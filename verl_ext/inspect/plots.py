@@ -11,6 +11,7 @@ notebook (a returned Figure displays itself) and in ``verl-ext plot`` (Agg, save
   PPO's clip regions drawn in: the PPO picture (needs update tables)
 * :func:`logprob_change`: log_prob − old_log_prob along one response, per PPO epoch, under its
   advantages (needs update tables)
+* :func:`comparison_figure`: the estimators side by side on one step (``verl-ext compare``)
 
 A figure that draws token text says so in a footnote when a character had to be shown as a code
 point, and warns (``FontFallbackWarning``, a :class:`PlotNote`).
@@ -301,6 +302,42 @@ def logprob_change(trace, step: int | None = None, sample: int = 0) -> Figure:
     for axis in (top, bottom):
         axis.grid(alpha=0.3)
     fig.suptitle(f"Step {step}, sample {sample}: how the update moved each token's log-prob")
+    return fig
+
+
+def comparison_figure(comparison) -> Figure:
+    """The estimators of a :class:`verl_ext.inspect.comparison.Comparison`: where each puts the credit
+    (share of Σ|A| per position), how much its advantages vary (over the batch, and within a
+    prompt's group), and how the estimators correlate."""
+    labels = list(comparison.labels)
+    shares = comparison.shares.to_pydict()
+    stats = comparison.statistics.to_pydict()
+    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    left, middle, right = fig.subplots(1, 3, width_ratios=[2.2, 1.3, 1.3])
+    for label in labels:
+        left.plot(shares["token_index"], shares[label], marker="o", markersize=3, label=label)
+    left.set_xlabel("token position t")
+    left.set_ylabel("share of the step's Σ|A|")
+    left.legend(loc="best", frameon=False, fontsize=8)
+    left.grid(alpha=0.3)
+    x = np.arange(len(labels))
+    batch = [np.nan if v is None else v for v in stats["var_batch"]]
+    within = [np.nan if v is None else v for v in stats["var_within_group"]]
+    middle.bar(x - 0.2, batch, width=0.4, label="over the batch", color=VALUE_COLOR)
+    middle.bar(x + 0.2, within, width=0.4, label="within a prompt's group", color=RETURN_COLOR)
+    middle.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+    middle.set_ylabel("variance of the raw advantage")
+    middle.legend(loc="best", frameon=False, fontsize=8)
+    middle.grid(alpha=0.3, axis="y")
+    matrix = np.array([comparison.correlation.column(label).to_numpy() for label in labels])
+    image = right.imshow(matrix, cmap="RdBu", vmin=-1, vmax=1)
+    right.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+    right.set_yticks(x, labels, fontsize=8)
+    for i in range(len(labels)):
+        for j in range(len(labels)):
+            right.text(j, i, f"{matrix[i, j]:.2f}", ha="center", va="center", fontsize=6.5)
+    fig.colorbar(image, ax=right, shrink=0.8, label="correlation over valid tokens")
+    fig.suptitle(f"Step {comparison.step}: the estimators re-estimated from the step's rewards and values")
     return fig
 
 

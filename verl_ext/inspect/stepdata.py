@@ -165,6 +165,29 @@ class StepData:
         """Number of valid tokens."""
         return len(self.layout.valid_rows)
 
+    def estimate(self, estimator, settings: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(returns, raw advantage) at the valid tokens, recomputed from this step's reward and value
+        with a registered estimator (verl_ext.registry.run, the code path of training), in float64,
+        one dense row group at a time."""
+        import torch
+
+        from verl_ext import registry
+
+        reward, value = self.columns["reward"], self.columns.get("value")
+        returns, raw = np.empty(self.tokens), np.empty(self.tokens)
+        for group in self.layout.row_groups():
+            result = registry.run(
+                estimator,
+                torch.from_numpy(group.dense(reward)),
+                None if value is None else torch.from_numpy(group.dense(value)),
+                torch.from_numpy(group.mask()),
+                settings,
+                whiten=False,
+            )
+            returns[group.tokens] = group.gather(result.returns.numpy())
+            raw[group.tokens] = group.gather(result.advantage_raw.numpy())
+        return returns, raw
+
     def location(self, valid_token: int) -> tuple[int, int]:
         """(sample, token_index) of a valid token."""
         return self.row_location(int(self.layout.valid_rows[valid_token]))

@@ -1,0 +1,88 @@
+"""``verl-ext study``: a tiny study (two estimators, one seed, two steps) writes well-formed outputs and
+reuses its finished runs; every bad input is refused with one line and exit 2, before any training."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verl_ext.cpu.study import COLUMNS
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory, cpu_env):
+    out = tmp_path_factory.mktemp("study")
+    command = [sys.executable, "-m", "verl_ext.cli", "study", "--estimators", "mc,grpo", "--seeds", "1",
+               "--steps", "2", "--test-freq", "1", "--out", str(out)]  # fmt: skip
+    first = subprocess.run(command, env=cpu_env(out), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    again = subprocess.run(command, env=cpu_env(out), capture_output=True, text=True, timeout=600)
+    return out, first.stdout, again.stdout
+
+
+def test_results_csv_has_a_row_per_estimator_seed_and_step(study):
+    out, _, _ = study
+    with open(out / "results.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert tuple(rows[0]) == COLUMNS
+    assert [(r["estimator"], r["seed"], r["step"]) for r in rows] == [
+        (e, "0", str(step)) for e in ("mc", "grpo") for step in (0, 1, 2)
+    ]
+    for row in rows:
+        assert 0.0 <= float(row["val_acc"]) <= 1.0  # validated before training and after each step
+        if row["step"] != "0":
+            assert 0.0 <= float(row["score"]) <= 1.0 and 0.0 <= float(row["verdict_share"]) <= 1.0
+            assert (row["critic_explained_var"] == "") == (row["estimator"] == "grpo")  # grpo has no critic
+
+
+def test_summary_and_curves(study):
+    out, _, _ = study
+    summary = (out / "summary.md").read_text()
+    table = [line for line in summary.splitlines() if line.startswith("| mc ") or line.startswith("| grpo ")]
+    assert len(table) == 2 and "±" in table[0]
+    assert "steps to ≥ 0.8" in summary
+    assert (out / "learning_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_lines_with_an_eta_and_finished_runs_reused(study):
+    _, first, again = study
+    progress = [line for line in first.splitlines() if line.startswith("[study] ") and "ETA" in line]
+    assert len(progress) == 2 and all("held-out acc" in line for line in progress)
+    assert again.count("(reused)") == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--estimators", "mc,bogus"], "unknown estimator bogus"),
+        (["--seeds", "0"], "--seeds must be an integer >= 1, got 0"),
+        (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+        (["--steps", "two"], "argument --steps: invalid int value: 'two'"),
+    ],
+)
+def test_bad_input_is_refused_before_any_training(run_cli, tmp_path, argv, message):
+    out = tmp_path / "study"
+    try:
+        code, _, err = run_cli("study", "--out", str(out), *argv)
+    except SystemExit as exit_info:
+        code, err = exit_info.code, ""
+    assert code == 2
+    if err:
+        assert message in err and err.count("\n") == 1
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_an_unwritable_output_directory_is_refused(run_cli):
+    code, _, err = run_cli("study", "--out", "/proc/x")
+    assert code == 2 and err.startswith("verl-ext study: cannot write the study's outputs to /proc/x:") and err.count("\n") == 1
+
+
+def test_argparse_errors_are_one_line_too():
+    result = subprocess.run([sys.executable, "-m", "verl_ext.cli", "study", "--steps", "two", "--out", "x"],
+                            capture_output=True, text=True, env={**os.environ})  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "argument --steps: invalid int value: 'two'" in result.stderr

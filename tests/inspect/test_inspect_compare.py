@@ -1,0 +1,114 @@
+"""``verl-ext compare`` / ``verl_ext.inspect.compare`` (module ``comparison``) on a synthetic trace with holes (interior masked
+tokens), against the direct sums of tests/reference.py. The same on a real trace of verl's trainer,
+with groups of four responses per prompt: tests/cpu/test_learning.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tests.reference as ref
+from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
+from verl_ext.errors import UsageError
+from verl_ext.inspect import compare
+
+GAMMA = 0.9
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    batch = by_definition(random_batch(3, B=6, T=16), "gae_ext", GAMMA, lam=0.7)
+    path = write_trace(tmp_path_factory.mktemp("cmp"), algorithm("gae_ext", gamma=GAMMA, lam=0.7), {4: batch})
+    return path, batch
+
+
+def reference_columns(batch, n=3, lambdas=(0.5, 0.9, 0.95)) -> dict[str, np.ndarray]:
+    rewards, values, mask = batch.rewards.double().numpy(), batch.values.double().numpy(), batch.mask.numpy()
+    columns = {
+        "mc": ref.mc_returns(rewards, mask, GAMMA) - values,
+        "td0": ref.td0_returns(rewards, values, mask, GAMMA) - values,
+        f"nstep{n}": ref.nstep_returns(rewards, values, mask, GAMMA, n) - values,
+        **{f"gae{lam:g}": ref.gae_advantages(rewards, values, mask, GAMMA, lam) for lam in lambdas},
+    }
+    return columns
+
+
+def test_every_estimator_matches_the_direct_sums_on_every_valid_token(traced):
+    path, batch = traced
+    result = compare(path, step=4, sample=1)
+    expected = reference_columns(batch)
+    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "gae0.7")  # + the run's own
+    expected["gae0.7"] = ref.gae_advantages(batch.rewards.double().numpy(), batch.values.double().numpy(), batch.mask.numpy(), GAMMA, 0.7)
+    mask = batch.mask.numpy() != 0
+    table = result.table.to_pandas()
+    positions = np.flatnonzero(mask[1])
+    assert table["token_index"].tolist() == positions.tolist()  # the hole is left out
+    for label in result.labels:
+        np.testing.assert_allclose(table[label], expected[label][1, positions], rtol=1e-10, atol=1e-12)
+    statistics = result.statistics.to_pandas().set_index("estimator")
+    for label in result.labels:
+        valid = expected[label][mask]
+        assert statistics.at[label, "var_batch"] == pytest.approx(np.var(valid, ddof=1), rel=1e-10)
+        assert statistics.at[label, "mean_abs"] == pytest.approx(np.abs(valid).mean(), rel=1e-10)
+        assert np.isnan(statistics.at[label, "var_within_group"])  # one response per prompt: no group
+        per_position = np.abs(np.where(mask, expected[label], 0.0)).sum(axis=0)
+        np.testing.assert_allclose(result.shares.column(label).to_numpy(), per_position / per_position.sum(), rtol=1e-10)
+    matrix = np.corrcoef([expected[label][mask] for label in result.labels])
+    np.testing.assert_allclose(result.correlation.to_pandas()[list(result.labels)].to_numpy(), matrix, rtol=1e-9)
+
+
+def test_gae_at_lambda_one_and_zero_are_mc_and_td0(traced):
+    path, _ = traced
+    table = compare(path, step=4, lambdas=(0.0, 1.0)).table.to_pandas()
+    np.testing.assert_allclose(table["gae1"], table["mc"], atol=1e-12)
+    np.testing.assert_allclose(table["gae0"], table["td0"], atol=1e-12)
+
+
+def test_csv_has_one_row_per_token_and_one_column_per_estimator(traced, run_cli):
+    path, batch = traced
+    code, out, _ = run_cli("compare", path, "--step", "4", "--sample", "1", "--n", "2", "--lambdas", "0.95", "--format", "csv")
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[0] == "token_index,token,mc,td0,nstep2,gae0.95,gae0.7"
+    assert len(lines) - 1 == int(batch.mask[1].sum())
+    expected = reference_columns(batch, n=2, lambdas=(0.95,))["nstep2"][1, np.flatnonzero(batch.mask[1].numpy())]
+    np.testing.assert_allclose([float(line.split(",")[4]) for line in lines[1:]], expected, rtol=1e-6)
+
+
+def test_the_text_report_and_the_plot(traced, run_cli, tmp_path):
+    path, _ = traced
+    code, out, _ = run_cli("compare", path, "--step", "4", "--plot", str(tmp_path / "cmp.png"))
+    assert code == 0
+    for heading in ("raw advantages (before whitening) by estimator", "var_batch", "share of the step's", "correlation",
+                    "note: no prompt has two responses at this step: var_within_group is empty"):
+        assert heading in out
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--step", "9"], "step 9"),
+        (["--step", "4", "--sample", "99"], "no valid tokens of sample 99"),
+        (["--step", "4", "--lambdas", "0.5,2"], "every λ must be in [0, 1]"),
+        (["--step", "4", "--n", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(traced, run_cli, argv, message):
+    path, _ = traced
+    try:
+        code, _, err = run_cli("compare", path, *argv)
+    except SystemExit as exit_info:  # argparse's own checks
+        code, err = exit_info.code, ""
+    assert code == 2
+    if err:
+        assert message in err and err.count("\n") == 1
+
+
+def test_a_critic_free_step_cannot_be_re_estimated(tmp_path):
+    batch = random_batch(5)
+    batch.values = None
+    batch.returns = batch.advantage_raw = batch.advantages = batch.rewards
+    path = write_trace(tmp_path / "grpo", algorithm("grpo"), {1: batch})
+    with pytest.raises(UsageError, match="no rewards or values"):
+        compare(path, step=1)

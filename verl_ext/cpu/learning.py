@@ -1,0 +1,135 @@
+"""One learning run on the CPU task: verl's real trainer, in process, from the warm start.
+
+The recipe (:func:`learning_overrides`) is shared by ``make demo`` and ``verl-ext study``: 32
+prompts × 4 samples per step (128 responses), one PPO epoch, the actor at lr 3e-4 after a 5-step
+warm-up with a cosine decay to 0.1 of it at the last step, the critic (the warm start with verl's
+fresh value head) at lr 1e-3, no KL. Validation is verl's own on the 60 held-out prompts, **sampled** (temperature 1, 8 samples each): the accuracy of
+what the policy does, not of its greedy answer (greedy is near its best already after the warm
+start; see :mod:`verl_ext.cpu.warm_start`). Rollouts are seeded per request
+(``rollout.full_determinism``), so a run is reproducible given its seed.
+
+Each estimator gets the options it needs (:data:`ESTIMATOR_OPTIONS`); every run sees the same
+prompts, responses per step, seeds and step budget.
+
+From a shell (one run per process: verl's registries and the CPU backend are process-global)::
+
+    python -m verl_ext.cpu.learning OUTPUT_DIR --estimator mc --seed 0 --steps 60 [--trace] [-- OVERRIDE ...]
+
+writes ``OUTPUT_DIR/metrics.jsonl`` (verl's metrics, one line per step), ``train.log`` and, with
+``--trace``, the per-token trace in ``OUTPUT_DIR/trace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+PROMPTS_PER_STEP = 32
+SAMPLES_PER_PROMPT = 4
+VAL_SAMPLES = 8
+#: The options each estimator runs with (documented in the README's study section).
+ESTIMATOR_OPTIONS: dict[str, list[str]] = {
+    "mc": [],
+    "td0": [],
+    "nstep": ["algorithm.n_step=3"],
+    "gae_ext": ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.95"],
+    "gae": ["algorithm.lam=0.95"],
+    # critic-free: the baseline is the mean score of the prompt's group of SAMPLES_PER_PROMPT responses
+    "grpo": [],
+}
+
+
+def learning_overrides(output_dir: str | os.PathLike, estimator: str, seed: int, steps: int, test_freq: int) -> list[str]:
+    """The hydra overrides of one learning run (CPU settings from :func:`cpu_overrides` included)."""
+    from verl_ext.cpu.assets import build_assets
+    from verl_ext.cpu.overrides import cpu_overrides, merge_overrides
+
+    base = cpu_overrides(
+        build_assets(),
+        output_dir,
+        steps=steps,
+        estimator=estimator,
+        train_batch_size=PROMPTS_PER_STEP,
+        rollout_n=SAMPLES_PER_PROMPT,
+        response_length=12,
+        use_ray=False,
+        seed=seed,
+    )
+    recipe = [
+        "actor_rollout_ref.actor.optim.lr=3e-4",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=5",  # Adam's first steps are large: ramp up
+        "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",  # then decay, to 0.1 at the last step
+        "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",  # one update per step
+        "critic.optim.lr=1e-3",
+        f"critic.ppo_mini_batch_size={PROMPTS_PER_STEP // 2}",  # two critic updates per step
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        f"actor_rollout_ref.rollout.val_kwargs.n={VAL_SAMPLES}",
+        "trainer.val_before_train=True",
+        f"trainer.test_freq={test_freq}",
+        "trainer.logger=[console,file]",
+    ]
+    return merge_overrides(base, recipe, ESTIMATOR_OPTIONS.get(estimator, []))
+
+
+def run(output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int, trace: bool, extra: list[str]) -> None:
+    """Train in this process (the CPU backend is activated here)."""
+    import numpy as np
+    import torch
+
+    import verl_ext.cpu
+    from verl_ext.cpu.overrides import METRICS_FILE, merge_overrides
+
+    verl_ext.cpu.activate()
+    from verl_ext.cpu.in_process import run_in_process
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / METRICS_FILE).unlink(missing_ok=True)
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(output_dir / METRICS_FILE)
+    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq)
+    if trace:
+        overrides.append(f"verl_ext.trace.dir={output_dir / 'trace'}")
+    # verl seeds neither torch nor numpy for the FSDP engine: the critic's fresh value head would
+    # differ from run to run. One intra-op thread: threads buy nothing on this model, and results
+    # then do not depend on the machine's core count.
+    torch.set_num_threads(1)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    run_in_process(merge_overrides(overrides, extra), config_dir=configs, config_name="verl_ext_trainer")
+
+
+def validation_accuracy(metrics_file: Path) -> dict[int, float]:
+    """step -> verl's held-out ``val-core/<data_source>/acc/mean@<n>`` from a run's metrics file."""
+    by_step: dict[int, float] = {}
+    for line in metrics_file.read_text().splitlines() if metrics_file.exists() else []:
+        record = json.loads(line)
+        for key, value in record["data"].items():
+            if key.startswith("val-core/") and "/acc/mean@" in key:
+                by_step[record["step"]] = value
+    return by_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--estimator", default="mc")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--test-freq", type=int, default=10, help="validate every N steps (and before training)")
+    parser.add_argument("--trace", action="store_true", help="write the per-token trace to OUTPUT_DIR/trace")
+    args = parser.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    run(args.output_dir.resolve(), args.estimator, args.seed, args.steps, args.test_freq, args.trace, extra)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

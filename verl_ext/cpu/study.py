@@ -1,0 +1,279 @@
+"""``verl-ext study``: every estimator, every seed, the same task, through verl's real trainer.
+
+Each run is one ``python -m verl_ext.cpu.learning`` process (verl's ``RayPPOTrainer.fit()`` in
+process, the recipe and per-estimator options of :mod:`verl_ext.cpu.learning`), traced without the
+update tables. Finished runs are kept under ``DIR/runs/<estimator>-seed<k>/`` and reused when the
+study is run again with the same settings, so an interrupted study loses at most the run in flight.
+
+Outputs, rewritten after every run:
+
+* ``DIR/results.csv``: one row per estimator, seed and step: ``estimator, seed, step, val_acc,
+  score, critic_explained_var, verdict_share`` (``val_acc`` only at validation steps, step 0 being
+  the validation before training; ``critic_explained_var`` empty without a critic);
+* ``DIR/learning_curves.png``: held-out accuracy and training score, the mean over seeds with a
+  min–max band, per estimator;
+* ``DIR/summary.md``: per estimator, the held-out accuracy before and after (mean ± std over seeds),
+  the steps to reach the threshold, the critic's explained variance over the last 10 steps, the
+  verdict token's share of Σ|A| (mean over steps), and the wall time per run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from verl_ext.cpu.learning import ESTIMATOR_OPTIONS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, VAL_SAMPLES, validation_accuracy
+from verl_ext.errors import UsageError
+
+DEFAULT_ESTIMATORS = ("mc", "td0", "nstep", "gae_ext", "gae", "grpo")
+COLUMNS = ("estimator", "seed", "step", "val_acc", "score", "critic_explained_var", "verdict_share")
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    steps: int
+    test_freq: int
+    threshold: float
+
+
+@dataclass(frozen=True)
+class RunResult:
+    estimator: str
+    seed: int
+    seconds: float
+    rows: list[dict]  # one per step, COLUMNS
+    failed: str | None = None
+    reused: bool = False
+
+
+def parse_estimators(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in ESTIMATOR_OPTIONS]
+    if not names or unknown:
+        raise UsageError(
+            f"unknown estimator {', '.join(unknown) or repr(text)}: the study has a recipe for "
+            f"{', '.join(ESTIMATOR_OPTIONS)}"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def run_study(estimators: tuple[str, ...], seeds: int, settings: StudySettings, out: Path, jobs: int = 1) -> int:
+    """Run the study (see the module docstring), ``jobs`` runs at a time; return 0, or 1 when a run failed.
+
+    Each run trains on one thread (:mod:`verl_ext.cpu.learning`): on a 2-core machine two jobs
+    finish the study in little more than half the time of one.
+    """
+    runs = [(estimator, seed) for estimator in estimators for seed in range(seeds)]
+    results: list[RunResult] = []
+    started = time.monotonic()
+    print(
+        f"[study] {len(runs)} runs ({', '.join(estimators)} x {seeds} seed(s)), {settings.steps} steps each, "
+        f"{jobs} at a time, into {out}",
+        flush=True,
+    )
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        pending = [pool.submit(_run_one, e, s, settings, out / "runs" / f"{e}-seed{s}") for e, s in runs]
+        for done, future in enumerate(as_completed(pending), start=1):
+            result = future.result()
+            results.append(result)
+            results.sort(key=lambda r: runs.index((r.estimator, r.seed)))
+            _write_outputs(results, settings, out)
+            elapsed = time.monotonic() - started
+            trained = [r.seconds for r in results if not r.reused]
+            per_run = statistics.mean(trained) / jobs if trained else elapsed / done
+            eta = per_run * (len(runs) - done)
+            print(f"[study] {done}/{len(runs)} {_describe(result)}; elapsed {_clock(elapsed)}, ETA {_clock(eta)}", flush=True)
+    failed = [r for r in results if r.failed]
+    print(f"[study] done in {_clock(time.monotonic() - started)}: {out / 'summary.md'}, results.csv, learning_curves.png", flush=True)
+    if failed:
+        print(f"[study] {len(failed)} run(s) failed; see their train.log under {out / 'runs'}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _run_one(estimator: str, seed: int, settings: StudySettings, run_dir: Path) -> RunResult:
+    done_file = run_dir / "run.json"
+    wanted = {"estimator": estimator, "seed": seed, **asdict(settings)}
+    wanted.pop("threshold")
+    if done_file.exists():
+        recorded = json.loads(done_file.read_text())
+        if {key: recorded.get(key) for key in wanted} == wanted:
+            return _read_run(estimator, seed, recorded["seconds"], run_dir, reused=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    done_file.unlink(missing_ok=True)
+    command = [
+        sys.executable, "-m", "verl_ext.cpu.learning", str(run_dir), "--estimator", estimator, "--seed", str(seed),
+        "--steps", str(settings.steps), "--test-freq", str(settings.test_freq), "--trace",
+        "--", "verl_ext.trace.update=false",
+    ]  # fmt: skip
+    started = time.monotonic()
+    with open(run_dir / "train.log", "w") as log:
+        status = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir).returncode
+    seconds = time.monotonic() - started
+    if status != 0:
+        return RunResult(estimator, seed, seconds, [], failed=f"exit {status}")
+    done_file.write_text(json.dumps({**wanted, "seconds": round(seconds, 1)}))
+    return _read_run(estimator, seed, seconds, run_dir)
+
+
+def _read_run(estimator: str, seed: int, seconds: float, run_dir: Path, reused: bool = False) -> RunResult:
+    from verl_ext.cpu.credit import verdict_credit
+    from verl_ext.cpu.overrides import METRICS_FILE
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(run_dir / "trace"))
+    shares = {step: verdict_credit(trace, step).verdict_share for step in trace.steps}
+    accuracy = validation_accuracy(run_dir / METRICS_FILE)
+    by_step: dict[int, dict] = {}
+    for line in (run_dir / METRICS_FILE).read_text().splitlines():
+        record = json.loads(line)  # verl logs validation and training of one step on separate lines
+        by_step.setdefault(record["step"], {}).update(record["data"])
+    rows = [
+        {
+            "estimator": estimator, "seed": seed, "step": step, "val_acc": accuracy.get(step),
+            "score": data.get("critic/score/mean"), "critic_explained_var": data.get("critic/vf_explained_var"),
+            "verdict_share": shares.get(step),
+        }
+        for step, data in sorted(by_step.items())
+    ]  # fmt: skip
+    return RunResult(estimator, seed, seconds, rows, reused=reused)
+
+
+def _write_outputs(results: list[RunResult], settings: StudySettings, out: Path) -> None:
+    with open(out / "results.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        for result in results:
+            writer.writerows(result.rows)
+    (out / "summary.md").write_text(summary_markdown(results, settings))
+    try:
+        learning_curves(results).savefig(out / "learning_curves.png", dpi=120)
+    except ImportError:
+        pass  # matplotlib is optional ([plot]); the csv and the summary are written regardless
+
+
+@dataclass(frozen=True)
+class EstimatorSummary:
+    estimator: str
+    runs: int
+    before: tuple[float, float]  # mean, std over seeds of the held-out accuracy at step 0
+    after: tuple[float, float]  # ... at the last validated step
+    steps_to_threshold: str
+    explained_var: float | None  # mean over seeds of the last 10 steps' mean
+    verdict_share: float | None
+    seconds: float
+
+
+def summarize(results: list[RunResult], settings: StudySettings) -> list[EstimatorSummary]:
+    summaries = []
+    for estimator in dict.fromkeys(r.estimator for r in results):
+        runs = [r for r in results if r.estimator == estimator and not r.failed]
+        if not runs:
+            continue
+        validated = [[row for row in r.rows if row["val_acc"] is not None] for r in runs]
+        before = [rows[0]["val_acc"] for rows in validated if rows]
+        after = [rows[-1]["val_acc"] for rows in validated if rows]
+        reached = [next((row["step"] for row in rows if row["val_acc"] >= settings.threshold), None) for rows in validated]
+        hits = [step for step in reached if step is not None]
+        steps_text = "not reached" if not hits else f"{statistics.mean(hits):.0f} ({len(hits)}/{len(runs)} seeds)"
+        explained = [_mean([row["critic_explained_var"] for row in r.rows[-10:]]) for r in runs]
+        shares = [_mean([row["verdict_share"] for row in r.rows]) for r in runs]
+        summaries.append(EstimatorSummary(
+            estimator, len(runs), _mean_std(before), _mean_std(after), steps_text,
+            _mean(explained), _mean(shares), statistics.mean(r.seconds for r in runs),
+        ))  # fmt: skip
+    return summaries
+
+
+def summary_markdown(results: list[RunResult], settings: StudySettings) -> str:
+    lines = [
+        "# Estimator study on the CPU task",
+        "",
+        f"{settings.steps} PPO steps per run, {PROMPTS_PER_STEP} prompts × {SAMPLES_PER_PROMPT} responses per step; "
+        f"held-out accuracy from verl's validation (60 prompts × {VAL_SAMPLES} samples at temperature 1) "
+        f"every {settings.test_freq} steps. Options: "
+        + "; ".join(f"{name} {' '.join(_option(o) for o in opts) or '(none)'}" for name, opts in ESTIMATOR_OPTIONS.items())
+        + ".",
+        "",
+        f"| estimator | runs | held-out acc before | after | steps to ≥ {settings.threshold:g} | critic explained var (last 10 steps) | verdict share of Σ\\|A\\| | s per run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summarize(results, settings):
+        lines.append(
+            f"| {s.estimator} | {s.runs} | {_pm(s.before)} | {_pm(s.after)} | {s.steps_to_threshold} | "
+            f"{_fmt(s.explained_var)} | {_fmt(s.verdict_share)} | {s.seconds:.0f} |"
+        )
+    failed = [f"{r.estimator} seed {r.seed} ({r.failed})" for r in results if r.failed]
+    if failed:
+        lines += ["", f"Failed runs: {', '.join(failed)}."]
+    return "\n".join(lines) + "\n"
+
+
+def learning_curves(results: list[RunResult]):
+    """Held-out accuracy and training score per estimator: the mean over seeds and the min–max band."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    accuracy_axes, score_axes = fig.subplots(1, 2)
+    for estimator in dict.fromkeys(r.estimator for r in results):
+        runs = [r for r in results if r.estimator == estimator and not r.failed]
+        for axes, column in ((accuracy_axes, "val_acc"), (score_axes, "score")):
+            curves = [{row["step"]: row[column] for row in r.rows if row[column] is not None} for r in runs]
+            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            if not steps:
+                continue
+            values = np.array([[c[step] for step in steps] for c in curves])
+            (line,) = axes.plot(steps, values.mean(axis=0), label=estimator, marker="o" if column == "val_acc" else None, markersize=3)
+            axes.fill_between(steps, values.min(axis=0), values.max(axis=0), alpha=0.15, color=line.get_color())
+    accuracy_axes.set(xlabel="step", ylabel="held-out accuracy (sampled)", title="verl's validation")
+    score_axes.set(xlabel="step", ylabel="mean score of the step's responses", title="training")
+    for axes in (accuracy_axes, score_axes):
+        axes.grid(alpha=0.3)
+        axes.legend(frameon=False, fontsize=8)
+    fig.suptitle("Estimators on the CPU task: mean over seeds, min–max band")
+    return fig
+
+
+def _option(override: str) -> str:
+    """``algorithm.lam_actor=0.95`` -> ``lam_actor=0.95``."""
+    key, value = override.split("=", 1)
+    return f"{key.split('.')[-1]}={value}"
+
+
+def _describe(result: RunResult) -> str:
+    if result.failed:
+        return f"{result.estimator} seed {result.seed}: FAILED ({result.failed}) after {result.seconds:.0f} s"
+    validated = [row["val_acc"] for row in result.rows if row["val_acc"] is not None]
+    change = f"held-out acc {validated[0]:.3f} -> {validated[-1]:.3f}" if validated else "no validation"
+    return f"{result.estimator} seed {result.seed}: {change} in {result.seconds:.0f} s" + (" (reused)" if result.reused else "")
+
+
+def _mean(values) -> float | None:
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.mean(present) if present else None
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _pm(pair: tuple[float, float]) -> str:
+    return f"{pair[0]:.3f} ± {pair[1]:.3f}"
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"

@@ -1,0 +1,149 @@
+"""The estimators side by side on one traced step, re-estimated from its recorded rewards and values.
+
+Nothing is retrained: every estimator of :mod:`verl_ext.registry` runs on the step's ``reward`` and
+``value`` columns (float64, the code path of training), so the differences are the estimators'
+alone. Compared: ``mc``, ``td0``, ``nstep<n>``, ``gae<λ>`` for a few λ, and the run's own estimator
+(under its own label when it is none of those). All numbers are raw advantages (before whitening),
+on valid tokens:
+
+* the per-token table of one sample, one column per estimator;
+* per estimator: ``var_batch`` (variance over every valid token of the step), ``var_within_group``
+  (the same variance over the valid tokens of one prompt's group of responses, averaged over the
+  groups of at least two responses: what is left once the prompt is known; empty with one
+  response per prompt), ``mean_abs`` (mean |A|);
+* ``shares``: per token position, the share of the step's Σ|A| at that position (where the credit lands);
+* ``correlation``: between estimators, over the step's valid tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from verl_ext.errors import UsageError
+from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, as_trace
+
+#: The λ of the GAE columns by default (0 is td0, 1 is mc: the two ends of the family).
+DEFAULT_LAMBDAS = (0.5, 0.9, 0.95)
+DEFAULT_N = 3
+
+
+@dataclass(frozen=True)
+class Comparison:
+    step: int
+    sample: int
+    labels: tuple[str, ...]  # one per estimator, in column order
+    table: pa.Table  # the sample: token_index, token, mask, reward, value, then one column per label
+    statistics: pa.Table  # one row per estimator: estimator, var_batch, var_within_group, mean_abs
+    shares: pa.Table  # one row per position: token_index, then one column per label
+    correlation: pa.Table  # one row per estimator: estimator, then one column per label
+    notes: tuple[str, ...] = field(default=())
+
+    def figure(self):
+        """Shares of |A| per position, the variances, and the correlations, as a matplotlib Figure."""
+        from verl_ext.inspect.plots import comparison_figure
+
+        return comparison_figure(self)
+
+
+def estimator_columns(algorithm: RecordedAlgorithm, n: int, lambdas: tuple[float, ...]) -> tuple[dict, list[str]]:
+    """label -> (registered estimator, settings); and notes on what could not be compared."""
+    from verl_ext import registry
+
+    gamma = algorithm.gamma
+    columns = {
+        "mc": (registry.get("mc"), {"gamma": gamma}),
+        "td0": (registry.get("td0"), {"gamma": gamma}),
+        f"nstep{n}": (registry.get("nstep"), {"gamma": gamma, "n_step": n}),
+        **{f"gae{lam:g}": (registry.get("gae_ext"), {"gamma": gamma, "lam": lam}) for lam in lambdas},
+    }
+    columns = {label: (estimator, estimator.settings(settings)) for label, (estimator, settings) in columns.items()}
+    notes = []
+    if algorithm.recomputable:
+        label = _run_label(algorithm)
+        if label not in columns:
+            columns[label] = (algorithm.estimator, algorithm.settings)
+    else:
+        notes.append(f"the run's own estimator is not compared: {algorithm.why_not}")
+    return columns, notes
+
+
+def _run_label(algorithm: RecordedAlgorithm) -> str:
+    settings = algorithm.settings
+    if algorithm.name in ("mc", "td0"):
+        return algorithm.name
+    if algorithm.name == "nstep":
+        return f"nstep{settings['n_step']}"
+    if algorithm.name in ("gae", "gae_ext") and algorithm.returns_minus_values:
+        return f"gae{settings['lam'] if settings.get('lam_actor') is None else settings['lam_actor']:g}"
+    return algorithm.name
+
+
+def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tuple[float, ...] = DEFAULT_LAMBDAS, tokenizer=None) -> Comparison:
+    """The estimators side by side on ``step`` (see the module docstring); ``sample`` for the per-token table."""
+    from verl_ext.inspect.table import decoder_for
+
+    if n < 1:
+        raise UsageError(f"n must be an integer >= 1, got {n}")
+    if any(not 0.0 <= lam <= 1.0 for lam in lambdas):
+        raise UsageError(f"every λ must be in [0, 1], got {', '.join(map(str, lambdas))}")
+    trace = as_trace(trace)
+    trace.require_step(step)
+    algorithm = RecordedAlgorithm.from_record(trace.record)
+    data = StepData.read(trace, step, ("reward", "value"))
+    if data.columns["reward"] is None or data.columns["value"] is None:
+        raise UsageError(f"step {step} has no rewards or values to re-estimate from (a critic-free run?)")
+    columns, notes = estimator_columns(algorithm, n, tuple(lambdas))
+    raw = {label: data.estimate(estimator, settings)[1] for label, (estimator, settings) in columns.items()}
+    labels = tuple(raw)
+
+    layout = data.layout
+    token_sample = layout.valid_sample_index()
+    sample_ids = layout.sample_ids[token_sample]
+    position = layout.token_index[layout.valid_rows]
+    chosen = sample_ids == sample
+    if not chosen.any():
+        raise UsageError(f"step {step} has no valid tokens of sample {sample} (samples: 0 … {layout.samples - 1})")
+    extra = trace.read_step(step, ["token_id", "uid"])  # same rows as the step data, in the same order
+    token_ids = [extra["token_id"][int(row)].as_py() for row in layout.valid_rows[chosen]]
+    decoder = decoder_for(trace, tokenizer)
+    pieces = decoder.pieces(token_ids) if None not in token_ids else ["?"] * len(token_ids)
+    table = pa.table({
+        "token_index": position[chosen].astype(np.int32),
+        "token": pa.array(pieces, pa.string()),
+        "reward": data.columns["reward"][chosen],
+        "value": data.columns["value"][chosen],
+        **{label: raw[label][chosen] for label in labels},
+    })  # fmt: skip
+
+    uid = np.array(extra["uid"].to_pylist(), dtype=object)[layout.valid_rows]
+    groups = uid if not any(u is None for u in uid) else sample_ids.astype(str)
+    statistics = pa.table({
+        "estimator": list(labels),
+        "var_batch": pa.array([float(np.var(raw[label], ddof=1)) if len(raw[label]) > 1 else None for label in labels], pa.float64()),
+        "var_within_group": pa.array([_within_group_variance(raw[label], groups, sample_ids) for label in labels], pa.float64()),
+        "mean_abs": pa.array([float(np.mean(np.abs(raw[label]))) for label in labels], pa.float64()),
+    })  # fmt: skip
+    if statistics.column("var_within_group").null_count == len(labels):
+        notes.append("no prompt has two responses at this step: var_within_group is empty")
+    positions = np.arange(int(position.max()) + 1 if len(position) else 0)
+    shares = {"token_index": positions.astype(np.int32)}
+    for label in labels:
+        total = np.abs(raw[label]).sum()
+        per_position = np.bincount(position, weights=np.abs(raw[label]), minlength=len(positions))
+        shares[label] = per_position / total if total > 0 else np.full(len(positions), np.nan)
+    matrix = np.corrcoef(np.stack([raw[label] for label in labels])) if len(position) > 1 else np.full((len(labels),) * 2, np.nan)
+    correlation = pa.table({"estimator": list(labels), **{label: matrix[:, i] for i, label in enumerate(labels)}})
+    return Comparison(step, sample, labels, table, statistics, pa.table(shares), correlation, tuple(notes))
+
+
+def _within_group_variance(values: np.ndarray, groups: np.ndarray, samples: np.ndarray) -> float | None:
+    """Mean over the groups of at least two responses of the variance of the group's values."""
+    variances = []
+    for group in np.unique(groups):
+        members = groups == group
+        if len(np.unique(samples[members])) > 1:
+            variances.append(np.var(values[members], ddof=1))
+    return float(np.mean(variances)) if variances else None
