@@ -13,7 +13,6 @@ steps (warm-up) are left out. Prints figures and the ratio; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ def main() -> None:
     verl_ext.cpu.activate()
     from verl_ext.cpu.assets import build_assets
     from verl_ext.cpu.in_process import run_in_process
+    from verl_ext.cpu.learning import read_metrics
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides
     from verl_ext.integration.update_hook import ROW_KEY
     from verl_ext.trace.reader import open_trace
@@ -60,7 +60,7 @@ def main() -> None:
     configs = Path(verl_ext.__file__).parent / "configs"
     run_in_process(overrides, on_batch=alternate, config_dir=configs, config_name="verl_ext_trainer")
 
-    metrics = {r["step"]: r["data"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    metrics = read_metrics(out)
     update = {s: m["timing_s/update_actor"] + m["timing_s/update_critic"] for s, m in metrics.items() if s > 2}
     on = [t for s, t in update.items() if s not in untraced]
     off = [t for s, t in update.items() if s in untraced]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 SCENARIOS = Path(__file__).with_name("scenarios.py")
+CONFIGS = Path(__file__).resolve().parents[2] / "verl_ext" / "configs"
 
 
 def run(command: list[str], env: dict[str, str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
@@ -21,10 +22,10 @@ def run(command: list[str], env: dict[str, str], cwd: Path, timeout: int) -> sub
     return completed
 
 
-def read_metrics(output_dir: Path) -> dict[int, dict]:
-    """verl's per-step metrics (its ``file`` logger) by step."""
-    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    return {record["step"]: record["data"] for record in map(json.loads, lines)}
+def main_ppo_with_verl_ext_config(overrides: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m verl.trainer.main_ppo`` with verl-ext's config (verl's ppo_trainer extended), via :func:`run`."""
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIGS}", "--config-name=verl_ext_trainer"]
+    return run([*command, *overrides], env, cwd, timeout=600)
 
 
 def read_batches(output_dir: Path) -> dict:

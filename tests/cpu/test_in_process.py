@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests import reference
-from tests.cpu.helpers import read_batches, read_metrics
+from tests.cpu.helpers import read_batches
+from verl_ext.cpu.learning import read_metrics
 
 GAMMA, LAM = 0.99, 0.9
 

@@ -5,7 +5,6 @@ of the demo."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pandas as pd
 import pytest
 
 import tests.reference as ref
+from verl_ext.cpu.learning import read_metrics
 
 STEPS = 25
 
@@ -34,18 +34,10 @@ def two_runs(tmp_path_factory, cpu_env):
     return outputs
 
 
-def metrics(out) -> dict[int, dict]:
-    by_step: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record["data"])
-    return by_step
-
-
 def held_out_accuracy(out) -> dict[int, float]:
     return {
         step: value
-        for step, data in metrics(out).items()
+        for step, data in read_metrics(out).items()
         for key, value in data.items()
         if key.startswith("val-core/verl_ext/sum_check/acc/mean@8")
     }
@@ -67,7 +59,7 @@ def test_the_same_seed_gives_the_same_numbers(two_runs):
     def reproducible(out):
         return {
             step: {k: v for k, v in data.items() if not k.startswith(NOT_REPRODUCIBLE)}
-            for step, data in metrics(out).items()
+            for step, data in read_metrics(out).items()
         }
 
     first, second = (reproducible(out) for out in two_runs)

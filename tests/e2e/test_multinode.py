@@ -38,6 +38,8 @@ def multinode_run(cluster, tmp_path_factory):
     from verl_ext.cpu.assets import build_assets
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
+    from tests.cpu.helpers import main_ppo_with_verl_ext_config
+
     ray_cluster, worker = cluster
     out = tmp_path_factory.mktemp("multinode")
     probes = out / "probes"
@@ -51,17 +53,11 @@ def multinode_run(cluster, tmp_path_factory):
             f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",
         ],
     )
-    command = [
-        sys.executable, "-m", "verl.trainer.main_ppo",
-        f"--config-path={ROOT / 'verl_ext' / 'configs'}", "--config-name=verl_ext_trainer", *overrides,
-    ]  # fmt: skip
     env = {
         **os.environ, **cpu_environment(out), "PYTHONPATH": str(ROOT),
         "VERL_USE_EXTERNAL_MODULES": "tests.e2e.activation_probe", "VERL_EXT_TEST_PROBE_DIR": str(probes),
     }  # fmt: skip
-    result = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=600)
-    (out / "train.log").write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    result = main_ppo_with_verl_ext_config(overrides, env, out)
     reports = [json.loads(path.read_text()) for path in probes.glob("*.json")]
     return out, worker.node_id, ray_cluster.head_node.node_id, reports, result.stdout + result.stderr
 

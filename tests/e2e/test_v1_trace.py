@@ -8,13 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +19,7 @@ def v1_run(tmp_path_factory):
     from verl_ext.cpu.assets import build_assets
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
+    from tests.cpu.helpers import main_ppo_with_verl_ext_config
     from tests.e2e.test_fit_with_trace import UPDATE_OVERRIDES, user_module_env
 
     out = tmp_path_factory.mktemp("v1")
@@ -40,14 +38,7 @@ def v1_run(tmp_path_factory):
             f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
         ],
     )
-    command = [
-        sys.executable, "-m", "verl.trainer.main_ppo",
-        f"--config-path={ROOT / 'verl_ext' / 'configs'}", "--config-name=verl_ext_trainer", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, **cpu_environment(out), **user}
-    result = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=600)
-    (out / "train.log").write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    main_ppo_with_verl_ext_config(overrides, {**os.environ, **cpu_environment(out), **user}, out)
     return out
 
 
@@ -100,7 +91,7 @@ def test_v1_trace_passes_the_checker(v1_run):
 
 
 def test_v1_update_tables_cover_every_trained_token_and_reproduce_verls_metrics(v1_run):
-    from tests.cpu.helpers import read_metrics
+    from verl_ext.cpu.learning import read_metrics
     from verl_ext.trace.reader import open_trace
 
     trace, metrics = open_trace(str(v1_run / "trace")), read_metrics(v1_run)

@@ -34,18 +34,14 @@ class VerdictCredit:
 
 def verdict_positions(trace, step: int) -> dict[int, int]:
     """sample -> token_index of its verdict token, for the step's responses that have one."""
-    table = trace.read_step(step, ["sample", "token_index", "token_id", "mask"]).to_pandas()
-    marks = table[(table["token_id"] == token_id(VERDICT_MARK)) & table["mask"]]
-    first = marks.groupby("sample")["token_index"].min() + 1
-    valid = table[table["mask"]].groupby("sample")["token_index"].max()
-    return {int(sample): int(index) for sample, index in first.items() if index <= valid[sample]}
+    return _verdict_positions(trace.read_step(step, ["sample", "token_index", "token_id", "mask"]).to_pandas())
 
 
 def verdict_credit(trace, step: int) -> VerdictCredit:
     """The step's credit at the verdict token (see the module docstring)."""
-    table = trace.read_step(step, ["sample", "token_index", "mask", "score", "advantage"]).to_pandas()
+    table = trace.read_step(step, ["sample", "token_index", "token_id", "mask", "score", "advantage"]).to_pandas()
+    verdicts = _verdict_positions(table)
     table = table[table["mask"]]
-    verdicts = verdict_positions(trace, step)
     at_verdict = np.array([verdicts.get(s) == t for s, t in zip(table["sample"], table["token_index"])], dtype=bool)
     magnitude = table["advantage"].abs().to_numpy(np.float64)
     total = magnitude.sum()
@@ -57,3 +53,10 @@ def verdict_credit(trace, step: int) -> VerdictCredit:
         verdict_share=float(magnitude[at_verdict].sum() / total) if total > 0 else float("nan"),
         responses=len(verdicts),
     )
+
+
+def _verdict_positions(table) -> dict[int, int]:
+    marks = table[(table["token_id"] == token_id(VERDICT_MARK)) & table["mask"]]
+    first = marks.groupby("sample")["token_index"].min() + 1
+    valid = table[table["mask"]].groupby("sample")["token_index"].max()
+    return {int(sample): int(index) for sample, index in first.items() if index <= valid[sample]}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 def run_demo(args: argparse.Namespace) -> int:
     from verl_ext import cli
+    from verl_ext.trace.reader import open_trace
 
     started = time.monotonic()
     output = args.output_dir.resolve()
@@ -43,11 +44,12 @@ def run_demo(args: argparse.Namespace) -> int:
     checked = cli.main(["check", str(trace_dir), "--quiet"])
 
     _say("4/5 where the credit lands: mean |advantage| at the verdict token against the rest")
-    last_step = _print_credit(trace_dir)
-    sample = args.sample if args.sample is not None else _interesting_sample(trace_dir, last_step)
+    trace = open_trace(str(trace_dir))
+    last_step = _print_credit(trace)
+    sample = args.sample if args.sample is not None else _interesting_sample(trace, last_step)
     print()
     cli.main(["show", str(trace_dir), "--step", str(last_step), "--sample", str(sample)])
-    _explain_verdict(trace_dir, last_step, sample, args.estimator)
+    _explain_verdict(trace, last_step, sample, args.estimator)
     _print_validation(output)
 
     _say("5/5 plots")
@@ -90,33 +92,27 @@ def _train(args: argparse.Namespace, output: Path) -> int:
     return trainer.returncode
 
 
-def _print_credit(trace_dir: Path) -> int:
+def _print_credit(trace) -> int:
     from verl_ext.cpu.credit import verdict_credit
-    from verl_ext.trace.reader import open_trace
 
-    trace = open_trace(str(trace_dir))
     for step in trace.steps:
         print("  " + verdict_credit(trace, step).line())
     return trace.steps[-1]
 
 
-def _interesting_sample(trace_dir: Path, step: int) -> int:
+def _interesting_sample(trace, step: int) -> int:
     """A response of ``step`` with the wrong verdict (its advantage shows the push back), else 0."""
     from verl_ext.cpu.credit import verdict_positions
-    from verl_ext.trace.reader import open_trace
 
-    trace = open_trace(str(trace_dir))
     scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()
     verdicts = verdict_positions(trace, step)
     wrong = [sample for sample, score in scores.items() if sample in verdicts and score < 1.0]
     return int(wrong[0]) if wrong else 0
 
 
-def _explain_verdict(trace_dir: Path, step: int, sample: int, estimator: str) -> None:
+def _explain_verdict(trace, step: int, sample: int, estimator: str) -> None:
     from verl_ext.cpu.credit import verdict_positions
-    from verl_ext.trace.reader import open_trace
 
-    trace = open_trace(str(trace_dir))
     index = verdict_positions(trace, step).get(sample)
     if index is None:
         print("(this response has no verdict token)")
@@ -138,10 +134,9 @@ def _explain_verdict(trace_dir: Path, step: int, sample: int, estimator: str) ->
 
 def _print_validation(output: Path) -> None:
     """Held-out accuracy before training (step 0) and after the last step (verl's validation metrics)."""
-    from verl_ext.cpu.learning import validation_accuracy
-    from verl_ext.cpu.overrides import METRICS_FILE
+    from verl_ext.cpu.learning import read_metrics, validation_accuracy
 
-    by_step = validation_accuracy(output / METRICS_FILE)
+    by_step = validation_accuracy(read_metrics(output))
     if len(by_step) >= 2:
         first, last = min(by_step), max(by_step)
         print(

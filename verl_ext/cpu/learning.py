@@ -105,20 +105,29 @@ def run(output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int,
     run_in_process(merge_overrides(overrides, extra), config_dir=configs, config_name="verl_ext_trainer")
 
 
-def validation_accuracy(metrics_file: Path) -> dict[int, float]:
-    """step -> verl's held-out ``val-core/<data_source>/acc/mean@<n>`` from a run's metrics file."""
-    by_step: dict[int, float] = {}
-    for line in metrics_file.read_text().splitlines() if metrics_file.exists() else []:
-        record = json.loads(line)
-        for key, value in record["data"].items():
-            if key.startswith("val-core/") and "/acc/mean@" in key:
-                by_step[record["step"]] = value
-    return by_step
+def read_metrics(output_dir: Path) -> dict[int, dict]:
+    """step -> verl's metrics of that step, from a run's ``metrics.jsonl`` (verl's file logger, one
+    JSON line per step, validation included); empty when there is no file."""
+    from verl_ext.cpu.overrides import METRICS_FILE
+
+    path = Path(output_dir) / METRICS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {record["step"]: record["data"] for record in map(json.loads, lines)}
+
+
+def validation_accuracy(metrics: dict[int, dict]) -> dict[int, float]:
+    """step -> verl's held-out ``val-core/<data_source>/acc/mean@<n>``, at the steps that validated."""
+    return {
+        step: value
+        for step, data in metrics.items()
+        for key, value in data.items()
+        if key.startswith("val-core/") and "/acc/mean@" in key
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--estimator", default="mc")
@@ -126,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--test-freq", type=int, default=10, help="validate every N steps (and before training)")
     parser.add_argument("--trace", action="store_true", help="write the per-token trace to OUTPUT_DIR/trace")
-    args = parser.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    args = parser.parse_args(own)
     run(args.output_dir.resolve(), args.estimator, args.seed, args.steps, args.test_freq, args.trace, extra)
     return 0
 

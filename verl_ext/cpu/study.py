@@ -27,10 +27,10 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from verl_ext.cpu.learning import ESTIMATOR_OPTIONS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, VAL_SAMPLES, validation_accuracy
+from verl_ext.cpu.learning import ESTIMATOR_OPTIONS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, VAL_SAMPLES, read_metrics, validation_accuracy
 from verl_ext.errors import UsageError
 
 DEFAULT_ESTIMATORS = ("mc", "td0", "nstep", "gae_ext", "gae", "grpo")
@@ -100,8 +100,8 @@ def run_study(estimators: tuple[str, ...], seeds: int, settings: StudySettings, 
 
 def _run_one(estimator: str, seed: int, settings: StudySettings, run_dir: Path) -> RunResult:
     done_file = run_dir / "run.json"
-    wanted = {"estimator": estimator, "seed": seed, **asdict(settings)}
-    wanted.pop("threshold")
+    # what decides a run's outcome (the threshold only reads it)
+    wanted = {"estimator": estimator, "seed": seed, "steps": settings.steps, "test_freq": settings.test_freq}
     if done_file.exists():
         recorded = json.loads(done_file.read_text())
         if {key: recorded.get(key) for key in wanted} == wanted:
@@ -125,23 +125,19 @@ def _run_one(estimator: str, seed: int, settings: StudySettings, run_dir: Path) 
 
 def _read_run(estimator: str, seed: int, seconds: float, run_dir: Path, reused: bool = False) -> RunResult:
     from verl_ext.cpu.credit import verdict_credit
-    from verl_ext.cpu.overrides import METRICS_FILE
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(run_dir / "trace"))
     shares = {step: verdict_credit(trace, step).verdict_share for step in trace.steps}
-    accuracy = validation_accuracy(run_dir / METRICS_FILE)
-    by_step: dict[int, dict] = {}
-    for line in (run_dir / METRICS_FILE).read_text().splitlines():
-        record = json.loads(line)  # verl logs validation and training of one step on separate lines
-        by_step.setdefault(record["step"], {}).update(record["data"])
+    metrics = read_metrics(run_dir)
+    accuracy = validation_accuracy(metrics)
     rows = [
         {
             "estimator": estimator, "seed": seed, "step": step, "val_acc": accuracy.get(step),
             "score": data.get("critic/score/mean"), "critic_explained_var": data.get("critic/vf_explained_var"),
             "verdict_share": shares.get(step),
         }
-        for step, data in sorted(by_step.items())
+        for step, data in sorted(metrics.items())
     ]  # fmt: skip
     return RunResult(estimator, seed, seconds, rows, reused=reused)
 
