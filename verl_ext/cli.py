@@ -160,6 +160,12 @@ def show(args: argparse.Namespace) -> int:
 
 def summary_arguments(parser: argparse.ArgumentParser) -> None:
     _run_argument(parser)
+    parser.add_argument(
+        "--critic",
+        action="store_true",
+        help="instead, the critic by position: explained variance of the values against the Monte-Carlo return, "
+        "and mean |V − G|, per step and decile of the response (CSV: one row per step and bucket)",
+    )
     _format_arguments(parser)
     _quiet_argument(parser)
 
@@ -170,7 +176,31 @@ def summary(args: argparse.Namespace) -> int:
     from verl_ext.inspect.summary import summarize
 
     trace = _open_run(args.run)
+    if args.critic:
+        return _critic_summary(trace, args)
     _emit(render(summarize(trace, progress=_progress(args, "summary")), args.format, args.digits))
+    return 0
+
+
+def _critic_summary(trace, args: argparse.Namespace) -> int:
+    """``summary --critic``: steps × position buckets, EV then mean |V − G| (CSV: the long table)."""
+    from verl_ext.inspect.critic import critic_diagnostics, steps_by_bucket
+    from verl_ext.inspect.render import render
+    from verl_ext.inspect.stepdata import RecordedAlgorithm
+
+    diagnostics = critic_diagnostics(trace, progress=_progress(args, "summary --critic"))
+    if args.format == "csv":
+        _emit(render(diagnostics, "csv"))
+        return 0
+    gamma = RecordedAlgorithm.from_record(trace.record).gamma
+    sections = [
+        f"explained variance 1 − Var(G − V)/Var(G) of the values V against the Monte-Carlo return G (γ = {gamma:g}),\n"
+        "by position: d0 … d9 the deciles of each response's valid tokens, last its last valid token, all every one:",
+        render(steps_by_bucket(diagnostics, "explained_var"), args.format, args.digits),
+        "mean |V − G| by position:",
+        render(steps_by_bucket(diagnostics, "mean_abs_error"), args.format, args.digits),
+    ]
+    _emit("\n\n".join(sections))
     return 0
 
 
@@ -294,8 +324,8 @@ def doctor(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- demo
 
 
-DEMO_STEPS = 80
-STUDY_STEPS = 80
+DEMO_STEPS = 40
+STUDY_STEPS = 40
 
 
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -327,6 +357,10 @@ def study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--test-freq", type=int, default=10, metavar="F", help="validate every F steps (default 10)")
     parser.add_argument("--threshold", type=float, default=0.8, help="held-out accuracy for 'steps to threshold' (default 0.8)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at a time (default: 2, or 1 on one core)")
+    parser.add_argument(
+        "--control", action="store_true",
+        help="also run every estimator that uses a critic with a fresh critic instead of the pretrained one",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
 
 
@@ -342,7 +376,7 @@ def study(args: argparse.Namespace) -> int:
         raise UsageError(f"--threshold must be in [0, 1], got {args.threshold}")
     _require_writable(args.out, "the study's outputs")
     settings = StudySettings(args.steps, args.test_freq, args.threshold)
-    return run_study(estimators, args.seeds, settings, args.out.resolve(), args.jobs)
+    return run_study(estimators, args.seeds, settings, args.out.resolve(), args.jobs, args.control)
 
 
 def _require_writable(directory: Path, what: str) -> None:

@@ -21,6 +21,9 @@ def test_build_is_idempotent(assets, assets_dir):
     assert again == assets
     weights = "model.safetensors"
     assert (assets.model_dir / weights).stat().st_mtime == (again.model_dir / weights).stat().st_mtime
+    # the pretrained critic is cached with the rest: not trained again
+    assert (assets.critic_dir / weights).stat().st_mtime == (again.critic_dir / weights).stat().st_mtime
+    assert assets.value_pretraining_report.stat().st_mtime == again.value_pretraining_report.stat().st_mtime
     assert not [p for p in assets_dir.iterdir() if p.name.startswith(".building-")]
 
 
@@ -83,3 +86,36 @@ def test_prompts_follow_verls_dataset_schema(assets):
     right = train["reward_model"].map(lambda r: r["ground_truth"].endswith("是的！"))
     assert right.mean() == 0.5  # right and wrong prompts alternate
     assert [p.question() for p in task_problems(AssetSpec())[1]] == [m[0]["content"] for m in val["prompt"]]
+
+
+def test_value_pretraining_report(assets):
+    """The pretrained critic sees the outcome once the verdict is written, and not before it."""
+    import json
+
+    report = json.loads(assets.value_pretraining_report.read_text())
+    fit = report["held_out_fit"]
+    assert fit["ev_after_verdict"] >= 0.5, fit
+    assert fit["ev_before_verdict"] < fit["ev_after_verdict"]
+    per_epoch = report["held_out_fit_per_epoch"]
+    assert fit == per_epoch[report["best_epoch"]]  # the weights kept are those of the best epoch
+    # best: no later epoch beat it by min_gain (index 0: the fit before any update)
+    assert fit["ev_after_verdict"] >= max(f["ev_after_verdict"] for f in per_epoch) - report["settings"]["min_gain"]
+    assert per_epoch[0]["ev_after_verdict"] < 0.5  # epoch 0 is the untrained head: the fit is learned
+    assert report["responses"] == AssetSpec().train_rows  # one sampled answer per training row
+    assert report["updates"] > 0 and report["seconds"] > 0
+    assert 0.05 < report["wrong_verdicts"] < 0.95  # wrong verdicts to learn the outcome from
+
+
+def test_the_critic_is_verls_value_model_trained_from_the_warm_start(assets):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    critic = AutoModelForTokenClassification.from_pretrained(assets.critic_dir, dtype=torch.float32)
+    warm = AutoModelForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32)
+    assert critic.config.num_labels == 1
+    assert isinstance(critic.score, torch.nn.Linear) and critic.score.out_features == 1
+    body, warm_body = critic.model.state_dict(), warm.model.state_dict()
+    assert body.keys() == warm_body.keys()
+    for name, tensor in body.items():
+        assert tensor.shape == warm_body[name].shape, name
+        assert not torch.equal(tensor, warm_body[name]), f"{name} was not trained"

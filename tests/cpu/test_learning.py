@@ -138,3 +138,150 @@ def test_verdict_credit_by_hand(last_step):
     assert credit.rest_abs == pytest.approx(magnitude[~at_verdict].mean())
     assert credit.verdict_share == pytest.approx(magnitude[at_verdict].sum() / magnitude.sum())
     assert credit.responses == len(positions) > 100
+
+
+# --------------------------------------------------------------------------- the pretrained critic in RL
+
+EOS_ID = 3  # "</s>" in the CPU tokenizer (verl_ext.cpu.assets: <pad>, <unk>, <s>, </s>, ...)
+
+
+@pytest.fixture(scope="module")
+def trace(two_runs):
+    from verl_ext.trace.reader import open_trace
+
+    return open_trace(str(two_runs[0] / "trace"))
+
+
+def valid_tokens(frame: pd.DataFrame) -> pd.DataFrame:
+    """The valid tokens; each response's mask is a prefix, so token_index is also the rank."""
+    valid = frame[frame["mask"]]
+    assert (valid.groupby("sample")["token_index"].max() + 1 == valid.groupby("sample").size()).all()
+    return valid
+
+
+def hand_verdicts(frame: pd.DataFrame) -> dict[int, int]:
+    """sample -> token_index of the token after the first "，", unless that token is EOS or absent."""
+    from verl_ext.cpu.assets import token_id
+
+    verdicts = {}
+    for sample, rows in valid_tokens(frame).groupby("sample"):
+        ids = rows.sort_values("token_index")["token_id"].tolist()
+        if token_id("，") in ids:
+            after = ids.index(token_id("，")) + 1
+            if after < len(ids) and ids[after] != EOS_ID:
+                verdicts[int(sample)] = after
+    return verdicts
+
+
+def test_verl_critic_starts_from_the_pretrained_critic(trace, assets):
+    """At step 1 verl's critic has not been updated: its recorded values are the pretrained critic's
+    own predictions, V(s_t) being the head's output at the position before response token t."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    frame = trace.read_step(1).to_pandas()
+    prompts = trace.prompts(1).to_pandas().set_index("sample")["prompt_token_ids"]
+    critic = AutoModelForTokenClassification.from_pretrained(assets.critic_dir, dtype=torch.float32).eval()
+    valid = valid_tokens(frame)
+    for sample in range(0, int(frame["sample"].max()) + 1, 16):  # 8 of the 128 responses
+        tokens = valid[valid["sample"] == sample].sort_values("token_index")
+        prompt, response = list(prompts[sample]), tokens["token_id"].tolist()
+        input_ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            head = critic(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                position_ids=torch.arange(input_ids.shape[1])[None],
+            ).logits[0, :, 0]  # fmt: skip
+        expected = head[len(prompt) - 1 : len(prompt) + len(response) - 1].numpy()  # state s_t: prompt + response[:t]
+        np.testing.assert_allclose(tokens["value"].to_numpy(), expected, atol=1e-4, rtol=0)
+
+
+def raw_advantages(frame: pd.DataFrame) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """mc, gae0.95 and td0 raw advantages (dense, γ = 1) from the recorded rewards and values."""
+    mask = np.zeros_like(dense(frame, "reward"), dtype=bool)
+    mask[frame["sample"], frame["token_index"]] = frame["mask"]
+    rewards, values = dense(frame, "reward"), dense(frame, "value")
+    return {
+        "mc": ref.mc_returns(rewards, mask, 1.0) - values,
+        "gae0.95": ref.gae_advantages(rewards, values, mask, 1.0, 0.95),
+        "td0": ref.td0_returns(rewards, values, mask, 1.0) - values,
+    }, mask
+
+
+@pytest.mark.parametrize("step", [1, STEPS])
+def test_verdict_share_by_estimator_by_hand(trace, step):
+    from verl_ext.cpu.credit import verdict_share_by_estimator
+
+    assert trace.record.algorithm.get("gamma", 1.0) == 1.0
+    frame = trace.read_step(step).to_pandas()
+    advantages, mask = raw_advantages(frame)
+    verdicts = hand_verdicts(frame)
+    at_verdict = np.zeros_like(mask)
+    for sample, index in verdicts.items():
+        at_verdict[sample, index] = True
+    assert len(verdicts) > 100
+    shares = verdict_share_by_estimator(trace, step)
+    assert list(shares) == ["mc", "gae0.95", "td0"]
+    for label, advantage in advantages.items():
+        magnitude = np.abs(np.where(mask, advantage, 0.0))
+        assert shares[label] == pytest.approx(magnitude[at_verdict].sum() / magnitude.sum(), rel=1e-9), label
+    # one label at a time gives the same number
+    assert verdict_share_by_estimator(trace, step, labels=("td0",)) == {"td0": shares["td0"]}
+
+
+def hand_critic_at_verdict(frame: pd.DataFrame) -> tuple[float, float]:
+    rewards, values = dense(frame, "reward"), dense(frame, "value")
+    mask = np.zeros_like(rewards, dtype=bool)
+    mask[frame["sample"], frame["token_index"]] = frame["mask"]
+    returns = ref.mc_returns(rewards, mask, 1.0)
+    after, before = np.zeros_like(mask), np.zeros_like(mask)
+    for sample, index in hand_verdicts(frame).items():
+        positions = np.arange(mask.shape[1])
+        after[sample] = mask[sample] & (positions > index)
+        before[sample] = mask[sample] & (positions <= index)
+
+    def explained(selected):
+        g, v = returns[selected], values[selected]
+        return 1 - np.var(g - v, ddof=1) / np.var(g, ddof=1)
+
+    return explained(after), explained(before)
+
+
+@pytest.mark.parametrize("step", [1, STEPS])
+def test_critic_at_verdict_by_hand(trace, step):
+    from verl_ext.cpu.credit import critic_at_verdict
+
+    after, before = critic_at_verdict(trace, step)
+    expected_after, expected_before = hand_critic_at_verdict(trace.read_step(step).to_pandas())
+    assert after == pytest.approx(expected_after, rel=1e-9, abs=1e-12)
+    assert before == pytest.approx(expected_before, rel=1e-9, abs=1e-12)
+
+
+def test_the_pretrained_critic_sees_the_outcome_after_the_verdict_at_step_1(trace):
+    from verl_ext.cpu.credit import critic_at_verdict
+
+    after, before = critic_at_verdict(trace, 1)
+    assert after >= 0.5 and before < after, (after, before)
+
+
+def test_verdict_positions_by_hand_on_a_made_up_step():
+    """No trace needed: the token after the first valid "，", unless it is EOS or not valid."""
+    from verl_ext.cpu.assets import token_id
+    from verl_ext.cpu.credit import _verdict_positions
+
+    ids = lambda text: [token_id(ch) for ch in text]  # noqa: E731
+    pad = 0
+    responses = {  # sample -> (token ids, valid length)
+        0: (ids("等于5，是的！") + [EOS_ID], 8),  # verdict at 4
+        1: (ids("等于5，") + [EOS_ID, pad, pad], 5),  # "，</s>": no verdict
+        2: (ids("等于12，不是，是") + [EOS_ID], 10),  # the first "，" counts: verdict at 5
+        3: (ids("等于5，是"), 4),  # truncated after "，": the verdict position is not valid
+        4: (ids("等于5") + [EOS_ID] + ids("，是"), 4),  # a "，" after the valid tokens does not count
+        5: (ids("是的！") + [EOS_ID], 4),  # no "，"
+    }
+    rows = [
+        {"sample": sample, "token_index": index, "token_id": token, "mask": index < length}
+        for sample, (tokens, length) in responses.items()
+        for index, token in enumerate(tokens)
+    ]
+    assert _verdict_positions(pd.DataFrame(rows)) == {0: 4, 2: 5}

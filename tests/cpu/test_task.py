@@ -67,7 +67,12 @@ def test_compute_score_is_verls_custom_reward_signature():
 
 def test_the_verdict_token_follows_the_first_comma():
     mark = 33
-    assert verdict_index([34, 35, 12, mark, 31, 32, 36, 3], mark) == 4
-    assert verdict_index([34, 35, 8, 9, mark, 38, 31], mark) == 5
-    assert verdict_index([34, 35, 12, 36], mark) is None
-    assert verdict_index([34, 35, mark], mark) is None  # truncated right after the comma
+    assert verdict_index([34, 35, 12, mark, 31, 32, 36, 3], mark, 3) == 4
+    assert verdict_index([34, 35, 8, 9, mark, 38, 31], mark, 3) == 5
+    assert verdict_index([34, 35, 12, 36], mark, 3) is None
+    assert verdict_index([34, 35, mark], mark, 3) is None  # truncated right after the comma
+
+
+def test_a_response_that_ends_after_the_comma_has_no_verdict():
+    mark, eos = 33, 3
+    assert verdict_index([34, 35, 12, mark, eos], mark, eos) is None  # "等于5，</s>": no verdict token

@@ -27,6 +27,7 @@ def test_plot_command_writes_every_figure(gae_trace, tmp_path, run_cli):
         "over_steps.png",
         "value_vs_return_step3.png",
         "advantages_step3_sample1.png",
+        "critic_ev.png",
     ]
     for line in out.splitlines():
         with open(line, "rb") as png:
@@ -39,8 +40,12 @@ def test_figures_that_do_not_apply_are_left_out_with_a_note(tmp_path):
     b = random_batch(1)
     b = replace(b, values=None, returns=b.scores, advantages=b.scores, advantage_raw=None)
     path = write_trace(tmp_path / "t", algorithm("grpo"), {1: b})
-    with pytest.warns(PlotNote, match="value_vs_return_step1.png left out: step 1 has no values"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlotNote)
         written = save_plots(path, tmp_path / "plots")
+    notes = [str(w.message) for w in caught if issubclass(w.category, PlotNote)]
+    assert any(n.startswith("value_vs_return_step1.png left out: step 1 has no values") for n in notes), notes
+    assert any(n.startswith("critic_ev.png left out: step 1 has no values") for n in notes), notes
     assert [p.name for p in written] == ["positions_step1.png", "over_steps.png", "advantages_step1_sample0.png"]
 
 

@@ -27,6 +27,8 @@ def test_summary_numbers_by_hand(tmp_path):
         "return": 0.8, "adv_raw_mean": 0.48, "adv_raw_std": (0.208 / 4) ** 0.5, "adv_mean": 0.48,
         "adv_std": (0.208 / 4) ** 0.5, "explained_var": 1 - 0.052 / 0.075,
         "clip_low": None, "clip_high": None, "clip_dual": None, "adv_dlogp_corr": None,  # no update tables
+        "ev_mc": 1 - 0.052 / 0.075,  # an mc run: the recorded returns are the MC returns
+        "ev_mc_last": 1 - 0.02 / 0.125,  # last tokens: G = [1, 0.5], G − V = [0.4, 0.2]
     }  # fmt: skip
     assert row == pytest.approx(expected, abs=1e-6)
 
@@ -49,8 +51,10 @@ def test_summary_command(tmp_path, run_cli):
         "adv_mean",
         "adv_std",
         "explained_var",
+        "ev_mc",
+        "ev_mc_last",
     ]  # fmt: skip  (kl: none)
     assert line.split()[:4] == ["3", "2", "5", "0.7500"]
-    assert line.split()[-1] == "0.3067"
+    assert line.split()[-3:] == ["0.3067", "0.3067", "0.8400"]
     code, out, _ = run_cli("summary", path, "--format", "csv")
     assert out.splitlines()[0].startswith("step,samples,tokens,score,reward,kl,")

@@ -10,6 +10,10 @@
   transformers 5 forces ``Qwen2Tokenizer`` for ``model_type: qwen2``, which breaks a
   character-level vocabulary; a ``llama`` config round-trips exactly.
 * ``warm_start.json``: its settings, final loss, time, and held-out accuracy (greedy and sampled).
+* ``critic/``: the pretrained critic (:mod:`verl_ext.cpu.value_pretraining`): the warm start with
+  verl's value head, trained on the warm start's own sampled answers until its held-out explained
+  variance after the verdict stops improving; ``value_pretraining.json`` reports that fit and the
+  time. The learning recipe starts verl's critic from it (``critic.model.path``).
 * ``train.parquet`` / ``val.parquet``: "请问a+b=c？" prompts (:mod:`verl_ext.cpu.task`) in verl's
   RLHFDataset schema (chat-message ``prompt``, ``reward_model.ground_truth`` = the expected answer,
   ``extra_info.index``); validation problems are held out from the warm start and from RL.
@@ -33,10 +37,11 @@ from pathlib import Path
 
 from verl_ext.cpu import reward
 from verl_ext.cpu.task import Problem, balanced_sample, problem_sets
+from verl_ext.cpu.value_pretraining import ValuePretrainingSettings
 from verl_ext.cpu.warm_start import WarmStartSettings
 
 #: Bump when the layout or content of the assets changes, so old caches are not reused.
-ASSETS_FORMAT = 3
+ASSETS_FORMAT = 4
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -64,6 +69,7 @@ class AssetSpec:
     val_problems: int = 60
     train_rows: int = 2048
     warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
+    value_pretraining: ValuePretrainingSettings = field(default_factory=ValuePretrainingSettings)
     format: int = ASSETS_FORMAT
 
     def key(self) -> str:
@@ -80,6 +86,8 @@ class CpuAssets:
     val_file: Path
     reward_file: Path
     warm_start_report: Path
+    critic_dir: Path
+    value_pretraining_report: Path
     reward_name: str = "compute_score"
 
 
@@ -118,12 +126,19 @@ def _paths(target: Path) -> CpuAssets:
         val_file=target / "val.parquet",
         reward_file=Path(reward.__file__).resolve(),
         warm_start_report=target / "warm_start.json",
+        critic_dir=target / "critic",
+        value_pretraining_report=target / "value_pretraining.json",
     )
 
 
 def token_id(character: str) -> int:
     """The id of one character in the tokenizer :func:`build_tokenizer` builds."""
     return len((PAD, UNK, BOS, EOS, *ROLE_TOKENS)) + CHARACTERS.index(character)
+
+
+def special_token_id(token: str) -> int:
+    """The id of a special token (``EOS``, ``PAD``, a role) in the tokenizer :func:`build_tokenizer` builds."""
+    return (PAD, UNK, BOS, EOS, *ROLE_TOKENS).index(token)
 
 
 def build_tokenizer():
@@ -148,6 +163,7 @@ def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Pro
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from verl_ext.cpu.value_pretraining import pretrain_value
     from verl_ext.cpu.warm_start import evaluate, supervised_fine_tune
 
     tokenizer = build_tokenizer()
@@ -181,6 +197,18 @@ def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Pro
     print(
         f"[verl-ext] warm start done in {seconds:.0f} s; held-out greedy: sum {greedy.sum:.2f}, verdict "
         f"{greedy.verdict:.2f}; sampled: verdict {sampled.verdict:.2f}, fully right {sampled.acc:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    print("[verl-ext] pretraining the critic on the warm start's own answers ...", file=sys.stderr, flush=True)
+    critic, report = pretrain_value(model, tokenizer, train, val, spec.value_pretraining, seed=spec.seed)
+    critic.save_pretrained(directory / "critic")
+    tokenizer.save_pretrained(directory / "critic")
+    (directory / "value_pretraining.json").write_text(json.dumps(report, indent=2))
+    fit = report["held_out_fit"]
+    print(
+        f"[verl-ext] critic pretrained in {report['seconds']:.0f} s ({report['updates']} updates); held-out explained "
+        f"variance after the verdict {fit['ev_after_verdict']:.2f}, before it {fit['ev_before_verdict']:.2f}",
         file=sys.stderr,
         flush=True,
     )

@@ -1,9 +1,16 @@
 """Where the credit lands on the CPU task: the advantage at the verdict token against the rest.
 
 The verdict ("是" or "不", the token after the first "，") is the one decision of a response the
-policy has to learn; the outcome reward sits on the last token. Per traced step this reads the
-advantage the update used (``advantage``, after whitening) and reports the mean |A| at the
-verdict tokens, the mean |A| at the other valid tokens, and the verdict tokens' share of Σ|A|.
+policy has to learn; the outcome reward sits on the last token. A response whose token after "，"
+is the end of the sequence has no verdict. Per traced step:
+
+* :func:`verdict_credit`: the advantage the update used (``advantage``, after whitening): mean |A|
+  at the verdict tokens, at the other valid tokens, and the verdict tokens' share of Σ|A|;
+* :func:`verdict_share_by_estimator`: that share for other estimators, re-estimated from the
+  step's recorded rewards and values (raw advantages, what ``verl-ext compare`` computes);
+* :func:`critic_at_verdict`: the critic's explained variance against the Monte-Carlo return
+  (:mod:`verl_ext.inspect.critic`) at the states before and after the verdict: after it the outcome
+  is decided, and a critic that has learned the task sees it.
 """
 
 from __future__ import annotations
@@ -12,8 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verl_ext.cpu.assets import token_id
+from verl_ext.cpu.assets import EOS, special_token_id, token_id
 from verl_ext.cpu.task import VERDICT_MARK
+from verl_ext.inspect.comparison import estimator_columns
+from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
+from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData
+
+#: The estimators the demo sets side by side: λ = 0 (td0), the GAE in between, λ = 1 (mc).
+SIDE_BY_SIDE = ("mc", "gae0.95", "td0")
 
 
 @dataclass(frozen=True)
@@ -55,8 +68,60 @@ def verdict_credit(trace, step: int) -> VerdictCredit:
     )
 
 
+def verdict_share_by_estimator(trace, step: int, labels: tuple[str, ...] = SIDE_BY_SIDE) -> dict[str, float]:
+    """label -> the verdict tokens' share of the step's Σ|raw advantage| under that estimator
+    (labels of :func:`verl_ext.inspect.comparison.estimator_columns`: ``mc``, ``td0``, ``gae0.95``, …),
+    re-estimated from the recorded rewards and values."""
+    algorithm = RecordedAlgorithm.from_record(trace.record)
+    lambdas = tuple(float(label[3:]) for label in labels if label.startswith("gae"))
+    columns, _ = estimator_columns(algorithm, 3, lambdas)
+    data, at_verdict = _with_verdicts(trace, step)
+    shares = {}
+    for label in labels:
+        estimator, settings = columns[label]
+        magnitude = np.abs(data.estimate(estimator, settings)[1])
+        shares[label] = float(magnitude[at_verdict].sum() / magnitude.sum()) if magnitude.sum() > 0 else float("nan")
+    return shares
+
+
+def critic_at_verdict(trace, step: int) -> tuple[float | None, float | None]:
+    """(EV after, EV before): the critic's explained variance against the Monte-Carlo return at the
+    states that have seen the verdict token (token_index > verdict) and at those up to it."""
+    data, at_verdict = _with_verdicts(trace, step)
+    returns = monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
+    values = data.columns["value"]
+    verdict_of_token = _verdict_index_per_token(trace, step, data)
+    has_verdict = verdict_of_token >= 0
+    after = has_verdict & (_token_index(data) > verdict_of_token)
+    before = has_verdict & ~after
+    return explained_variance(values[after], returns[after]), explained_variance(values[before], returns[before])
+
+
+def _token_index(data: StepData) -> np.ndarray:
+    return data.layout.token_index[data.layout.valid_rows]
+
+
+def _verdict_index_per_token(trace, step: int, data: StepData) -> np.ndarray:
+    """(N,) the verdict token_index of each valid token's response, −1 without a verdict."""
+    layout = data.layout
+    samples = layout.sample_ids[layout.valid_sample_index()]
+    verdicts = verdict_positions(trace, step)
+    return np.array([verdicts.get(int(sample), -1) for sample in samples], dtype=np.int64)
+
+
+def _with_verdicts(trace, step: int) -> tuple[StepData, np.ndarray]:
+    """The step's rewards and values at its valid tokens, and which of those are verdict tokens."""
+    data = StepData.read(trace, step, ("reward", "value"))
+    return data, _verdict_index_per_token(trace, step, data) == _token_index(data)
+
+
 def _verdict_positions(table) -> dict[int, int]:
     marks = table[(table["token_id"] == token_id(VERDICT_MARK)) & table["mask"]]
     first = marks.groupby("sample")["token_index"].min() + 1
-    valid = table[table["mask"]].groupby("sample")["token_index"].max()
-    return {int(sample): int(index) for sample, index in first.items() if index <= valid[sample]}
+    valid = table[table["mask"]].set_index(["sample", "token_index"])["token_id"]
+    eos = special_token_id(EOS)
+    return {
+        int(sample): int(index)
+        for sample, index in first.items()
+        if (sample, index) in valid.index and valid[(sample, index)] != eos  # "，</s>" has no verdict
+    }

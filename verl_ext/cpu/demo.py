@@ -1,13 +1,16 @@
 """``make demo`` (``verl-ext demo``): verl's real PPO trainer learns the CPU task, traced, then inspected.
 
-1. The task and the warm start (:mod:`verl_ext.cpu.task`, :mod:`verl_ext.cpu.warm_start`): built
-   once and cached, nothing downloaded.
+1. The task, the warm start and the pretrained critic (:mod:`verl_ext.cpu.task`,
+   :mod:`verl_ext.cpu.warm_start`, :mod:`verl_ext.cpu.value_pretraining`): built once and cached,
+   nothing downloaded.
 2. Training: ``algorithm.adv_estimator=mc`` (the critic switched on by the plugin) with the recipe
    of :mod:`verl_ext.cpu.learning`, verl's ``RayPPOTrainer.fit()`` in a child process without Ray,
    the per-token trace on. verl validates on the held-out prompts before and after.
 3. The trace checked against the definitions.
-4. Where the credit lands, step by step (:mod:`verl_ext.cpu.credit`), and one response token by
-   token with its verdict token's advantage.
+4. Where the credit lands (:mod:`verl_ext.cpu.credit`): every 10 steps the verdict token's share
+   of Σ|A| and the critic's explained variance after the verdict; at the last step the share under
+   mc, GAE(0.95) and td0 side by side, re-estimated from the recorded values; one response token
+   by token, with its advantages under those estimators.
 5. Held-out accuracy before and after (verl's validation), and the plots.
 
 Exit code: the trainer's when it fails, else ``verl-ext check``'s (0 when every identity holds).
@@ -31,7 +34,7 @@ def run_demo(args: argparse.Namespace) -> int:
     output = args.output_dir.resolve()
     trace_dir = output / "trace"
 
-    _say("1/5 the task and the warm-started policy")
+    _say("1/5 the task, the warm-started policy and its pretrained critic")
     _describe_task()
 
     _say(f"2/5 training: {args.steps} PPO steps of `{args.estimator}` with verl's real trainer (in process, CPU)")
@@ -43,10 +46,11 @@ def run_demo(args: argparse.Namespace) -> int:
     _say("3/5 checking the trace against the definitions (docs/definitions.md §8)")
     checked = cli.main(["check", str(trace_dir), "--quiet"])
 
-    _say("4/5 where the credit lands: mean |advantage| at the verdict token against the rest")
+    _say("4/5 where the credit lands: the verdict token against the rest of the response")
     trace = open_trace(str(trace_dir))
     last_step = _print_credit(trace)
     sample = args.sample if args.sample is not None else _interesting_sample(trace, last_step)
+    _print_side_by_side(trace, last_step, sample)
     print()
     cli.main(["show", str(trace_dir), "--step", str(last_step), "--sample", str(sample)])
     _explain_verdict(trace, last_step, sample, args.estimator)
@@ -77,6 +81,13 @@ def _describe_task() -> None:
         f"{report['settings']['verdict_prior']}): held-out sum right {greedy['sum']:.2f} (greedy); "
         f"verdict right {sampled['verdict']:.2f} sampled, {greedy['verdict']:.2f} greedy"
     )
+    critic = json.loads(assets.value_pretraining_report.read_text())
+    fit = critic["held_out_fit"]
+    print(
+        f"  critic pretrained on the warm start's own answers ({critic['wrong_verdicts']:.0%} wrong verdicts, "
+        f"{critic['updates']} updates): held-out explained variance {fit['ev_after_verdict']:.2f} after the verdict, "
+        f"{fit['ev_before_verdict']:.2f} before it"
+    )
 
 
 def _train(args: argparse.Namespace, output: Path) -> int:
@@ -92,16 +103,51 @@ def _train(args: argparse.Namespace, output: Path) -> int:
     return trainer.returncode
 
 
-def _print_credit(trace) -> int:
-    from verl_ext.cpu.credit import verdict_credit
+def _print_credit(trace, every: int = 10) -> int:
+    """Every ``every``-th step (and the first and last): the verdict's share of the trained-on
+    advantages and the critic's explained variance after the verdict."""
+    from verl_ext.cpu.credit import critic_at_verdict, verdict_credit
 
-    for step in trace.steps:
-        print("  " + verdict_credit(trace, step).line())
-    return trace.steps[-1]
+    steps = trace.steps
+    for step in steps:
+        if step % every == 0 or step in (steps[0], steps[-1]):
+            after, _ = critic_at_verdict(trace, step)
+            critic = f"   critic EV after the verdict {after:+.2f}" if after is not None else ""
+            print("  " + verdict_credit(trace, step).line() + critic)
+    return steps[-1]
+
+
+def _print_side_by_side(trace, step: int, sample: int) -> None:
+    """The verdict's share of Σ|raw A| under mc, GAE(0.95) and td0 on ``step`` (re-estimated from its
+    recorded rewards and values), and ``sample`` token by token under each."""
+    from verl_ext.cpu.credit import SIDE_BY_SIDE, verdict_positions, verdict_share_by_estimator
+    from verl_ext.inspect.comparison import compare
+    from verl_ext.inspect.render import render
+
+    late = trace.steps[-10:]
+    shares = {late_step: verdict_share_by_estimator(trace, late_step) for late_step in late}
+    lengths = trace.read_step(step, ["sample", "mask"]).to_pandas().groupby("sample")["mask"].sum()
+    print(
+        f"\n  the verdict token's share of Σ|raw advantage|, re-estimated from the recorded rewards and values "
+        f"(one token's share is {1 / lengths.mean():.2f}):"
+    )
+    for label, by_step in ((f"step {step}", shares[step]), (f"mean of steps {late[0]}-{late[-1]}", None)):
+        if by_step is None:
+            by_step = {name: sum(shares[s][name] for s in late) / len(late) for name in SIDE_BY_SIDE}
+        print(f"    {label:<22}" + "   ".join(f"{name} {share:.2f}" for name, share in by_step.items()))
+    print("  mc gives every token G − V(s_t); td0 gives r_t + V(s_{t+1}) − V(s_t): with a critic that knows the")
+    print("  outcome once the verdict is written, td0's credit sits on the verdict token itself.")
+    table = compare(trace, step, sample, lambdas=(0.95,)).table
+    columns = ["token_index", "token", "value", *SIDE_BY_SIDE]
+    verdict = verdict_positions(trace, step).get(sample)
+    where = f"its verdict is token {verdict}" if verdict is not None else "it has no verdict token"
+    print(f"\n  sample {sample} of step {step} ({where}), raw advantages:\n")
+    print(render(table.select(columns), "text", 3))
 
 
 def _interesting_sample(trace, step: int) -> int:
-    """A response of ``step`` with the wrong verdict (its advantage shows the push back), else 0."""
+    """A response of ``step`` with a verdict that is not fully right (its advantage shows the push
+    back), else 0."""
     from verl_ext.cpu.credit import verdict_positions
 
     scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()

@@ -2,19 +2,26 @@
 
 Each run is one ``python -m verl_ext.cpu.learning`` process (verl's ``RayPPOTrainer.fit()`` in
 process, the recipe and per-estimator options of :mod:`verl_ext.cpu.learning`), traced without the
-update tables. Finished runs are kept under ``DIR/runs/<estimator>-seed<k>/`` and reused when the
-study is run again with the same settings, so an interrupted study loses at most the run in flight.
+update tables. The critic starts from the pretrained one of the assets; with ``control``, every
+estimator that uses a critic also runs with a fresh critic (the warm start with a new value head,
+at the old recipe's lr 1e-3), the control. Finished runs are kept under
+``DIR/runs/<estimator>[-fresh]-seed<k>/`` and reused when the study is run again with the same
+settings, so an interrupted study loses at most the run in flight.
 
 Outputs, rewritten after every run:
 
-* ``DIR/results.csv``: one row per estimator, seed and step: ``estimator, seed, step, val_acc,
-  score, critic_explained_var, verdict_share`` (``val_acc`` only at validation steps, step 0 being
-  the validation before training; ``critic_explained_var`` empty without a critic);
+* ``DIR/results.csv``: one row per estimator, critic, seed and step: ``estimator, critic, seed,
+  step, val_acc, score, critic_explained_var, ev_after_verdict, verdict_share`` (``critic``:
+  ``pretrained``, ``fresh`` or ``none``; ``val_acc`` only at validation steps, step 0 being the
+  validation before training; ``critic_explained_var`` (verl's) and ``ev_after_verdict`` (the
+  critic against the Monte-Carlo return at the states after the verdict,
+  :func:`verl_ext.cpu.credit.critic_at_verdict`) empty without a critic);
 * ``DIR/learning_curves.png``: held-out accuracy and training score, the mean over seeds with a
   min–max band, per estimator;
 * ``DIR/summary.md``: per estimator, the held-out accuracy before and after (mean ± std over seeds),
-  the steps to reach the threshold, the critic's explained variance over the last 10 steps, the
-  verdict token's share of Σ|A| (mean over steps), and the wall time per run.
+  the steps to reach the threshold, the critic's explained variance (verl's, and after the
+  verdict) over the last 10 steps, the verdict token's share of Σ|A| (mean over steps), and the
+  wall time per run.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from verl_ext.cpu.learning import ESTIMATOR_OPTIONS, PROMPTS_PER_STEP, SAMPLES_P
 from verl_ext.errors import UsageError
 
 DEFAULT_ESTIMATORS = ("mc", "td0", "nstep", "gae_ext", "gae", "grpo")
-COLUMNS = ("estimator", "seed", "step", "val_acc", "score", "critic_explained_var", "verdict_share")
+COLUMNS = ("estimator", "critic", "seed", "step", "val_acc", "score", "critic_explained_var", "ev_after_verdict", "verdict_share")
+#: Estimators of the study that train without a critic.
+CRITIC_FREE = ("grpo",)
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class StudySettings:
 @dataclass(frozen=True)
 class RunResult:
     estimator: str
+    critic: str  # pretrained, fresh or none
     seed: int
     seconds: float
     rows: list[dict]  # one per step, COLUMNS
@@ -65,26 +75,33 @@ def parse_estimators(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def run_study(estimators: tuple[str, ...], seeds: int, settings: StudySettings, out: Path, jobs: int = 1) -> int:
+def run_study(
+    estimators: tuple[str, ...], seeds: int, settings: StudySettings, out: Path, jobs: int = 1, control: bool = False
+) -> int:
     """Run the study (see the module docstring), ``jobs`` runs at a time; return 0, or 1 when a run failed.
 
     Each run trains on one thread (:mod:`verl_ext.cpu.learning`): on a 2-core machine two jobs
     finish the study in little more than half the time of one.
     """
-    runs = [(estimator, seed) for estimator in estimators for seed in range(seeds)]
+    runs = [
+        (estimator, critic, seed)
+        for estimator in estimators
+        for critic in (("none",) if estimator in CRITIC_FREE else ("pretrained", "fresh") if control else ("pretrained",))
+        for seed in range(seeds)
+    ]
     results: list[RunResult] = []
     started = time.monotonic()
     print(
-        f"[study] {len(runs)} runs ({', '.join(estimators)} x {seeds} seed(s)), {settings.steps} steps each, "
+        f"[study] {len(runs)} runs ({', '.join(estimators)} x {seeds} seed(s){', with the fresh-critic control' if control else ''}), {settings.steps} steps each, "
         f"{jobs} at a time, into {out}",
         flush=True,
     )
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        pending = [pool.submit(_run_one, e, s, settings, out / "runs" / f"{e}-seed{s}") for e, s in runs]
+        pending = [pool.submit(_run_one, e, c, s, settings, out / "runs" / _run_name(e, c, s)) for e, c, s in runs]
         for done, future in enumerate(as_completed(pending), start=1):
             result = future.result()
             results.append(result)
-            results.sort(key=lambda r: runs.index((r.estimator, r.seed)))
+            results.sort(key=lambda r: runs.index((r.estimator, r.critic, r.seed)))
             _write_outputs(results, settings, out)
             elapsed = time.monotonic() - started
             trained = [r.seconds for r in results if not r.reused]
@@ -98,48 +115,53 @@ def run_study(estimators: tuple[str, ...], seeds: int, settings: StudySettings, 
     return 1 if failed else 0
 
 
-def _run_one(estimator: str, seed: int, settings: StudySettings, run_dir: Path) -> RunResult:
+def _run_name(estimator: str, critic: str, seed: int) -> str:
+    return f"{estimator}{'-fresh' if critic == 'fresh' else ''}-seed{seed}"
+
+
+def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, run_dir: Path) -> RunResult:
     done_file = run_dir / "run.json"
     # what decides a run's outcome (the threshold only reads it)
-    wanted = {"estimator": estimator, "seed": seed, "steps": settings.steps, "test_freq": settings.test_freq}
+    wanted = {"estimator": estimator, "critic": critic, "seed": seed, "steps": settings.steps, "test_freq": settings.test_freq}
     if done_file.exists():
         recorded = json.loads(done_file.read_text())
         if {key: recorded.get(key) for key in wanted} == wanted:
-            return _read_run(estimator, seed, recorded["seconds"], run_dir, reused=True)
+            return _read_run(estimator, critic, seed, recorded["seconds"], run_dir, reused=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     done_file.unlink(missing_ok=True)
     command = [
         sys.executable, "-m", "verl_ext.cpu.learning", str(run_dir), "--estimator", estimator, "--seed", str(seed),
         "--steps", str(settings.steps), "--test-freq", str(settings.test_freq), "--trace",
-        "--", "verl_ext.trace.update=false",
+        *(["--fresh-critic"] if critic == "fresh" else []), "--", "verl_ext.trace.update=false",
     ]  # fmt: skip
     started = time.monotonic()
     with open(run_dir / "train.log", "w") as log:
         status = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir).returncode
     seconds = time.monotonic() - started
     if status != 0:
-        return RunResult(estimator, seed, seconds, [], failed=f"exit {status}")
+        return RunResult(estimator, critic, seed, seconds, [], failed=f"exit {status}")
     done_file.write_text(json.dumps({**wanted, "seconds": round(seconds, 1)}))
-    return _read_run(estimator, seed, seconds, run_dir)
+    return _read_run(estimator, critic, seed, seconds, run_dir)
 
 
-def _read_run(estimator: str, seed: int, seconds: float, run_dir: Path, reused: bool = False) -> RunResult:
-    from verl_ext.cpu.credit import verdict_credit
+def _read_run(estimator: str, critic: str, seed: int, seconds: float, run_dir: Path, reused: bool = False) -> RunResult:
+    from verl_ext.cpu.credit import critic_at_verdict, verdict_credit
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(run_dir / "trace"))
     shares = {step: verdict_credit(trace, step).verdict_share for step in trace.steps}
+    after_verdict = {step: critic_at_verdict(trace, step)[0] for step in trace.steps} if critic != "none" else {}
     metrics = read_metrics(run_dir)
     accuracy = validation_accuracy(metrics)
     rows = [
         {
-            "estimator": estimator, "seed": seed, "step": step, "val_acc": accuracy.get(step),
+            "estimator": estimator, "critic": critic, "seed": seed, "step": step, "val_acc": accuracy.get(step),
             "score": data.get("critic/score/mean"), "critic_explained_var": data.get("critic/vf_explained_var"),
-            "verdict_share": shares.get(step),
+            "ev_after_verdict": after_verdict.get(step), "verdict_share": shares.get(step),
         }
         for step, data in sorted(metrics.items())
     ]  # fmt: skip
-    return RunResult(estimator, seed, seconds, rows, reused=reused)
+    return RunResult(estimator, critic, seed, seconds, rows, reused=reused)
 
 
 def _write_outputs(results: list[RunResult], settings: StudySettings, out: Path) -> None:
@@ -158,19 +180,21 @@ def _write_outputs(results: list[RunResult], settings: StudySettings, out: Path)
 @dataclass(frozen=True)
 class EstimatorSummary:
     estimator: str
+    critic: str
     runs: int
     before: tuple[float, float]  # mean, std over seeds of the held-out accuracy at step 0
     after: tuple[float, float]  # ... at the last validated step
     steps_to_threshold: str
     explained_var: float | None  # mean over seeds of the last 10 steps' mean
+    ev_after_verdict: float | None  # the same, after the verdict
     verdict_share: float | None
     seconds: float
 
 
 def summarize(results: list[RunResult], settings: StudySettings) -> list[EstimatorSummary]:
     summaries = []
-    for estimator in dict.fromkeys(r.estimator for r in results):
-        runs = [r for r in results if r.estimator == estimator and not r.failed]
+    for estimator, critic in dict.fromkeys((r.estimator, r.critic) for r in results):
+        runs = [r for r in results if (r.estimator, r.critic) == (estimator, critic) and not r.failed]
         if not runs:
             continue
         validated = [[row for row in r.rows if row["val_acc"] is not None] for r in runs]
@@ -180,10 +204,11 @@ def summarize(results: list[RunResult], settings: StudySettings) -> list[Estimat
         hits = [step for step in reached if step is not None]
         steps_text = "not reached" if not hits else f"{statistics.mean(hits):.0f} ({len(hits)}/{len(runs)} seeds)"
         explained = [_mean([row["critic_explained_var"] for row in r.rows[-10:]]) for r in runs]
+        after_verdict = [_mean([row["ev_after_verdict"] for row in r.rows[-10:]]) for r in runs]
         shares = [_mean([row["verdict_share"] for row in r.rows]) for r in runs]
         summaries.append(EstimatorSummary(
-            estimator, len(runs), _mean_std(before), _mean_std(after), steps_text,
-            _mean(explained), _mean(shares), statistics.mean(r.seconds for r in runs),
+            estimator, critic, len(runs), _mean_std(before), _mean_std(after), steps_text,
+            _mean(explained), _mean(after_verdict), _mean(shares), statistics.mean(r.seconds for r in runs),
         ))  # fmt: skip
     return summaries
 
@@ -198,13 +223,13 @@ def summary_markdown(results: list[RunResult], settings: StudySettings) -> str:
         + "; ".join(f"{name} {' '.join(_option(o) for o in opts) or '(none)'}" for name, opts in ESTIMATOR_OPTIONS.items())
         + ".",
         "",
-        f"| estimator | runs | held-out acc before | after | steps to ≥ {settings.threshold:g} | critic explained var (last 10 steps) | verdict share of Σ\\|A\\| | s per run |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| estimator | critic | runs | held-out acc before | after | steps to ≥ {settings.threshold:g} | critic explained var (last 10 steps) | EV after the verdict (last 10 steps) | verdict share of Σ\\|A\\| | s per run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summarize(results, settings):
         lines.append(
-            f"| {s.estimator} | {s.runs} | {_pm(s.before)} | {_pm(s.after)} | {s.steps_to_threshold} | "
-            f"{_fmt(s.explained_var)} | {_fmt(s.verdict_share)} | {s.seconds:.0f} |"
+            f"| {s.estimator} | {s.critic} | {s.runs} | {_pm(s.before)} | {_pm(s.after)} | {s.steps_to_threshold} | "
+            f"{_fmt(s.explained_var)} | {_fmt(s.ev_after_verdict)} | {_fmt(s.verdict_share)} | {s.seconds:.0f} |"
         )
     failed = [f"{r.estimator} seed {r.seed} ({r.failed})" for r in results if r.failed]
     if failed:
@@ -219,15 +244,16 @@ def learning_curves(results: list[RunResult]):
 
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     accuracy_axes, score_axes = fig.subplots(1, 2)
-    for estimator in dict.fromkeys(r.estimator for r in results):
-        runs = [r for r in results if r.estimator == estimator and not r.failed]
+    for estimator, critic in dict.fromkeys((r.estimator, r.critic) for r in results):
+        runs = [r for r in results if (r.estimator, r.critic) == (estimator, critic) and not r.failed]
+        label = estimator + (" (fresh critic)" if critic == "fresh" else "")
         for axes, column in ((accuracy_axes, "val_acc"), (score_axes, "score")):
             curves = [{row["step"]: row[column] for row in r.rows if row[column] is not None} for r in runs]
             steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
             if not steps:
                 continue
             values = np.array([[c[step] for step in steps] for c in curves])
-            (line,) = axes.plot(steps, values.mean(axis=0), label=estimator, marker="o" if column == "val_acc" else None, markersize=3)
+            (line,) = axes.plot(steps, values.mean(axis=0), label=label, linestyle="--" if critic == "fresh" else "-", marker="o" if column == "val_acc" else None, markersize=3)
             axes.fill_between(steps, values.min(axis=0), values.max(axis=0), alpha=0.15, color=line.get_color())
     accuracy_axes.set(xlabel="step", ylabel="held-out accuracy (sampled)", title="verl's validation")
     score_axes.set(xlabel="step", ylabel="mean score of the step's responses", title="training")
@@ -245,11 +271,12 @@ def _option(override: str) -> str:
 
 
 def _describe(result: RunResult) -> str:
+    name = _run_name(result.estimator, result.critic, result.seed)
     if result.failed:
-        return f"{result.estimator} seed {result.seed}: FAILED ({result.failed}) after {result.seconds:.0f} s"
+        return f"{name}: FAILED ({result.failed}) after {result.seconds:.0f} s"
     validated = [row["val_acc"] for row in result.rows if row["val_acc"] is not None]
     change = f"held-out acc {validated[0]:.3f} -> {validated[-1]:.3f}" if validated else "no validation"
-    return f"{result.estimator} seed {result.seed}: {change} in {result.seconds:.0f} s" + (" (reused)" if result.reused else "")
+    return f"{name}: {change} in {result.seconds:.0f} s" + (" (reused)" if result.reused else "")
 
 
 def _mean(values) -> float | None:

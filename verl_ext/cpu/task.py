@@ -104,10 +104,11 @@ def score_response(response: str, expected: str) -> Score:
     return Score(SUM_CREDIT * sum_right + VERDICT_CREDIT * verdict_right, 0.0, sum_right, verdict_right)
 
 
-def verdict_index(response_ids: list[int], mark_id: int) -> int | None:
-    """Position of the verdict token in a response: the token after the first ``VERDICT_MARK``."""
+def verdict_index(response_ids: list[int], mark_id: int, eos_id: int) -> int | None:
+    """Position of the verdict token in a response: the token after the first ``VERDICT_MARK``;
+    None when there is none, or when that token ends the response (``eos_id``)."""
     try:
         position = response_ids.index(mark_id) + 1
     except ValueError:
         return None
-    return position if position < len(response_ids) else None
+    return position if position < len(response_ids) and response_ids[position] != eos_id else None

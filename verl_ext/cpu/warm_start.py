@@ -54,9 +54,9 @@ def supervised_fine_tune(model, tokenizer, problems: list[Problem], settings: Wa
     with one_torch_thread():
         for step in range(settings.steps):
             batch = [rng.choice(problems) for _ in range(settings.batch_size)]
-            pairs = [(_prompt_ids(tokenizer, p), _answer_ids(tokenizer, p, rng.random() < settings.verdict_prior)) for p in batch]
-            input_ids, attention_mask, response_mask = _left_padded(pairs, tokenizer.pad_token_id)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask)).logits
+            pairs = [(prompt_ids(tokenizer, p), _answer_ids(tokenizer, p, rng.random() < settings.verdict_prior)) for p in batch]
+            input_ids, attention_mask, response_mask = left_padded(pairs, tokenizer.pad_token_id)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
             target = response_mask[:, 1:]
             loss = -(logp * target).sum() / target.sum()
@@ -74,9 +74,9 @@ def evaluate(model, tokenizer, problems: list[Problem], *, samples: int = 1, gre
     """Generate for each problem (greedy, or ``samples`` samples at temperature 1) and score the answers."""
     import torch
 
-    prompts = [_prompt_ids(tokenizer, p) for p in problems for _ in range(1 if greedy else samples)]
+    prompts = [prompt_ids(tokenizer, p) for p in problems for _ in range(1 if greedy else samples)]
     expected = [p.answer() for p in problems for _ in range(1 if greedy else samples)]
-    input_ids, attention_mask, _ = _left_padded([(p, []) for p in prompts], tokenizer.pad_token_id)
+    input_ids, attention_mask, _ = left_padded([(p, []) for p in prompts], tokenizer.pad_token_id)
     torch.manual_seed(seed)
     with torch.no_grad(), one_torch_thread():
         output = model.generate(
@@ -105,7 +105,7 @@ def _schedule(step: int, settings: WarmStartSettings) -> float:
     return warmup * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / settings.steps)))
 
 
-def _prompt_ids(tokenizer, problem: Problem) -> list[int]:
+def prompt_ids(tokenizer, problem: Problem) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": problem.question()}], tokenize=False, add_generation_prompt=True
     )
@@ -119,7 +119,7 @@ def _answer_ids(tokenizer, problem: Problem, right_verdict: bool) -> list[int]:
     return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
-def _left_padded(pairs: list[tuple[list[int], list[int]]], pad_id: int):
+def left_padded(pairs: list[tuple[list[int], list[int]]], pad_id: int):
     """(input_ids, attention_mask, response_mask) of prompt+response rows, left-padded as verl does."""
     import torch
 
@@ -135,5 +135,5 @@ def _left_padded(pairs: list[tuple[list[int], list[int]]], pad_id: int):
     return input_ids, attention_mask, response_mask
 
 
-def _positions(attention_mask):
+def position_ids(attention_mask):
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)

@@ -8,13 +8,15 @@
     sample_view(trace, 3, 0).table.to_pandas()     # the per-token table with decoded tokens
     summarize(trace).to_pandas()                   # one row per step
     compare(trace, step=3).statistics.to_pandas()  # every estimator re-estimated on step 3
+    critic_diagnostics(trace).to_pandas()          # the critic against the MC return, per step and position
     plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
 
 Every function takes an open trace or a path. Modules: ``stepdata`` (a step as arrays, and what the
 run record says about its estimator); ``check`` (the identities of docs/definitions.md §8, their
 recomputation and tolerances, the report as data); ``table`` (the per-token table, decoded tokens);
 ``summary`` (one row per step); ``update`` (the update tables' identities and statistics);
-``comparison`` (the estimators side by side on one step); ``plots``; ``render`` (text, CSV, Markdown, the check report,
+``comparison`` (the estimators side by side on one step); ``critic`` (the critic's values against
+the Monte-Carlo return, by position); ``plots``; ``render`` (text, CSV, Markdown, the check report,
 progress lines). The commands are in :mod:`verl_ext.cli`.
 """
 
@@ -40,6 +42,8 @@ _EXPORTS = {
     "render": "verl_ext.inspect.render",
     "compare": "verl_ext.inspect.comparison",
     "Comparison": "verl_ext.inspect.comparison",
+    "critic_diagnostics": "verl_ext.inspect.critic",
+    "steps_by_bucket": "verl_ext.inspect.critic",
 }
 __all__ = [*_EXPORTS, "plots"]
 

@@ -12,6 +12,8 @@ notebook (a returned Figure displays itself) and in ``verl-ext plot`` (Agg, save
 * :func:`logprob_change`: log_prob − old_log_prob along one response, per PPO epoch, under its
   advantages (needs update tables)
 * :func:`comparison_figure`: the estimators side by side on one step (``verl-ext compare``)
+* :func:`critic_heatmap`: steps × position buckets, the explained variance of the values against
+  the Monte-Carlo return and the mean |V − G| (:mod:`verl_ext.inspect.critic`; needs values)
 
 A figure that draws token text says so in a footnote when a character had to be shown as a code
 point, and warns (``FontFallbackWarning``, a :class:`PlotNote`).
@@ -43,8 +45,9 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from verl_ext.errors import UsageError
+from verl_ext.inspect.critic import critic_diagnostics, steps_by_bucket
 from verl_ext.inspect.render import display_width
-from verl_ext.inspect.stepdata import Progress, StepData, as_trace
+from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.summary import explained_variance, summarize
 from verl_ext.inspect.table import CONTINUATION, EMPTY, decoder_for, sample_view
 
@@ -341,13 +344,62 @@ def comparison_figure(comparison) -> Figure:
     return fig
 
 
+#: Steps up to which the critic heatmap writes each cell's number into it.
+CRITIC_ANNOTATE_STEPS = 30
+
+
+def critic_heatmap(trace, progress: Progress | None = None) -> Figure:
+    """Two heatmaps, steps (rows, downwards) × position buckets (columns: deciles of each response,
+    its last valid token, all): the explained variance 1 − Var(G − V)/Var(G) of the values against
+    the Monte-Carlo return, its colour clipped to [−1, 1] and diverging around 0 (white: the critic
+    explains nothing; red: below 0, V adds error; blue: towards 1, ready), and the mean |V − G|.
+    Grey: undefined (fewer than 2 tokens, or returns that do not vary). Needs values (UsageError
+    without)."""
+    trace = as_trace(trace)
+    diagnostics = critic_diagnostics(trace, progress=progress)
+    panels = (
+        ("explained_var", "explained variance 1 − Var(G − V) / Var(G)", "colour clipped to [−1, 1]", colormaps["RdBu"]),
+        ("mean_abs_error", "mean |V − G|", "reward units", colormaps["viridis"]),
+    )
+    first = steps_by_bucket(diagnostics, panels[0][0])
+    steps, buckets = first.column("step").to_pylist(), first.column_names[1:]
+    fig = Figure(figsize=(13, 2.8 + 0.28 * min(len(steps), 60)), layout="constrained")
+    for axis, (metric, title, unit, cmap) in zip(fig.subplots(1, 2), panels):
+        wide = steps_by_bucket(diagnostics, metric)
+        matrix = np.array([[np.nan if v is None else v for v in wide.column(b).to_pylist()] for b in buckets], float).T
+        scale = dict(vmin=-1.0, vmax=1.0) if metric == "explained_var" else {}
+        image = axis.imshow(matrix, cmap=cmap.with_extremes(bad="0.85"), aspect="auto", interpolation="nearest", **scale)
+        if len(steps) <= CRITIC_ANNOTATE_STEPS:
+            for (i, j), value in np.ndenumerate(matrix):
+                if np.isfinite(value):
+                    ink = "white" if sum(image.cmap(image.norm(value))[:3]) < 1.2 else "black"
+                    axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6.5, color=ink)
+        for edge in (buckets.index("last") - 0.5, buckets.index("all") - 0.5):  # deciles | last | all
+            axis.axvline(edge, color="white", linewidth=2)
+        axis.set_xticks(range(len(buckets)), buckets)
+        axis.set_yticks(*_step_ticks(steps))
+        axis.set_xlabel("position: deciles of each response's valid tokens, its last valid token, all")
+        axis.set_ylabel("training step")
+        axis.set_title(title, fontsize=10)
+        fig.colorbar(image, ax=axis, label=unit, extend="both" if scale else "neither", shrink=0.9)
+    gamma = RecordedAlgorithm.from_record(trace.record).gamma
+    fig.suptitle(f"Is the critic ready? Values V against the Monte-Carlo return G (γ = {gamma:g}), by position")
+    return fig
+
+
+def _step_ticks(steps: list[int], most: int = 30) -> tuple[list[int], list[str]]:
+    """Row positions and labels of at most ``most`` evenly spread steps."""
+    rows = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), most)).round().astype(int)) if steps else []
+    return list(rows), [str(steps[i]) for i in rows]
+
+
 def save_plots(
     trace, out_dir, step: int | None = None, sample: int = 0, tokenizer=None, progress: Progress | None = None
 ) -> list[Path]:
     """Write every figure as a PNG under ``out_dir``; return the paths written.
 
-    Figures that do not apply to the run (value vs return without values) are left out. Nothing is
-    written unless every figure that applies could be drawn.
+    Figures that do not apply to the run (value vs return and the critic heatmap without values) are
+    left out. Nothing is written unless every figure that applies could be drawn.
     """
     trace = as_trace(trace)
     step = _step(trace, step)
@@ -356,6 +408,7 @@ def save_plots(
         "over_steps.png": lambda: over_steps(trace, progress),
         f"value_vs_return_step{step}.png": lambda: value_vs_return(trace, step),
         f"advantages_step{step}_sample{sample}.png": lambda: advantage_heatmap(trace, step, sample, tokenizer),
+        "critic_ev.png": lambda: critic_heatmap(trace, progress),
     }
     if step in trace.update_steps.get("actor", []):
         figures[f"ratio_vs_advantage_step{step}.png"] = lambda: ratio_vs_advantage(trace, step)
@@ -365,7 +418,7 @@ def save_plots(
         try:
             built[name] = build()
         except UsageError as skipped:
-            if name.startswith(("value_vs_return", "logprob_change")):
+            if name.startswith(("value_vs_return", "logprob_change", "critic_ev")):
                 warnings.warn(f"{name} left out: {skipped}", PlotNote, stacklevel=2)
                 continue
             raise

@@ -11,6 +11,10 @@
   clipped low (A < 0), high (A > 0) and by the dual clip (null without update tables)
 * ``adv_dlogp_corr``: correlation of the advantage with log_prob − old_log_prob in the last epoch:
   positive when the update raised the probability of the tokens it was told to raise
+* ``ev_mc``, ``ev_mc_last``: 1 − Var(G − V)/Var(G) against the Monte-Carlo return G_t = Σ_{k≥t} γ^{k−t} r_k
+  recomputed from the rewards (the same yardstick whatever the estimator), over all valid tokens and
+  over each response's last valid token (null without values); by position in
+  :mod:`verl_ext.inspect.critic` (``verl-ext summary --critic``)
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from verl_ext.inspect.stepdata import Progress, StepData, as_trace
+from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, position_buckets
+from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.update import update_statistics
 
 SUMMARY_SCHEMA = pa.schema(
@@ -42,6 +47,8 @@ SUMMARY_SCHEMA = pa.schema(
             "clip_high",
             "clip_dual",
             "adv_dlogp_corr",
+            "ev_mc",
+            "ev_mc_last",
         )
     ]
 )
@@ -52,17 +59,19 @@ def summarize(trace, steps: Iterable[int] | None = None, progress: Progress | No
     """SUMMARY_SCHEMA, one row per step (all traced steps, or ``steps``), read one step at a time."""
     trace = as_trace(trace)
     selected = list(trace.steps if steps is None else steps)
+    gamma = RecordedAlgorithm.from_record(trace.record).gamma
     rows, tokens = [], 0
     for done, step in enumerate(selected, start=1):
         data = StepData.read(trace, step, _COLUMNS)
-        rows.append(step_summary(data) | update_statistics(trace, step))
+        rows.append(step_summary(data, gamma) | update_statistics(trace, step))
         tokens += data.tokens
         if progress is not None:
             progress(done, len(selected), tokens)
     return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)
 
 
-def step_summary(data: StepData) -> dict:
+def step_summary(data: StepData, gamma: float) -> dict:
+    """The statistics of one step (every column but the update's), ``gamma`` the run's γ."""
     col = data.columns
     layout = data.layout
     per_sample = layout.valid_sample_index()
@@ -93,12 +102,17 @@ def step_summary(data: StepData) -> dict:
         "adv_mean": mean(col["advantage"]),
         "adv_std": std(col["advantage"]),
         "explained_var": explained_variance(col["value"], col["return"]),
+        **monte_carlo_explained_variance(data, gamma),
     }
 
 
-def explained_variance(values: np.ndarray | None, returns: np.ndarray | None) -> float | None:
-    """1 − Var(R − V)/Var(R); None without values or when the returns do not vary."""
-    if values is None or returns is None or len(returns) < 2:
-        return None
-    spread = returns.var(ddof=1)
-    return float(1.0 - (returns - values).var(ddof=1) / spread) if spread > 0 else None
+def monte_carlo_explained_variance(data: StepData, gamma: float) -> dict:
+    """``ev_mc`` and ``ev_mc_last``: the explained variance of the values against the Monte-Carlo
+    return, over all valid tokens and over the last valid token of each response."""
+    values = data.columns["value"]
+    if values is None or data.columns["reward"] is None:
+        return {"ev_mc": None, "ev_mc_last": None}
+    returns = monte_carlo_returns(data, gamma)
+    _, last = position_buckets(data.layout)
+    return {"ev_mc": explained_variance(values, returns), "ev_mc_last": explained_variance(values[last], returns[last])}
+

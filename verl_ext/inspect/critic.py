@@ -1,0 +1,133 @@
+"""Is the critic ready? Its values against the Monte-Carlo return, per step and by position.
+
+On each response's compacted valid tokens t = 0 … L−1 (docs/definitions.md §9, "Is the critic
+ready?"):
+
+* G_t = Σ_{k=t}^{L−1} γ^{k−t} r_k, the Monte-Carlo return, recomputed from the recorded ``reward``
+  with the run's γ by the registry's ``mc`` estimator: the same yardstick whatever estimator built
+  the critic's targets (``return`` is the target only for ``mc``);
+* V_t, the recorded ``value`` (the critic's prediction for the state before token t).
+
+Buckets by position: the valid token of rank i (0-based) of a response with L valid tokens is in
+the decile ``d{⌊10·i/L⌋}`` (``d0`` … ``d9``; a response shorter than 10 tokens leaves some empty);
+``last`` holds each response's last valid token (i = L−1, which is also in its decile); ``all``
+every valid token. Per (step, bucket), over the bucket's n tokens of the step:
+
+* ``explained_var`` = 1 − Var(G − V) / Var(G), variances with n − 1 as verl's
+  ``critic/vf_explained_var``; null when n < 2 or Var(G) = 0;
+* ``mean_abs_error`` = mean |V − G|; ``mean_return`` = mean G; ``mean_value`` = mean V
+  (null when n = 0).
+
+EV ≈ 0 at the positions after the decision point means the critic cannot tell a good response from
+a bad one there: it is blind, and every estimator that bootstraps from it is biased.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from verl_ext.errors import UsageError
+from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
+
+#: Position buckets, in column order: the ten deciles of each response, its last valid token, all.
+DECILES = tuple(f"d{i}" for i in range(10))
+BUCKETS = (*DECILES, "last", "all")
+
+#: One row per (step, bucket), every bucket of every step (a bucket without tokens has nulls).
+CRITIC_SCHEMA = pa.schema(
+    [("step", pa.int64()), ("bucket", pa.string()), ("tokens", pa.int64())]
+    + [(name, pa.float64()) for name in ("explained_var", "mean_abs_error", "mean_return", "mean_value")]
+)
+METRICS = tuple(CRITIC_SCHEMA.names[2:])
+
+
+def critic_diagnostics(trace, steps: Iterable[int] | None = None, progress: Progress | None = None) -> pa.Table:
+    """CRITIC_SCHEMA: for every step (all traced steps, or ``steps``) and every bucket of BUCKETS,
+    the critic's values against the Monte-Carlo return (module docstring), one step read at a time.
+
+    A step without values (a run without a critic, such as ``grpo``) is a UsageError."""
+    trace = as_trace(trace)
+    selected = [trace.require_step(step) for step in (trace.steps if steps is None else steps)]
+    gamma = RecordedAlgorithm.from_record(trace.record).gamma
+    rows, tokens = [], 0
+    for done, step in enumerate(selected, start=1):
+        data = StepData.read(trace, step, ("reward", "value"))
+        if data.columns["value"] is None or data.columns["reward"] is None:
+            missing = "values" if data.columns["value"] is None else "rewards"
+            estimator = trace.record.algorithm.get("adv_estimator")
+            raise UsageError(
+                f"step {step} has no {missing}: nothing to compare the critic with "
+                f"(adv_estimator={estimator}; a run without a critic, such as grpo, has no values)"
+            )
+        rows += step_diagnostics(data, gamma)
+        tokens += data.tokens
+        if progress is not None:
+            progress(done, len(selected), tokens)
+    return pa.Table.from_pylist(rows, schema=CRITIC_SCHEMA)
+
+
+def step_diagnostics(data: StepData, gamma: float) -> list[dict]:
+    """The CRITIC_SCHEMA rows of one step (``data`` with ``reward`` and ``value``), in BUCKETS order."""
+    returns = monte_carlo_returns(data, gamma)
+    values = data.columns["value"]
+    decile, last = position_buckets(data.layout)
+    members = {**{name: decile == i for i, name in enumerate(DECILES)}, "last": last, "all": np.ones(data.tokens, bool)}
+    rows = []
+    for bucket in BUCKETS:
+        g, v = returns[members[bucket]], values[members[bucket]]
+        rows.append({
+            "step": data.step,
+            "bucket": bucket,
+            "tokens": len(g),
+            "explained_var": explained_variance(v, g),
+            "mean_abs_error": float(np.abs(v - g).mean()) if len(g) else None,
+            "mean_return": float(g.mean()) if len(g) else None,
+            "mean_value": float(v.mean()) if len(g) else None,
+        })  # fmt: skip
+    return rows
+
+
+def monte_carlo_returns(data: StepData, gamma: float) -> np.ndarray:
+    """(N,) float64 G_t = Σ_{k≥t} γ^{k−t} r_k at the step's N valid tokens, from its ``reward``
+    column, by the registry's ``mc`` estimator (the code path of training). Needs ``value`` too
+    (``mc`` needs the critic), although G does not depend on it."""
+    from verl_ext import registry
+
+    mc = registry.get("mc")
+    return data.estimate(mc, mc.settings({"gamma": gamma}))[0]
+
+
+def position_buckets(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(decile, last), both (N,) over the step's valid tokens: ⌊10·i/L⌋ (int) for the valid token
+    of rank i in a response of L valid tokens, and whether i = L − 1."""
+    lengths = np.repeat(layout.valid_counts, layout.valid_counts)
+    rank = np.arange(len(lengths)) - np.repeat(layout.valid_starts, layout.valid_counts)
+    return (10 * rank) // np.maximum(lengths, 1), rank == lengths - 1
+
+
+def explained_variance(values: np.ndarray | None, returns: np.ndarray | None) -> float | None:
+    """1 − Var(R − V)/Var(R) (n − 1 in both); None without values, with fewer than 2 tokens, or
+    when the returns do not vary."""
+    if values is None or returns is None or len(returns) < 2:
+        return None
+    spread = returns.var(ddof=1)
+    return float(1.0 - (returns - values).var(ddof=1) / spread) if spread > 0 else None
+
+
+def steps_by_bucket(diagnostics: pa.Table, metric: str = "explained_var") -> pa.Table:
+    """The wide form of one metric of :func:`critic_diagnostics`: one row per step, columns
+    ``step`` then one per bucket present (BUCKETS order), null where the bucket has no value."""
+    if metric not in METRICS:
+        raise UsageError(f"unknown metric {metric!r}; expected one of {', '.join(METRICS)}")
+    rows = diagnostics.select(["step", "bucket", metric]).to_pylist()
+    steps = sorted({row["step"] for row in rows})
+    present = {row["bucket"] for row in rows}
+    buckets = [bucket for bucket in BUCKETS if bucket in present]
+    cell = {(row["step"], row["bucket"]): row[metric] for row in rows}
+    kind = CRITIC_SCHEMA.field(metric).type
+    columns = {"step": pa.array(steps, pa.int64())}
+    columns |= {bucket: pa.array([cell.get((step, bucket)) for step in steps], kind) for bucket in buckets}
+    return pa.table(columns)
