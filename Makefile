@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up, then run verl's real PPO trainer on CPU with the trace and its inspection
-#   make test   set up, then run the test suite
+#   make test   set up, install chromium when missing (the browser tests), then run the test suite
 # Set-up creates .venv/ when missing, installs torch only when the venv has none (TORCH_SPEC),
 # then verl and this package with the versions in constraints.txt. It re-runs only when
 # setup.cfg, pyproject.toml or constraints.txt change.
@@ -11,9 +11,19 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-ext-setup
 
-.PHONY: setup test demo bench clean
+.PHONY: setup chromium test demo bench clean
 
 setup: $(STAMP)
+
+# The browser tests (tests/view) run Debian's chromium headless. Installed when missing (as root, or
+# through sudo); a failed install stops `make test` here, and the tests themselves fail without it.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the browser tests"; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@command -v chromium >/dev/null 2>&1 || { echo "chromium is missing and could not be installed (apt-get install chromium)" >&2; exit 1; }
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +32,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[verl-runtime,plot,test]"
 	@touch $(STAMP)
 
-test: setup
+test: setup chromium
 	$(PY) -m pytest
 
 demo: setup
@@ -34,6 +44,7 @@ bench: setup
 	$(PY) benchmarks/bench_trace.py
 	$(PY) benchmarks/bench_check.py
 	$(PY) benchmarks/bench_update.py
+	$(PY) benchmarks/bench_view.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .hypothesis

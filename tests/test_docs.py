@@ -19,7 +19,8 @@ import torch
 
 import tests.reference as reference
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "definitions.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "definitions.md"
 
 # The "是的，等于2！" example (seed dialogue 000): six response tokens, the outcome score on the last.
 TOKENS = ["是", "的", "，", "等于", "2", "！"]
@@ -312,3 +313,29 @@ def test_update_columns():
                 documented[k].add(name)
     for kind, columns in UPDATE_COLUMNS.items():
         assert documented[kind] == {c.name for c in columns} - {"step"}, kind
+
+
+def test_the_verl_versions_table_is_what_setup_cfg_accepts_and_ci_installs():
+    """Issue 18: the accepted range is the tested range. The README's table lists the verl
+    releases setup.cfg accepts among those ever tried, and they are the one constraints.txt (what
+    `make test` installs in CI) pins; each touch's range lies inside the accepted one."""
+    import configparser
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from verl_ext.touches import SUPPORTED_VERL, TOUCHES
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    requirements = [Requirement(line) for line in config["options"]["install_requires"].split("\n") if line.strip()]
+    accepted = next(r.specifier for r in requirements if r.name == "verl")
+    assert str(accepted) == SUPPORTED_VERL  # the package's range is read from setup.cfg, not written twice
+    pinned = next(line.split("==")[1].strip() for line in (ROOT / "constraints.txt").read_text().splitlines() if line.startswith("verl=="))
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- verl-versions -->")[1].split("<!-- /verl-versions -->")[0]
+    rows = [line.split("|")[1].strip() for line in table.strip().splitlines()[2:]]
+    tried = ["0.6.1", "0.7.1", "0.8.0", "0.9.0", "0.9.1", "0.9.2", "0.10.0"]
+    assert rows == [v for v in tried if accepted.contains(v)] == [pinned]
+    for touch in TOUCHES:
+        assert SpecifierSet(touch.versions).contains(pinned), touch.name

@@ -34,12 +34,12 @@ def trace(tmp_path) -> Path:
 
 
 def test_1_a_second_directory_of_the_same_step_is_refused_not_half_read(trace, run_cli):
-    shutil.copytree(trace / "step=3", trace / "step=03")
+    shutil.copytree(trace / "step-3", trace / "step-03")
     for command in ("check", "summary", "show"):
         code, out, err = run_cli(command, str(trace))
         assert code == 2 and out == "", command
         assert err.strip() == (
-            f"verl-ext {command}: {trace}/step=03 is not a directory this trace writes: step 3 lives in step=3; "
+            f"verl-ext {command}: {trace}/step-03 is not a directory this trace writes: step 3 lives in step-3; "
             "remove or rename the copy"
         )
 
@@ -48,12 +48,12 @@ def test_1_a_second_directory_of_the_same_step_is_refused_not_half_read(trace, r
 
 
 def test_2_a_step_of_the_run_record_missing_on_disk_fails_the_check(trace, run_cli):
-    shutil.rmtree(trace / "step=3")
+    shutil.rmtree(trace / "step-3")
     code, out, _ = run_cli("check", str(trace), "--quiet")
     assert code == 1
     assert "checked:   2 steps" in out
     assert "8.5  every step and update table of the run record is on disk" in out and "FAIL (1 file)" in out
-    assert "step 3: step=3/part-0.parquet: listed in the run record, missing on disk" in out
+    assert "step 3: step-3/part-0.parquet: listed in the run record, missing on disk" in out
 
 
 # 3 -------------------------------------------------------------------------------------------------
@@ -78,11 +78,15 @@ def readme_readers(path: str) -> dict[str, object]:
 
 
 def test_3_every_readme_reader_gives_an_integer_step_that_sorts_numerically(tmp_path):
+    """With each library's plain call: no partitioning or hive options to remember (issue 18)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("<!-- readers -->") :].split("```")[1]
+    assert "partitioning" not in block and "hive" not in block
     batches = {step: by_definition(random_batch(step), "mc", gamma=1.0) for step in (1, 2, 3, 10, 11, 20)}
     readers = readme_readers(write_trace(tmp_path / "t", algorithm("mc"), batches))
     assert set(readers) == {"ds", "pd", "pl", "duckdb"}
     for name, result in readers.items():
-        frame = {"ds": lambda r: r.to_table().to_pandas(), "pd": lambda r: r, "pl": lambda r: r.collect().to_pandas(),
+        frame = {"ds": lambda r: r.to_table().to_pandas(), "pd": lambda r: r, "pl": lambda r: r.to_pandas(),
                  "duckdb": lambda r: r.df()}[name](result)  # fmt: skip
         assert str(frame["step"].dtype) == "int64", name
         assert sorted(frame["step"].unique().tolist()) == [1, 2, 3, 10, 11, 20], name
@@ -192,21 +196,21 @@ def test_9_a_failed_step_leaves_no_prompt_table_behind(hooked_url):
     from tests.trace.helpers import HookedMemoryFileSystem, fail_writes_to, make_capture, run_record
     from verl_ext.trace.writer import TraceWriter
 
-    HookedMemoryFileSystem.on_write = fail_writes_to("step=2/part-0.parquet")
+    HookedMemoryFileSystem.on_write = fail_writes_to("step-2/part-0.parquet")
     with pytest.warns(RuntimeWarning, match="writing step 2"):
         with TraceWriter(TraceOptions(dir=hooked_url), run_record()) as writer:
             for step in (1, 2):
                 writer.submit(make_capture(step))
     fs = HookedMemoryFileSystem()
     prompts = fs.ls(fs._strip_protocol(hooked_url) + "/_prompts", detail=False)
-    assert [p.rsplit("/", 1)[1] for p in prompts] == ["step=1.parquet"]
+    assert [p.rsplit("/", 1)[1] for p in prompts] == ["step-1.parquet"]
 
 
 def test_9_with_on_error_raise_the_exit_warning_does_not_promise_training_goes_on(hooked_url):
     from tests.trace.helpers import HookedMemoryFileSystem, fail_writes_to, make_capture, run_record
     from verl_ext.trace.writer import TraceWriter
 
-    HookedMemoryFileSystem.on_write = fail_writes_to("step=1/part-0.parquet")
+    HookedMemoryFileSystem.on_write = fail_writes_to("step-1/part-0.parquet")
     with pytest.raises(KeyError), pytest.warns(RuntimeWarning) as caught:
         with TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), run_record()) as writer:
             writer.submit(make_capture(1))
@@ -314,4 +318,4 @@ def test_13_an_empty_run_path_is_refused(run_cli, tmp_path, monkeypatch):
 
 
 def test_14_a_clean_trace_keeps_no_tmp_directory(trace):
-    assert sorted(p.name for p in trace.iterdir()) == ["_prompts", "_run.json", "step=1", "step=2", "step=3"]
+    assert sorted(p.name for p in trace.iterdir()) == ["_prompts", "_run.json", "step-1", "step-2", "step-3"]

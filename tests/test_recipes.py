@@ -14,10 +14,10 @@ RECIPES = sorted(p for p in (ROOT / "recipes").glob("gsm8k_*.sh") if p.name != "
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets():
     from verl_ext.cpu.assets import build_assets
 
-    return build_assets(tmp_path_factory.mktemp("assets"))
+    return build_assets()  # the cache the other tests share
 
 
 def recipe_overrides(recipe: Path, assets, trace_root: Path) -> list[str]:

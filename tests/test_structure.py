@@ -58,7 +58,8 @@ ALLOWED = {
     "trace": set(),
     "inspect": {"trace"},
     "integration": {"trace"},  # plugin.py activates the CPU backend only when its switch is set
-    "cpu": {"trace", "inspect", "cli"},  # the demo prints what the inspection commands print
+    "view": {"trace", "inspect"},  # the browser view shows what the inspection computes
+    "cpu": {"trace", "inspect", "view", "cli"},  # the demo prints what the inspection commands print, and writes the page
 }
 
 

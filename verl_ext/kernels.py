@@ -13,7 +13,18 @@ on *compacted rows* and handed to :func:`on_valid_tokens`, which
    Masked positions receive unspecified values, as in verl.
 
 :func:`discounted_sum` is the one non-trivial kernel: y_t = Σ_{k≥t} d^{k−t} x_k computed exactly as
-the direct sum, block by block, with one small matrix product per block: no Python loop over T.
+the direct sum, block by block: no Python loop over T.
+
+Float32 exactness does not depend on the process's matmul precision. Training scripts often call
+``torch.set_float32_matmul_precision("high")`` (TF32 on CUDA: float32 operands rounded to a 10-bit
+mantissa; "medium" may use bfloat16, also on CPU), which would cost a float32 matrix product three
+digits. So the in-block sums never go through a float32 matrix product: on CUDA they are one
+float64 matrix product (:func:`_scan_by_product`; no reduced-precision mode applies to float64),
+elsewhere a recurrence over the K positions of a block (:func:`_scan_by_recurrence`; elementwise
+operations, which no precision setting touches). The process's setting is neither read nor changed,
+so nothing else in the process is affected and concurrent callers need no lock
+(tests/test_precision.py emulates TF32 and bfloat16 on a CPU; scripts/check_precision_cuda.py
+measures a GPU).
 """
 
 from __future__ import annotations
@@ -23,9 +34,14 @@ from typing import Callable
 
 import torch
 
-#: Block length K of the blocked discounted scan. The in-block matrix product costs K
-#: multiply-adds per token; 16 measured fastest on one CPU core (benchmarks/bench_estimators.py).
+#: Block length K of the blocked discounted scan. The in-block sums cost K multiply-adds per token
+#: on CUDA, one elsewhere (and K − 1 small operations per block level); 16 measured fastest on one
+#: CPU core with a float32 product, and as fast as 8 (faster than 32) with the recurrence.
 SCAN_BLOCK = 16
+
+#: Device types whose in-block sums are a float64 matrix product (one kernel); on every other
+#: device (CPU, and devices without float64 such as MPS) they are the elementwise recurrence.
+PRODUCT_DEVICES = ("cuda",)
 
 #: Rows are processed in groups of about this many tokens (see the module docstring).
 ROW_GROUP_TOKENS = 1 << 19
@@ -39,30 +55,69 @@ def discounted_sum(x: torch.Tensor, discount: float | torch.Tensor) -> torch.Ten
 
     x: (B, T); discount d: a float or a (B,) tensor (one discount per row). Returns (B, T).
 
-    Within each block of :data:`SCAN_BLOCK` positions one matrix product with the triangular
-    matrix of powers d^{j-i}; across blocks the same scan, recursively, on the block heads with
-    discount d^K.
+    Within each block of :data:`SCAN_BLOCK` positions the direct sums; across blocks the same
+    scan, recursively, on the block heads with discount d^K. On the devices of
+    :data:`PRODUCT_DEVICES` the in-block sums are one float64 matrix product, elsewhere a
+    recurrence over the K positions (the module docstring says why not a float32 product).
     """
     if x.dim() != 2:
         raise ValueError(f"x must be (B, T), got shape {tuple(x.shape)}")
-    batch, length = x.shape
-    d = _discount_tensor(discount, batch, x)
-    if length == 0:
+    d = _discount_tensor(discount, x.shape[0], x)
+    if x.shape[1] == 0:
         return x.clone()
+    scan = _scan_by_product if x.device.type in PRODUCT_DEVICES else _scan_by_recurrence
+    return scan(x, d)
+
+
+def _scan_by_product(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    batch, length = x.shape
+    x, k, n_blocks = _whole_blocks(x)
+    # (B, n_blocks, K) @ (K, K) or @ (B, K, K) with the triangular matrix of powers d^{j-i}, in
+    # float64: the direct discounted sum inside each block, which no reduced-precision mode touches
+    powers = _power_matrix(d.double(), k).transpose(-1, -2)
+    local = torch.matmul(x.view(batch, n_blocks, k).double(), powers).to(x.dtype)
+    if n_blocks > 1:
+        # y at the first position of every block, then carried into the block before it
+        starts = _scan_by_product(local[:, :, 0], d**k)
+        next_start = torch.nn.functional.pad(starts[:, 1:], (0, 1))
+        tail_decay = _tail_decay(d, k)  # d^(K-i): (K,) or (B, K)
+        local += next_start.unsqueeze(-1) * (tail_decay.unsqueeze(1) if d.dim() else tail_decay)
+    return local.view(batch, n_blocks * k)[:, :length]
+
+
+def _scan_by_recurrence(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    batch, length = x.shape
+    x, k, n_blocks = _whole_blocks(x)
+    # a copy of the blocks (B, n_blocks, K): y_{K-1} = x_{K-1}, then y_i = x_i + d · y_{i+1}, one
+    # strided elementwise operation per position
+    y = x.reshape(batch, n_blocks, k).clone()
+    per_row = d.view(-1, 1) if d.dim() else None
+    for i in range(k - 2, -1, -1):
+        if per_row is None:
+            y[:, :, i].add_(y[:, :, i + 1], alpha=float(d))
+        else:
+            y[:, :, i].addcmul_(y[:, :, i + 1], per_row)
+    if n_blocks > 1:
+        starts = _scan_by_recurrence(y[:, :, 0], d**k)
+        next_start = torch.nn.functional.pad(starts[:, 1:], (0, 1))
+        tail_decay = _tail_decay(d, k)
+        y += next_start.unsqueeze(-1) * (tail_decay.unsqueeze(1) if d.dim() else tail_decay)
+    return y.view(batch, n_blocks * k)[:, :length]
+
+
+def _whole_blocks(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """x zero-padded to whole blocks, the block length K and the number of blocks."""
+    length = x.shape[1]
     k = min(SCAN_BLOCK, length)
     n_blocks = -(-length // k)
     if n_blocks * k != length:
         x = torch.nn.functional.pad(x, (0, n_blocks * k - length))
-    blocks = x.reshape(batch, n_blocks, k)
-    # (B, n_blocks, K) @ (K, K) or @ (B, K, K): the direct discounted sum inside each block
-    local = torch.matmul(blocks, _power_matrix(d, k).transpose(-1, -2))
-    if n_blocks > 1:
-        # y at the first position of every block, then carried into the block before it
-        starts = discounted_sum(local[:, :, 0], d**k)
-        next_start = torch.nn.functional.pad(starts[:, 1:], (0, 1))
-        tail_decay = d.unsqueeze(-1) ** torch.arange(k, 0, -1, dtype=x.dtype, device=x.device)  # d^(K-i)
-        local += next_start.unsqueeze(-1) * (tail_decay.unsqueeze(1) if d.dim() else tail_decay)
-    return local.view(batch, n_blocks * k)[:, :length]
+    return x, k, n_blocks
+
+
+def _tail_decay(d: torch.Tensor, k: int) -> torch.Tensor:
+    """d^(K-i) for i = 0 … K-1: (K,), or (B, K) for a (B,) d."""
+    return d.unsqueeze(-1) ** torch.arange(k, 0, -1, dtype=d.dtype, device=d.device)
 
 
 def shifted(x: torch.Tensor, n: int) -> torch.Tensor:

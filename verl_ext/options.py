@@ -1,9 +1,10 @@
 """The options verl-ext reads from a verl config: parsed, defaulted and validated in one place.
 
 Estimator options live in verl's ``algorithm`` node next to ``gamma`` and ``lam``; trace options in
-a top-level ``verl_ext.trace`` node. Both are read from an OmegaConf ``DictConfig``, a plain dict or
-one of verl's typed config dataclasses (``AlgoConfig``), so this module imports neither verl nor
-OmegaConf. Every error is a ``ValueError`` that names the config key and the offending value.
+a top-level ``verl_ext.trace`` node; what a non-finite number does in ``verl_ext.nonfinite``. All are
+read from an OmegaConf ``DictConfig``, a plain dict or one of verl's typed config dataclasses
+(``AlgoConfig``), so this module imports neither verl nor OmegaConf. Every error is a
+``ValueError`` that names the config key and the offending value.
 """
 
 from __future__ import annotations
@@ -101,6 +102,37 @@ def algorithm_settings(algorithm: Any) -> dict[str, Any]:
     raise ValueError(f"the algorithm config must be a mapping or a config dataclass, got {type(algorithm).__name__}")
 
 
+# --------------------------------------------------------------------------- the verl_ext node
+
+#: Values of ``verl_ext.nonfinite``: what a non-finite reward, value, return, advantage or log-prob
+#: on a valid token does (verl_ext.nonfinite): say so in one line and go on, stop the run with that
+#: line before the update, or not look.
+NONFINITE_MODES = ("warn", "raise", "off")
+NONFINITE_DEFAULT = "warn"
+
+
+def verl_ext_node(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The root config's ``verl_ext`` node ({} when absent), its keys checked."""
+    node = config.get("verl_ext")
+    node = {} if node is None else node
+    if not isinstance(node, Mapping):
+        raise ValueError(f"verl_ext must be a node of options (e.g. verl_ext.trace.dir=/runs/trace), got {node!r}")
+    unknown = sorted(set(node) - {"trace", "nonfinite"})
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join('verl_ext.' + k for k in unknown)}; verl_ext takes trace, nonfinite")
+    return node
+
+
+def nonfinite_mode(config: Mapping[str, Any]) -> str:
+    """``verl_ext.nonfinite`` of the root config: one of :data:`NONFINITE_MODES` (default warn)."""
+    value = verl_ext_node(config).get("nonfinite")
+    if value is None:
+        return NONFINITE_DEFAULT
+    if value not in NONFINITE_MODES:
+        raise ValueError(f"verl_ext.nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {value!r}")
+    return value
+
+
 # --------------------------------------------------------------------------- trace options
 
 #: Keys of the ``verl_ext.trace`` node, with defaults.
@@ -147,16 +179,12 @@ class TraceOptions:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "TraceOptions":
         """Read ``verl_ext.trace`` from the root config; an absent node means tracing is off."""
-        verl_ext_node = config.get("verl_ext")
-        verl_ext_node = {} if verl_ext_node is None else verl_ext_node
-        if not isinstance(verl_ext_node, Mapping):
-            raise ValueError(f"verl_ext must be a node of options (e.g. verl_ext.trace.dir=/runs/trace), got {verl_ext_node!r}")
-        node = verl_ext_node.get("trace")
+        node = verl_ext_node(config).get("trace")
         node = {} if node is None else node
         if not isinstance(node, Mapping):
             hint = f"; to trace into a directory write verl_ext.trace.dir={node}" if isinstance(node, str) else ""
             raise ValueError(f"verl_ext.trace must be a node of options ({', '.join(TRACE_KEYS)}), got {node!r}{hint}")
-        unknown = sorted(set(verl_ext_node) - {"trace"}) + sorted(f"trace.{k}" for k in set(node) - set(TRACE_KEYS))
+        unknown = sorted(f"trace.{k}" for k in set(node) - set(TRACE_KEYS))
         if unknown:
             raise ValueError(
                 f"unknown key(s) {', '.join('verl_ext.' + k for k in unknown)}; "

@@ -1,6 +1,6 @@
 """How verl-ext touches verl: the record of one touch, and the one mechanism that applies them.
 
-verl (0.6.1 … 0.9.1) never passes ``values`` to a registered advantage estimator, switches the
+verl never passes ``values`` to a registered advantage estimator, switches the
 critic on only for ``gae``, never validates ``algorithm.adv_estimator`` before step 1, offers no
 per-token hook and does not run on a CPU-only machine. Those gaps cannot all be closed through
 verl's public API, so verl-ext touches verl in three ways, each a :class:`Touch` record:
@@ -9,6 +9,9 @@ verl's public API, so verl-ext touches verl in three ways, each a :class:`Touch`
 * ``registration``: ``code(module)`` adds something to one of verl's registries;
 * ``override``: a verl-ext subclass overrides the (often private) method ``target``; nothing is
   applied, but ``verl-ext doctor`` checks that the method still exists in the installed verl.
+
+Each record states the verl versions it is written for, as a PEP 440 specifier (``==0.9.1``,
+``>=0.9.0``); in a process whose verl is outside it, the touch is not applied (its state says so).
 
 Every record lives in one index, :mod:`verl_ext.touches`; ``code`` is a ``"module:attribute"``
 reference (or a callable), resolved only when the touch is applied, so this module imports
@@ -59,12 +62,24 @@ class Touch:
     target: str
     component: str  # "plugin" (always on) or "cpu" (the CPU backend, VERL_EXT_CPU=1)
     why: str
-    versions: str
+    versions: str  # a PEP 440 specifier: the verl versions this touch is written for
     code: str | Callable[..., Any]
 
     def __post_init__(self) -> None:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
         if self.kind not in KINDS:
             raise ValueError(f"Touch.kind must be one of {KINDS}, got {self.kind!r}")
+        try:
+            SpecifierSet(self.versions)
+        except InvalidSpecifier:
+            raise ValueError(f"Touch.versions must be a PEP 440 specifier such as '==0.9.1', got {self.versions!r}") from None
+
+    def covers(self, verl_version: str) -> bool:
+        """True when ``verl_version`` is in this touch's range."""
+        from packaging.specifiers import SpecifierSet
+
+        return SpecifierSet(self.versions).contains(verl_version, prereleases=True)
 
     @property
     def name(self) -> str:
@@ -86,6 +101,8 @@ class TouchState:
     touch: Touch
     applied: bool = False
     error: str | None = None
+    #: Why it was not applied although its module was imported: the installed verl is outside its range.
+    skipped: str | None = None
 
 
 @dataclass
@@ -147,6 +164,10 @@ def resolve_target(module: Any, target: str) -> tuple[Any, str]:
 
 def _apply(touch: Touch, module: Any) -> None:
     state = _registry.states[touch.name]
+    installed = installed_verl()
+    if installed is not None and not touch.covers(installed):
+        state.skipped = f"not applied: verl {installed} is outside its range {touch.versions}"
+        return
     try:
         if touch.kind == "registration":
             touch.resolve_code()(module)
@@ -156,6 +177,16 @@ def _apply(touch: Touch, module: Any) -> None:
     except Exception as exc:  # a touch that cannot apply must be loud, never silent
         state.error = f"{type(exc).__name__}: {exc}"
         logger.error("verl-ext could not apply %s %s (%s); run `verl-ext doctor`", touch.kind, touch.name, state.error)
+
+
+def installed_verl() -> str | None:
+    """The installed verl's version (package metadata; None when verl is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl")
+    except PackageNotFoundError:
+        return None
 
 
 def _replace(module: Any, touch: Touch) -> None:

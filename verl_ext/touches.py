@@ -3,11 +3,13 @@
 ``verl-ext doctor`` lists these records with their state in the running process. Two components:
 
 * ``plugin``: active in every verl process once verl loads verl-ext (entry point, or
-  ``VERL_USE_EXTERNAL_MODULES=verl_ext``); supported verl versions :data:`SUPPORTED_VERL`.
+  ``VERL_USE_EXTERNAL_MODULES=verl_ext``); supported verl versions :data:`SUPPORTED_VERL`, read
+  from setup.cfg's requirement.
 * ``cpu``: the CPU backend (``VERL_EXT_CPU=1``, verl 0.9.1 only): makes verl's real trainers run on
   a CPU-only machine. Never installed on a GPU run.
 
-The records only name the code they run (``"module:attribute"``): this module imports nothing.
+The records only name the code they run (``"module:attribute"``): this module imports nothing of
+verl or of verl-ext's upper layers.
 How they are applied: :mod:`verl_ext.patching`.
 """
 
@@ -15,12 +17,37 @@ from __future__ import annotations
 
 from verl_ext.patching import Touch
 
-#: verl versions the plugin is tested with (scripts/check_verl_versions.sh; 0.9.1 in CI).
-SUPPORTED_VERL = ("0.6.1", "0.9.1")
-PLUGIN_VERSIONS = " - ".join(SUPPORTED_VERL)
-V1_VERSIONS = "0.9.0 - 0.9.1"
+
+
+def declared_verl_range() -> str:
+    """The verl versions verl-ext accepts, as a PEP 440 specifier: the ``verl`` requirement of
+    setup.cfg, the one place it is written (read from the installed package's metadata, or from
+    setup.cfg beside the source when verl-ext runs uninstalled). It is the range CI tests."""
+    from importlib.metadata import PackageNotFoundError, requires
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    try:
+        lines = requires("verl-ext") or []
+    except PackageNotFoundError:
+        setup_cfg = Path(__file__).resolve().parents[1] / "setup.cfg"
+        lines = [line.strip() for line in setup_cfg.read_text().splitlines() if line.strip().startswith("verl")]
+    for line in lines:
+        requirement = Requirement(line)
+        if requirement.name == "verl" and not requirement.marker:
+            return str(requirement.specifier)
+    raise RuntimeError("verl-ext's metadata declares no verl requirement")
+
+
+#: verl versions verl-ext accepts and CI tests (setup.cfg); every plugin touch is written for them.
+SUPPORTED_VERL = declared_verl_range()
+PLUGIN_VERSIONS = SUPPORTED_VERL
+#: The V1 trainer (verl.trainer.ppo.v1) exists from verl 0.9.0 on.
+V1_VERSIONS = ">=0.9.0," + SUPPORTED_VERL
 #: The CPU backend's patches target this verl's code exactly.
 CPU_VERL = "0.9.1"
+CPU_VERSIONS = f"=={CPU_VERL}"
 
 _PATCHES = "verl_ext.integration.patches"
 _CPU = "verl_ext.cpu.patches"
@@ -30,7 +57,9 @@ PLUGIN_TOUCHES = (
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "compute_advantage", "plugin",
         why="verl never passes `values` to a registered estimator: verl-ext's estimators (verl_ext.registry) are "
-        "computed here with the batch's values and whitened; every estimator's result is handed to the trace",
+        "computed here with the batch's values and whitened; every estimator's result is handed to the trace, "
+        "then checked for non-finite rewards, values, returns, advantages and log-probs on valid tokens "
+        "(verl_ext.nonfinite: one line naming step, sample, token and the first non-finite quantity upstream)",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_compute_advantage",
     ),
     Touch(
@@ -59,12 +88,14 @@ PLUGIN_TOUCHES = (
     ),
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.fit", "plugin",
-        why="open the trace before the legacy trainer's first step and flush it when fit() ends, even on error",
+        why="open the trace before the legacy trainer's first step and flush it when fit() ends, even on error; "
+        "give the non-finite check the step and verl_ext.nonfinite, with the trace on or off",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_legacy_fit",
     ),
     Touch(
         "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer.fit", "plugin",
-        why="open the trace before the V1 trainer's first step and flush it when fit() ends, even on error",
+        why="open the trace before the V1 trainer's first step and flush it when fit() ends, even on error; "
+        "give the non-finite check the step and verl_ext.nonfinite, with the trace on or off",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_fit",
     ),
     Touch(
@@ -101,7 +132,8 @@ PLUGIN_TOUCHES = (
     Touch(
         "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage", "plugin",
         why="the V1 trainer computes advantages on a reduced batch without token ids; after it stores them in "
-        "TransferQueue, the trace reads back the tensors the trainer will use, with token ids and the step",
+        "TransferQueue, the trace reads back the tensors the trainer will use, with token ids and the step; "
+        "verl_ext.nonfinite=raise stops the run here, once the trace has the step, before the updates",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_compute_advantage",
     ),
 )  # fmt: skip
@@ -111,94 +143,101 @@ CPU_TOUCHES = (
         "patch", "verl.utils.distributed", "initialize_global_process_group_ray", "cpu",
         why="its default backend f'cpu:gloo,{device}:{ccl}' (distributed.py:89) becomes the invalid "
         "'cpu:gloo,cpu:gloo' on a CPU platform; plain 'gloo' is what a CPU process group needs",
-        versions=CPU_VERL, code=f"{_CPU}:gloo_process_group",
+        versions=CPU_VERSIONS, code=f"{_CPU}:gloo_process_group",
     ),
     Touch(
         "patch", "verl.utils.model", "load_valuehead_model", "cpu",
         why="the critic's value model is loaded with a hard-coded attn_implementation='flash_attention_2' "
         "(model.py:649,674), which needs CUDA; the config's own attention (sdpa on CPU) is used instead",
-        versions=CPU_VERL, code=f"{_CPU}:value_model_with_config_attention",
+        versions=CPU_VERSIONS, code=f"{_CPU}:value_model_with_config_attention",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.metric_utils", "bootstrap_metric", "cpu",
+        why="validation bootstraps best@n/worst@n with a Python loop of 1,000 resamples per metric, prompt and n "
+        "(metric_utils.py:847): seconds per validation on a CPU; the same resamples reduced with numpy give the "
+        "same numbers",
+        versions=CPU_VERSIONS, code=f"{_CPU}:vectorised_bootstrap",
     ),
     Touch(
         "patch", "verl.workers.engine.fsdp.transformer_impl", "CPUOffloadPolicy", "cpu",
         why="the FSDP2 reference model is always built with CPUOffloadPolicy(pin_memory=True) "
         "(transformer_impl.py:462); pinning host memory needs an accelerator",
-        versions=CPU_VERL, code=f"{_CPU}:unpinned_offload_policy",
+        versions=CPU_VERSIONS, code=f"{_CPU}:unpinned_offload_policy",
     ),
     Touch(
         "registration", "verl.plugin.platform.platform_manager", "PlatformRegistry", "cpu",
         why="a `cpu` platform (verl_ext.cpu.platform), selected with VERL_PLATFORM=cpu: without it every "
         "get_device_name() says cuda. If verl resolved its platform before the backend was active, the cached "
         "private `_current_platform` is replaced through set_platform",
-        versions=CPU_VERL, code=f"{_CPU}:register_platform",
+        versions=CPU_VERSIONS, code=f"{_CPU}:register_platform",
     ),
     Touch(
         "registration", "verl.workers.engine.fsdp.transformer_impl", "EngineRegistry", "cpu",
         why="verl registers its FSDP engines for devices cuda and npu only (transformer_impl.py:1143,1594); the "
         "same classes are registered for device cpu (reads the private EngineRegistry._engines to stay idempotent)",
-        versions=CPU_VERL, code=f"{_CPU}:register_fsdp_engines",
+        versions=CPU_VERSIONS, code=f"{_CPU}:register_fsdp_engines",
     ),
     Touch(
         "registration", "verl.workers.rollout.base", "_ROLLOUT_REGISTRY", "cpu",
         why="private dict: ('hf', 'async') -> verl_ext.cpu.rollout.HFServerAdapter, the rollout object inside "
         "ActorRolloutRefWorker (verl registers only vllm, sglang and trtllm, none of which runs on a CPU)",
-        versions=CPU_VERL, code=f"{_CPU}:register_rollout_adapter",
+        versions=CPU_VERSIONS, code=f"{_CPU}:register_rollout_adapter",
     ),
     Touch(
         "registration", "verl.workers.rollout.replica", "RolloutReplicaRegistry", "cpu",
         why="'hf' -> verl_ext.cpu.rollout.HFReplica, the generation server the trainer starts per replica",
-        versions=CPU_VERL, code=f"{_CPU}:register_rollout_replica",
+        versions=CPU_VERSIONS, code=f"{_CPU}:register_rollout_replica",
     ),
     Touch(
         "registration", "verl.utils.tokenizer.continuous_token_wiring", "_MODEL_TYPE_TO_FAMILY", "cpu",
         why="private dict: model_type 'llama' -> the default family, so that the agent loop does not warn once "
         "per sample (continuous_token_wiring.py:210) about the tiny llama it does not list",
-        versions=CPU_VERL, code=f"{_CPU}:register_llama_token_family",
+        versions=CPU_VERSIONS, code=f"{_CPU}:register_llama_token_family",
     ),
     Touch(
         "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.init_workers", "cpu",
         why="the in-process runner builds verl's own workers in one process (a gloo group of one rank, "
         "identity dispatch) instead of Ray worker groups (ray_trainer.py:772-981)",
-        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer.init_workers",
+        versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessPPOTrainer.init_workers",
     ),
     Touch(
         "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._update_critic", "cpu",
         why="private method: the in-process runner reports each step's batch (after advantages, before the "
         "updates) to its on_batch hook, then calls verl's own method",
-        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer._update_critic",
+        versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessPPOTrainer._update_critic",
     ),
     Touch(
         "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._update_actor", "cpu",
         why="private method: as _update_critic, for critic-free estimators",
-        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer._update_actor",
+        versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessPPOTrainer._update_actor",
     ),
     Touch(
         "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._validate", "cpu",
         why="private method: the in-process runner names the rollout's random streams 'validation' around "
         "verl's own validation, so that how often a run validates does not change what its training samples",
-        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessPPOTrainer._validate",
+        versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessPPOTrainer._validate",
     ),
     Touch(
         "override", "verl.workers.rollout.llm_server", "LLMServerManager._init_global_load_balancer", "cpu",
         why="private method: the load balancer is built on the in-process actor loop instead of as a Ray actor",
-        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessLLMServerManager._init_global_load_balancer",
+        versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessLLMServerManager._init_global_load_balancer",
     ),
     Touch(
         "override", "verl.workers.rollout.llm_server", "LLMServerManager.__init__", "cpu",
         why="its hook 'for recipe to change' (llm_server.py:391): a class attribute rollout_replica_class is used "
         "instead of the registry's replica, so that the in-process replica keeps its server on the actor loop",
-        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessLLMServerManager.rollout_replica_class",
+        versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessLLMServerManager.rollout_replica_class",
     ),
     Touch(
         "override", "verl.experimental.agent_loop", "AgentLoopManager._init_agent_loop_workers", "cpu",
         why="private method: the agent-loop workers are built on the in-process actor loop instead of as Ray actors",
-        versions=CPU_VERL, code=f"{_IN_PROCESS}:InProcessAgentLoopManager._init_agent_loop_workers",
+        versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessAgentLoopManager._init_agent_loop_workers",
     ),
     Touch(
         "override", "verl.workers.rollout.replica", "RolloutReplica.launch_servers", "cpu",
         why="the hf rollout's replica starts one HF-generate server (a named Ray actor, or on the in-process "
         "actor loop) where verl's replicas start vLLM/SGLang servers",
-        versions=CPU_VERL, code="verl_ext.cpu.rollout:HFReplica.launch_servers",
+        versions=CPU_VERSIONS, code="verl_ext.cpu.rollout:HFReplica.launch_servers",
     ),
 )  # fmt: skip
 

@@ -25,9 +25,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def assets_dir(tmp_path_factory) -> Path:
-    """One asset cache for the session (``$VERL_EXT_CPU_ASSETS`` if set, to reuse a warm cache)."""
-    return Path(os.environ.get("VERL_EXT_CPU_ASSETS") or tmp_path_factory.mktemp("cpu_assets"))
+def assets_dir() -> Path:
+    """The asset cache every test and ``make demo`` share (``$VERL_EXT_CPU_ASSETS``, else
+    ``~/.cache/verl_ext/cpu_assets``): building the assets takes about a minute, so the suite
+    builds them at most once (the cache is keyed by everything that determines them)."""
+    from verl_ext.cpu.assets import default_cache_dir
+
+    return default_cache_dir()
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ from verl.utils.device import get_device_name, get_nccl_backend
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.engine.base import EngineRegistry
-import verl.workers.engine.fsdp.transformer_impl, verl.utils.distributed, verl.utils.model
+import verl.workers.engine.fsdp.transformer_impl, verl.utils.distributed, verl.utils.model, verl.trainer.ppo.metric_utils
 from verl_ext.patching import states
 from verl_ext.cpu import is_active
 print(json.dumps({
@@ -93,8 +93,34 @@ def test_without_the_switch_verl_is_untouched():
 @pytest.mark.parametrize("touch", CPU_TOUCHES, ids=lambda t: t.name)
 def test_every_touch_says_why_and_for_which_verl(touch):
     assert touch.module.startswith("verl.") and touch.component == "cpu"
-    assert touch.versions == "0.9.1" and len(touch.why) > 40
+    assert touch.versions == "==0.9.1" and len(touch.why) > 40
 
 
 def test_registrations_and_patches_name_their_code():
     assert all(callable(t.resolve_code()) for t in CPU_TOUCHES if t.kind != "override")
+
+
+def test_the_vectorised_bootstrap_gives_verls_numbers_and_leaves_the_rng_where_verl_does():
+    """The CPU backend's bootstrap_metric (validation's best@n / worst@n) against verl's own loop,
+    called here unpatched: the same (mean, std) pairs, bit for bit, and the same global RNG state."""
+    import numpy as np
+    from verl.trainer.ppo import metric_utils
+
+    from verl_ext.cpu.patches import vectorised_bootstrap
+
+    verls = metric_utils.bootstrap_metric
+    assert verls.__module__ == "verl.trainer.ppo.metric_utils"  # this process has not patched it
+    fast = vectorised_bootstrap(verls)
+    rng = np.random.default_rng(1)
+    cases = [[float(x) for x in rng.random(8)], [1.0, 0.0, 0.2, 0.4, 0.0, 1.0, 1.0, 0.2], [1, 0, 1, 1], [np.float32(0.5), 0.25]]
+    for data in cases:
+        for subset_size in (1, 2, len(data), 8):
+            for seed in (42, 7):
+                expected = verls(data, subset_size, [np.max, np.min], n_bootstrap=200, seed=seed)
+                state = np.random.get_state()[1].copy()
+                assert fast(data, subset_size, [np.max, np.min], n_bootstrap=200, seed=seed) == expected
+                assert (np.random.get_state()[1] == state).all()
+    # anything else goes to verl's loop unchanged
+    votes = [{"val": 1.0, "pred": "a"}, {"val": 0.0, "pred": "b"}]
+    assert fast(votes, 2, [lambda sample: len(sample)], n_bootstrap=10) == [(2.0, 0.0)]
+    assert fast([0.5, 1.0], 2, [np.mean], n_bootstrap=10) == verls([0.5, 1.0], 2, [np.mean], n_bootstrap=10)

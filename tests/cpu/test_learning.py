@@ -285,3 +285,20 @@ def test_verdict_positions_by_hand_on_a_made_up_step():
         for index, token in enumerate(tokens)
     ]
     assert _verdict_positions(pd.DataFrame(rows)) == {0: 4, 2: 5}
+
+
+def test_the_demo_prints_credit_every_tenth_step_and_the_estimators_side_by_side(trace, capsys):
+    """Issue 15, item 6: one credit line per 10 steps (and the first and last), not one per step;
+    then the verdict's share under mc, GAE(0.95) and td0 and one response under each."""
+    from verl_ext.cpu import demo
+
+    assert demo._print_credit(trace) == STEPS
+    lines = capsys.readouterr().out.splitlines()
+    assert [int(line.split()[1]) for line in lines] == [1, 10, 20, STEPS]
+    assert all("critic EV after the verdict" in line for line in lines)
+
+    demo._print_side_by_side(trace, STEPS, 5)
+    out = capsys.readouterr().out
+    assert f"step {STEPS}" in out and f"mean of steps {STEPS - 9}-{STEPS}" in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("token_index"))
+    assert header.split() == ["token_index", "token", "value", "mc", "gae0.95", "td0"]

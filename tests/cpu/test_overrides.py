@@ -59,3 +59,29 @@ def test_overrides_compose_and_pass_verls_validation(assets, tmp_path):
         {"rollout": "hf", "critic": critic, "strategy": "fsdp2", "n": n} for (_, n, _, _), critic in CASES
     ]
     assert reports == expected
+
+
+def test_the_learning_recipe_sizes_its_batches_from_the_batch_it_ends_up_with(assets_dir, assets, tmp_path, monkeypatch):
+    """`verl-ext demo data.train_batch_size=8` used to die inside verl ("data size must be divisible
+    by force_group_size * micro_batch_size_per_gpu"): the mini-batches were sized for 32 prompts."""
+    from pathlib import Path
+
+    import pytest
+
+    from verl_ext.cpu.learning import learning_overrides
+    from verl_ext.cpu.overrides import compose_config
+    from verl_ext.errors import UsageError
+
+    monkeypatch.setenv("VERL_EXT_CPU_ASSETS", str(assets_dir))
+    configs = Path(__file__).resolve().parents[2] / "verl_ext" / "configs"
+    for extra, prompts, samples in ((["data.train_batch_size=8"], 8, 4), (["data.train_batch_size=7", "actor_rollout_ref.rollout.n=2"], 7, 2), ([], 32, 4)):
+        overrides = learning_overrides(tmp_path, "mc", 0, 2, 2, extra=extra)
+        config = compose_config(overrides, config_dir=configs, config_name="verl_ext_trainer")
+        assert config.data.train_batch_size == prompts and config.actor_rollout_ref.rollout.n == samples
+        for role in (config.actor_rollout_ref.actor, config.critic):
+            mini, micro = role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu
+            assert prompts % mini == 0, (extra, mini)  # whole mini-batches per step
+            assert (mini * samples) % micro == 0, (extra, mini, micro)  # whole micro-batches per mini-batch
+        assert config.actor_rollout_ref.actor.ppo_mini_batch_size == (prompts // 2 if prompts % 2 == 0 else prompts)
+    with pytest.raises(UsageError, match="data.train_batch_size must be an integer >= 1, got '0'"):
+        learning_overrides(tmp_path, "mc", 0, 2, 2, extra=["data.train_batch_size=0"])

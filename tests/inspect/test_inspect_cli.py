@@ -42,8 +42,8 @@ BAD_INPUTS = {
     "missing dir": (lambda path: None, "no trace at {missing}: the path does not exist"),
     "not a trace": (lambda path: None, "{plain} is not a verl-ext trace: it has no _run.json"),
     "unknown schema version": (break_schema_version, "trace schema version 99 is not supported"),
-    "corrupt parquet": (corrupt_parquet, "step=2/part-0.parquet is not a readable Parquet file"),
-    "missing column": (drop_a_column, "step=2/part-0.parquet lacks column(s) advantage"),
+    "corrupt parquet": (corrupt_parquet, f"{token_file(2)} is not a readable Parquet file"),
+    "missing column": (drop_a_column, f"{token_file(2)} lacks column(s) advantage"),
     "no steps": (remove_steps, "has no traced steps yet"),
 }
 

@@ -112,3 +112,24 @@ def test_a_critic_free_step_cannot_be_re_estimated(tmp_path):
     path = write_trace(tmp_path / "grpo", algorithm("grpo"), {1: batch})
     with pytest.raises(UsageError, match="no rewards or values"):
         compare(path, step=1)
+
+
+def test_var_within_group_is_the_mean_variance_of_the_groups_of_two_or_more_responses():
+    """estimator_statistics' var_within_group against the definition, group by group: uids as
+    strings or integer codes, groups of one response left out, a step without groups empty."""
+    from verl_ext.inspect.comparison import estimator_statistics
+
+    rng = np.random.default_rng(0)
+    lengths = [3, 5, 2, 4, 6, 1, 3]
+    uid_of = ["a", "a", "b", "c", "c", "c", "d"]  # b and d: one response each
+    samples = np.repeat(np.arange(len(lengths)), lengths)
+    uid = np.array([uid_of[s] for s in samples], dtype=object)
+    values = rng.normal(size=len(samples))
+    expected = np.mean([np.var(values[uid == g], ddof=1) for g in ("a", "c")])
+    table, notes = estimator_statistics({"x": values}, uid, samples)
+    assert table.column("var_within_group")[0].as_py() == pytest.approx(expected, rel=1e-12) and notes == []
+    codes = np.array([{"a": 7, "b": 3, "c": 0, "d": 9}[u] for u in uid])
+    assert estimator_statistics({"x": values}, codes, samples)[0].column("var_within_group")[0].as_py() == pytest.approx(expected, rel=1e-12)
+    alone = np.array([f"u{s}" for s in samples], dtype=object)
+    table, notes = estimator_statistics({"x": values}, alone, samples)
+    assert table.column("var_within_group")[0].as_py() is None and "no prompt has two responses" in notes[0]

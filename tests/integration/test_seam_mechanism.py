@@ -45,8 +45,8 @@ def fresh_module(tmp_path, monkeypatch):
     seam._registry.callbacks.update(saved[1])
 
 
-def patch(module: str, target: str, wrap) -> seam.Touch:
-    return seam.Touch("patch", module, target, "plugin", why="test", versions="any", code=wrap)
+def patch(module: str, target: str, wrap, versions: str = ">=0") -> seam.Touch:
+    return seam.Touch("patch", module, target, "plugin", why="test", versions=versions, code=wrap)
 
 
 def shout(original):
@@ -102,3 +102,26 @@ def test_when_imported_runs_callbacks_once(fresh_module):
     importlib.import_module(fresh_module)
     importlib.import_module(fresh_module)
     assert calls == [fresh_module]
+
+
+def test_a_touch_outside_its_verl_range_is_not_applied(fresh_module):
+    """Issue 18: Touch.versions gates what is applied; the state says why a touch was left out."""
+    installed = seam.installed_verl()
+    assert installed is not None
+    seam.install([patch(fresh_module, "greet", shout, versions=f"!={installed}")])
+    module = importlib.import_module(fresh_module)
+    assert module.greet("you") == "hello you"  # not patched
+    state = next(s for s in seam.states() if s.touch.name == f"{fresh_module}.greet")
+    assert not state.applied and state.error is None
+    assert state.skipped == f"not applied: verl {installed} is outside its range !={installed}"
+
+
+def test_a_touch_inside_its_verl_range_is_applied(fresh_module):
+    installed = seam.installed_verl()
+    seam.install([patch(fresh_module, "greet", shout, versions=f"=={installed}")])
+    assert importlib.import_module(fresh_module).greet("you") == "HELLO YOU"
+
+
+def test_a_touch_without_a_version_specifier_is_refused():
+    with pytest.raises(ValueError, match="PEP 440 specifier such as '==0.9.1', got '0.6.1 - 0.9.1'"):
+        seam.Touch("patch", "m", "t", "plugin", why="test", versions="0.6.1 - 0.9.1", code=shout)

@@ -146,3 +146,46 @@ class Gate:
 
     def open(self) -> None:
         self.released.set()
+
+
+def rewrite_in_the_old_layout(directory, version: int = 2) -> None:
+    """Turn a trace this writer wrote into what verl-ext wrote for formats 1 and 2: each step's files
+    named ``step=<n>`` (a hive partition: ``step`` only in the folder name, not in the token and update
+    files), every file and the run record of schema ``version``. Version 1 also had no
+    ``rollout_log_prob``, no end flags in the prompt table, no update tables, no ``update``/``host``
+    in the run record. Written out by hand, without the package's names, like an old trace on disk."""
+    import json
+    import re
+    import shutil
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    root = Path(directory)
+    old = lambda text: re.sub(r"step-(\d+)", r"step=\1", text)  # noqa: E731
+
+    def rewrite(path: Path, drop: list[str]) -> None:
+        table = pq.read_table(path)
+        metadata = {k: old(v.decode()).encode() if k.startswith(b"verl_ext.") else v for k, v in table.schema.metadata.items()}
+        metadata[b"verl_ext.schema_version"] = str(version).encode()
+        target = root / old(str(path.relative_to(root)))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.drop_columns([c for c in drop if c in table.column_names]).replace_schema_metadata(metadata), target)
+        path.unlink()
+        if path.parent != target.parent and not any(path.parent.iterdir()):
+            path.parent.rmdir()
+
+    for folder in ("_actor_update", "_critic_update"):
+        if version == 1 and (root / folder).exists():
+            shutil.rmtree(root / folder)
+    for path in sorted(root.rglob("step-*/part-0.parquet")):
+        rewrite(path, ["step"] + (["rollout_log_prob"] if version == 1 else []))
+    for path in sorted((root / "_prompts").glob("step-*.parquet")):
+        rewrite(path, ["response_length", "eos", "truncated"] if version == 1 else [])
+    record = json.loads(old((root / "_run.json").read_text()))
+    record["schema_version"] = version
+    if version == 1:
+        record = {key: value for key, value in record.items() if key not in ("update", "host")}
+        for entry in record["steps"].values():
+            entry.pop("updates", None)
+    (root / "_run.json").write_text(json.dumps(record))

@@ -13,13 +13,18 @@ from hypothesis import strategies as st
 from tests.trace.helpers import MASK, make_capture, reference_rows
 from verl_ext.estimators import masked_whiten
 from verl_ext.trace.capture import SnapshotMemory, prompt_table, take_snapshot, token_table, whiten_stats
-from verl_ext.trace.schema import PROMPT_SCHEMA, TOKEN_FILE_SCHEMA
+from verl_ext.trace.schema import PROMPT_SCHEMA, TOKEN_SCHEMA
+
+
+def without_step(table, step: int) -> list[dict]:
+    """The rows of a token table, less its ``step`` column (which must be ``step`` throughout)."""
+    assert table.schema.equals(TOKEN_SCHEMA, check_metadata=False)
+    assert table["step"].to_pylist() == [step] * table.num_rows
+    return table.drop_columns(["step"]).to_pylist()
 
 
 def table_rows(capture, max_samples=None) -> list[dict]:
-    table = token_table(take_snapshot(capture, max_samples))
-    assert table.schema.equals(TOKEN_FILE_SCHEMA, check_metadata=False)
-    return table.to_pylist()
+    return without_step(token_table(take_snapshot(capture, max_samples)), capture.step)
 
 
 def test_rows_follow_the_mask_layout():
@@ -63,7 +68,7 @@ def test_snapshot_does_not_see_later_changes_to_the_trainers_tensors():
     for tensor in (capture.mask, capture.token_id, capture.prompts, capture.prompt_mask, *capture.floats.values()):
         tensor.fill_(7)
     capture.uid[:] = "changed"
-    assert token_table(snapshot).to_pylist() == expected
+    assert without_step(token_table(snapshot), 1) == expected
     assert [row["prompt_token_ids"] for row in prompt_table(snapshot).to_pylist()] != [[7] * 4] * len(MASK)
 
 
@@ -224,7 +229,7 @@ def test_snapshot_in_a_dirty_recycled_block_is_exact():
     memory.give_back(dirty)
     snapshot = take_snapshot(capture, None, memory)
     assert snapshot.block is dirty
-    assert token_table(snapshot).to_pylist() == reference_rows(capture)
+    assert without_step(token_table(snapshot), capture.step) == reference_rows(capture)
     assert prompt_table(snapshot).to_pylist() == prompt_table(take_snapshot(capture, None)).to_pylist()
 
 
@@ -236,6 +241,6 @@ def test_tensors_on_a_gpu_give_the_same_tables():
         setattr(on_gpu, field, getattr(on_gpu, field).cuda())
     on_gpu.floats = {name: tensor.cuda() for name, tensor in on_gpu.floats.items()}
     snapshot = take_snapshot(on_gpu, 3)
-    assert token_table(snapshot).to_pylist() == reference_rows(capture, 3)
+    assert without_step(token_table(snapshot), capture.step) == reference_rows(capture, 3)
     assert prompt_table(snapshot).equals(prompt_table(take_snapshot(capture, 3)))
     assert snapshot.whiten == pytest.approx(take_snapshot(capture, 3).whiten, rel=1e-6)

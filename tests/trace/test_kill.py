@@ -106,12 +106,12 @@ def steps_seen_by_every_reader(directory: Path) -> dict[str, dict[int, int]]:
             result[int(step)] = result.get(int(step), 0) + 1
         return result
 
-    glob = f"{directory}/step=*/*.parquet"
+    glob = f"{directory}/step-*/*.parquet"
     return {
-        "pyarrow": counts(ds.dataset(directory, format="parquet", partitioning="hive").to_table()["step"].to_pylist()),
+        "pyarrow": counts(ds.dataset(directory, format="parquet").to_table()["step"].to_pylist()),
         "pandas": counts(pandas.read_parquet(directory)["step"]),
-        "polars": counts(polars.scan_parquet(glob, hive_partitioning=True).collect()["step"]),
-        "duckdb": counts(v for (v,) in duckdb.sql(f"select step from read_parquet('{glob}', hive_partitioning = true)").fetchall()),
+        "polars": counts(polars.scan_parquet(glob).collect()["step"]),
+        "duckdb": counts(v for (v,) in duckdb.sql(f"select step from read_parquet('{glob}')").fetchall()),
         "open_trace": {step: table.num_rows for step, table in open_trace(str(directory)).iter_steps(["step"])},
     }
 
@@ -132,9 +132,9 @@ def resume_and_finish(directory: Path) -> None:
 
 
 def test_killed_while_writing_a_token_file(tmp_path):
-    line = run_child(tmp_path, "step=3/part-0.parquet", occurrence=1, close=True)
+    line = run_child(tmp_path, "step-3/part-0.parquet", occurrence=1, close=True)
     assert line.startswith("MID-WRITE")
-    partial = [path for path in (tmp_path / "_tmp").iterdir() if "step=3~part-0.parquet" in path.name]
+    partial = [path for path in (tmp_path / "_tmp").iterdir() if "step-3~part-0.parquet" in path.name]
     assert len(partial) == 1 and partial[0].stat().st_size > 0  # it really died mid-write
 
     expected = {1: rows(1), 2: rows(2)}

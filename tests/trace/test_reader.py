@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from tests.trace.helpers import make_capture, reference_rows, run_record
+from tests.trace.helpers import make_capture, reference_rows, rewrite_in_the_old_layout, run_record
 from verl_ext.errors import TraceError, UsageError
 from verl_ext.options import TraceOptions
 from verl_ext.trace.reader import open_trace
@@ -96,7 +96,7 @@ def test_dataset(local_trace):
 
 def test_pyarrow_dataset_reads_the_directory(local_trace):
     directory, expected = local_trace
-    table = ds.dataset(directory, format="parquet", partitioning="hive").to_table()
+    table = ds.dataset(directory, format="parquet").to_table()
     assert key_and_advantage(table.to_pylist()) == key_and_advantage(all_rows(expected))
 
 
@@ -108,13 +108,13 @@ def test_pandas_reads_the_directory(local_trace):
 
 def test_polars_reads_the_directory(local_trace):
     directory, expected = local_trace
-    frame = polars.scan_parquet(directory + "/step=*/*.parquet", hive_partitioning=True).collect()
+    frame = polars.scan_parquet(directory + "/step-*/*.parquet").collect()
     assert key_and_advantage(frame.to_dicts()) == key_and_advantage(all_rows(expected))
 
 
 def test_duckdb_reads_the_directory(local_trace):
     directory, expected = local_trace
-    relation = duckdb.sql(f"select * from read_parquet('{directory}/step=*/*.parquet', hive_partitioning = true)")
+    relation = duckdb.sql(f"select * from read_parquet('{directory}/step-*/*.parquet')")
     rows = [dict(zip(relation.columns, values)) for values in relation.fetchall()]
     assert key_and_advantage(rows) == key_and_advantage(all_rows(expected))
 
@@ -131,12 +131,12 @@ def test_memory_filesystem(memory_url):
     assert key_and_advantage(trace.dataset().to_table().to_pylist()) == key_and_advantage(all_rows(expected))
 
     fs, path = fsspec.core.url_to_fs(memory_url)
-    table = ds.dataset(path, filesystem=fs, format="parquet", partitioning="hive").to_table()
+    table = ds.dataset(path, filesystem=fs, format="parquet").to_table()
     assert key_and_advantage(table.to_pylist()) == key_and_advantage(all_rows(expected))
     assert key_and_advantage(pandas.read_parquet(memory_url).to_dict("records")) == key_and_advantage(all_rows(expected))
     connection = duckdb.connect()
     connection.register_filesystem(fs)
-    relation = connection.sql(f"select * from read_parquet('{memory_url}/step=*/*.parquet', hive_partitioning = true)")
+    relation = connection.sql(f"select * from read_parquet('{memory_url}/step-*/*.parquet')")
     rows = [dict(zip(relation.columns, values)) for values in relation.fetchall()]
     assert key_and_advantage(rows) == key_and_advantage(all_rows(expected))
 
@@ -182,7 +182,7 @@ def fresh_trace(tmp_path):
 
 
 def test_opening_is_lazy_and_a_corrupt_file_fails_its_step_only(fresh_trace):
-    (fresh_trace / "step=3" / "part-0.parquet").write_bytes(b"PAR1 this is not parquet")
+    (fresh_trace / "step-3" / "part-0.parquet").write_bytes(b"PAR1 this is not parquet")
     trace = open_trace(str(fresh_trace))  # reads only _run.json and the listing
     assert trace.steps == list(STEPS)
     assert "not a readable Parquet file" in one_line_trace_error(lambda: trace.read_step(3))
@@ -191,14 +191,14 @@ def test_opening_is_lazy_and_a_corrupt_file_fails_its_step_only(fresh_trace):
 
 
 def test_missing_columns(fresh_trace):
-    path = fresh_trace / "step=3" / "part-0.parquet"
+    path = fresh_trace / "step-3" / "part-0.parquet"
     pq.write_table(pq.read_table(path).drop_columns(["kl", "value"]), path)
     message = one_line_trace_error(lambda: open_trace(str(fresh_trace)).read_step(3))
     assert "lacks column(s) value, kl" in message
 
 
 def test_file_of_another_schema_version(fresh_trace):
-    path = fresh_trace / "step=3" / "part-0.parquet"
+    path = fresh_trace / "step-3" / "part-0.parquet"
     table = pq.read_table(path)
     pq.write_table(table.replace_schema_metadata({"verl_ext.schema_version": "999"}), path)
     assert "schema version 999" in one_line_trace_error(lambda: open_trace(str(fresh_trace)).read_step(3))
@@ -207,16 +207,16 @@ def test_file_of_another_schema_version(fresh_trace):
 def test_missing_step_and_missing_prompt_file(fresh_trace):
     trace = open_trace(str(fresh_trace))
     assert "has no step 2 (steps on disk: 1, 3, 10)" in one_line_trace_error(lambda: trace.read_step(2))
-    (fresh_trace / "_prompts" / "step=3.parquet").unlink()
-    assert "_prompts/step=3.parquet is missing" in one_line_trace_error(lambda: trace.prompts(3))
+    (fresh_trace / "_prompts" / "step-3.parquet").unlink()
+    assert "_prompts/step-3.parquet is missing" in one_line_trace_error(lambda: trace.prompts(3))
 
 
 def test_a_step_directory_without_its_file_is_not_a_step(fresh_trace):
-    (fresh_trace / "step=4").mkdir()
-    (fresh_trace / "step=5").mkdir()
-    (fresh_trace / "step=5" / ".part-0.parquet.partial").write_bytes(b"half")
+    (fresh_trace / "step-4").mkdir()
+    (fresh_trace / "step-5").mkdir()
+    (fresh_trace / "step-5" / ".part-0.parquet.partial").write_bytes(b"half")
     assert open_trace(str(fresh_trace)).steps == list(STEPS)
-    assert ds.dataset(str(fresh_trace), format="parquet", partitioning="hive").to_table().num_rows == sum(
+    assert ds.dataset(str(fresh_trace), format="parquet").to_table().num_rows == sum(
         open_trace(str(fresh_trace)).step_record(s).rows for s in STEPS
     )
 
@@ -229,25 +229,14 @@ def test_empty_trace(tmp_path):
 
 
 def test_a_version_1_trace_stays_readable(tmp_path):
-    """A trace as verl-ext 0.1 wrote it (schema version 1: no rollout_log_prob, no end flags, no
-    update tables): the new columns read as null, nothing else changes."""
-    import json
-
-    import pyarrow.parquet as pq
-
-    from verl_ext.trace.schema import SCHEMA_VERSION_METADATA_KEY, prompt_file, token_file
-
+    """A trace as verl-ext 0.1 wrote it (schema version 1: step=<n> folders, no rollout_log_prob, no
+    end flags, no update tables): the new columns read as null, nothing else changes."""
     directory = tmp_path / "v1"
     capture = make_capture(1)
     with TraceWriter(TraceOptions(dir=str(directory)), run_record()) as writer:
         writer.submit(capture)
-    for relative, dropped in ((token_file(1), ["rollout_log_prob"]), (prompt_file(1), ["response_length", "eos", "truncated"])):
-        table = pq.read_table(directory / relative)
-        metadata = {**table.schema.metadata, SCHEMA_VERSION_METADATA_KEY.encode(): b"1"}
-        pq.write_table(table.drop_columns(dropped).replace_schema_metadata(metadata), directory / relative)
-    record = json.loads((directory / "_run.json").read_text())
-    record = {k: v for k, v in record.items() if k not in ("update", "host")} | {"schema_version": 1}
-    (directory / "_run.json").write_text(json.dumps(record))
+    rewrite_in_the_old_layout(directory, 1)
+    assert "rollout_log_prob" not in pq.read_schema(directory / "step=1" / "part-0.parquet").names
 
     trace = open_trace(str(directory))
     assert trace.record.schema_version == 1 and trace.update_steps == {"actor": [], "critic": []}

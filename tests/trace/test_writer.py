@@ -66,8 +66,8 @@ def test_steps_and_run_record(tmp_path):
         assert tuple(entry) == tuple(field.name for field in dataclasses.fields(StepEntry))
         assert entry["rows"] == len(reference_rows(capture, 4)) == 3 + 5 + 0 + 6
         assert (entry["samples"], entry["batch_samples"], entry["kl_coef"]) == (4, len(MASK), 0.05)
-        assert entry["file"] == f"step={capture.step}/part-0.parquet"
-        assert entry["prompts_file"] == f"_prompts/step={capture.step}.parquet"
+        assert entry["file"] == f"step-{capture.step}/part-0.parquet"
+        assert entry["prompts_file"] == f"_prompts/step-{capture.step}.parquet"
         assert (tmp_path / "trace" / entry["file"]).is_file() and (tmp_path / "trace" / entry["prompts_file"]).is_file()
         written_at = datetime.fromisoformat(entry["written_at"])
         assert written_at.utcoffset() == timedelta(0) and started - timedelta(seconds=1) <= written_at <= datetime.now(timezone.utc)
@@ -80,7 +80,7 @@ def test_steps_and_run_record(tmp_path):
 def test_only_published_files_remain(tmp_path):
     write(str(tmp_path), [make_capture(1), make_capture(2)])
     files = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
-    assert files == ["_prompts/step=1.parquet", "_prompts/step=2.parquet", "_run.json", "step=1/part-0.parquet", "step=2/part-0.parquet"]
+    assert files == ["_prompts/step-1.parquet", "_prompts/step-2.parquet", "_run.json", "step-1/part-0.parquet", "step-2/part-0.parquet"]
 
 
 def test_resume_replaces_a_retraced_step_and_keeps_the_others(tmp_path):
@@ -101,7 +101,7 @@ def test_resume_replaces_a_retraced_step_and_keeps_the_others(tmp_path):
     assert trace.record.steps["3"].rows == 12 != first_record["steps"]["3"]["rows"]
     assert rows_of(directory, 3) == reference_rows(retraced)
     assert trace.prompts(3).num_rows == 2
-    by_step = ds.dataset(directory, format="parquet", partitioning="hive").to_table().group_by("step").aggregate([("sample", "count")])
+    by_step = ds.dataset(directory, format="parquet").to_table().group_by("step").aggregate([("sample", "count")])
     assert dict(zip(*by_step.to_pydict().values())) == {1: 17, 2: 17, 3: 12, 4: 17}
 
 
@@ -161,7 +161,7 @@ def test_run_record_must_be_json(tmp_path):
 
 
 def test_failed_write_warns_and_training_goes_on(hooked_url):
-    HookedMemoryFileSystem.on_write = fail_writes_to("step=2/part-0.parquet")
+    HookedMemoryFileSystem.on_write = fail_writes_to("step-2/part-0.parquet")
     writer = TraceWriter(TraceOptions(dir=hooked_url), RUN_RECORD)
     # Reported at the first submit after the failure, or at close if it comes later.
     with pytest.warns(RuntimeWarning, match=r"writing step 2 to .* failed: disk full \(injected\); training goes on") as caught:
@@ -176,7 +176,7 @@ def test_failed_write_warns_and_training_goes_on(hooked_url):
 
 
 def test_failed_write_raises_at_the_next_submit(hooked_url):
-    fail, gate = fail_writes_to("step=2/part-0.parquet"), Gate("step=3/part-0.parquet")
+    fail, gate = fail_writes_to("step-2/part-0.parquet"), Gate("step-3/part-0.parquet")
 
     def hook(path):
         fail(path)
@@ -200,7 +200,7 @@ def test_failed_write_raises_at_the_next_submit(hooked_url):
 
 
 def test_failed_write_raises_at_close(hooked_url):
-    HookedMemoryFileSystem.on_write = fail_writes_to("_prompts/step=2.parquet")
+    HookedMemoryFileSystem.on_write = fail_writes_to("_prompts/step-2.parquet")
     writer = TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), RUN_RECORD)
     writer.submit(make_capture(1))
     writer.submit(make_capture(2))
@@ -213,7 +213,7 @@ def test_failed_write_raises_at_close(hooked_url):
 def test_failed_retrace_leaves_the_old_step_readable(hooked_url):
     old = make_capture(2, seed=1)
     write(hooked_url, [old])
-    HookedMemoryFileSystem.on_write = fail_writes_to("step=2/part-0.parquet")
+    HookedMemoryFileSystem.on_write = fail_writes_to("step-2/part-0.parquet")
     with pytest.warns(RuntimeWarning, match="writing step 2 .* failed"):
         write(hooked_url, [make_capture(2, mask=[[1] * 6] * 3, seed=2)])
     assert rows_of(hooked_url, 2) == reference_rows(old)
@@ -225,7 +225,7 @@ def test_failed_retrace_leaves_the_old_step_readable(hooked_url):
 def test_failed_prompt_write_leaves_the_old_step_whole(hooked_url):
     old = make_capture(2, seed=1)
     write(hooked_url, [old])
-    HookedMemoryFileSystem.on_write = fail_writes_to("_prompts/step=2.parquet")
+    HookedMemoryFileSystem.on_write = fail_writes_to("_prompts/step-2.parquet")
     with pytest.warns(RuntimeWarning, match="writing step 2 .* failed"):
         write(hooked_url, [make_capture(2, seed=2)])
     trace = open_trace(hooked_url)
@@ -264,7 +264,7 @@ def test_invalid_capture_warns_or_raises_at_submit(tmp_path):
 
 
 def test_submit_blocks_only_when_the_queue_is_full(hooked_url):
-    gate = Gate("step=1/part-0.parquet")
+    gate = Gate("step-1/part-0.parquet")
     HookedMemoryFileSystem.on_write = gate
     writer = TraceWriter(TraceOptions(dir=hooked_url, queue_size=1), RUN_RECORD)
     writer.submit(make_capture(1))
@@ -282,7 +282,7 @@ def test_submit_blocks_only_when_the_queue_is_full(hooked_url):
 
 
 def test_recycled_memory_does_not_change_a_step_being_written(hooked_url):
-    gate = Gate("step=1/part-0.parquet")  # step 1's tables are built, its memory given back
+    gate = Gate("step-1/part-0.parquet")  # step 1's tables are built, its memory given back
     HookedMemoryFileSystem.on_write = gate
     first, second = make_capture(1, seed=1), make_capture(2, mask=[[1] * 6] * 5, seed=2)
     writer = TraceWriter(TraceOptions(dir=hooked_url), RUN_RECORD)
@@ -296,7 +296,7 @@ def test_recycled_memory_does_not_change_a_step_being_written(hooked_url):
 
 
 def test_exception_in_the_with_block_is_not_hidden(hooked_url):
-    HookedMemoryFileSystem.on_write = fail_writes_to("step=1/part-0.parquet")
+    HookedMemoryFileSystem.on_write = fail_writes_to("step-1/part-0.parquet")
     with pytest.raises(KeyError), pytest.warns(RuntimeWarning, match="writing step 1 .* failed"):
         with TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), RUN_RECORD) as writer:
             writer.submit(make_capture(1))
@@ -305,7 +305,7 @@ def test_exception_in_the_with_block_is_not_hidden(hooked_url):
 
 def test_stale_temporaries_are_cleared(tmp_path):
     (tmp_path / "_tmp").mkdir()
-    (tmp_path / "_tmp" / "step=3~part-0.parquet.dead.tmp").write_bytes(b"partial")
+    (tmp_path / "_tmp" / "step-3~part-0.parquet.dead.tmp").write_bytes(b"partial")
     TraceWriter(TraceOptions(dir=str(tmp_path)), RUN_RECORD).close()
     assert not (tmp_path / "_tmp").exists()
 

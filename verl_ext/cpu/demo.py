@@ -11,7 +11,8 @@
    of Σ|A| and the critic's explained variance after the verdict; at the last step the share under
    mc, GAE(0.95) and td0 side by side, re-estimated from the recorded values; one response token
    by token, with its advantages under those estimators.
-5. Held-out accuracy before and after (verl's validation), and the plots.
+5. Held-out accuracy before and after (verl's validation), the plots, and the page that shows the
+   run token by token in a browser (``verl-ext view``).
 
 Exit code: the trainer's when it fails, else ``verl-ext check``'s (0 when every identity holds).
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 def run_demo(args: argparse.Namespace) -> int:
     from verl_ext import cli
     from verl_ext.trace.reader import open_trace
+    from verl_ext.view import write_page
 
     started = time.monotonic()
     output = args.output_dir.resolve()
@@ -56,11 +58,14 @@ def run_demo(args: argparse.Namespace) -> int:
     _explain_verdict(trace, last_step, sample, args.estimator)
     _print_validation(output)
 
-    _say("5/5 plots")
+    _say("5/5 plots, and the run token by token in a browser")
     cli.main(["plot", str(trace_dir), "--out", str(output / "plots"), "--sample", str(sample)])
+    page = write_page(trace, output / "view.html", step=last_step, sample=sample)
+    print(f"{page}  (open it in a browser; on a remote machine: scp it, or `verl-ext view {trace_dir}` behind `ssh -L`)")
 
     print(f"\n[demo] done in {time.monotonic() - started:.0f} s. Outputs in {output}:")
-    print(f"  trace/          the per-token trace (verl-ext check|show|summary|plot|compare {trace_dir})")
+    print(f"  trace/          the per-token trace (verl-ext check|show|summary|plot|compare|view {trace_dir})")
+    print("  view.html       every response token by token, coloured by advantage, value, ratio, …: one self-contained page")
     print("  plots/          value, return and advantage curves, heatmaps, the PPO picture")
     print("  train.log       verl's full output;  metrics.jsonl  verl's metrics, one line per step")
     return checked

@@ -52,23 +52,37 @@ ESTIMATOR_OPTIONS: dict[str, list[str]] = {
 
 
 def learning_overrides(
-    output_dir: str | os.PathLike, estimator: str, seed: int, steps: int, test_freq: int, pretrained_critic: bool = True
+    output_dir: str | os.PathLike,
+    estimator: str,
+    seed: int,
+    steps: int,
+    test_freq: int,
+    pretrained_critic: bool = True,
+    extra: list[str] = (),
 ) -> list[str]:
-    """The hydra overrides of one learning run (CPU settings from :func:`cpu_overrides` included).
+    """The hydra overrides of one learning run (CPU settings from :func:`cpu_overrides` included),
+    ``extra`` last (they win).
 
     ``pretrained_critic``: start verl's critic from the value-pretrained one of the assets (else
-    from the warm start with a fresh value head, the control of the study)."""
+    from the warm start with a fresh value head, the control of the study). The mini- and
+    micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
+    (``data.train_batch_size`` and ``actor_rollout_ref.rollout.n`` in ``extra``), so that changing
+    those alone gives a valid run."""
     from verl_ext.cpu.assets import build_assets
-    from verl_ext.cpu.overrides import cpu_overrides, merge_overrides
+    from verl_ext.cpu.overrides import cpu_overrides, merge_overrides, override_key
 
+    given = {override_key(o): o.split("=", 1)[1] for o in extra if "=" in o}
+    prompts = _positive_int(given, "data.train_batch_size", PROMPTS_PER_STEP)
+    samples = _positive_int(given, "actor_rollout_ref.rollout.n", SAMPLES_PER_PROMPT)
+    mini_batch = prompts // 2 if prompts % 2 == 0 else prompts  # two updates per step when it divides
     assets = build_assets()
     base = cpu_overrides(
         assets,
         output_dir,
         steps=steps,
         estimator=estimator,
-        train_batch_size=PROMPTS_PER_STEP,
-        rollout_n=SAMPLES_PER_PROMPT,
+        train_batch_size=prompts,
+        rollout_n=samples,
         response_length=12,
         use_ray=False,
         seed=seed,
@@ -79,11 +93,11 @@ def learning_overrides(
         "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",  # then decay, to 0.1 at the last step
         "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
         # two actor updates per step: the second sees a policy that moved, so ratios leave 1 and clip
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS_PER_STEP // 2}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={PROMPTS_PER_STEP // 2 * SAMPLES_PER_PROMPT}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini_batch * samples}",
         f"critic.optim.lr={CRITIC_LR if pretrained_critic else 1e-3}",
-        f"critic.ppo_mini_batch_size={PROMPTS_PER_STEP // 2}",  # two critic updates per step
-        f"critic.ppo_micro_batch_size_per_gpu={PROMPTS_PER_STEP // 2 * SAMPLES_PER_PROMPT}",
+        f"critic.ppo_mini_batch_size={mini_batch}",  # two critic updates per step
+        f"critic.ppo_micro_batch_size_per_gpu={mini_batch * samples}",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         f"actor_rollout_ref.rollout.val_kwargs.n={VAL_SAMPLES}",
@@ -93,7 +107,16 @@ def learning_overrides(
     ]
     if pretrained_critic:
         recipe.append(f"critic.model.path={assets.critic_dir}")
-    return merge_overrides(base, recipe, ESTIMATOR_OPTIONS.get(estimator, []))
+    return merge_overrides(base, recipe, ESTIMATOR_OPTIONS.get(estimator, []), list(extra))
+
+
+def _positive_int(given: dict[str, str], key: str, default: int) -> int:
+    from verl_ext.errors import UsageError
+
+    text = given.get(key, str(default))
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"{key} must be an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def run(
@@ -113,9 +136,9 @@ def run(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / METRICS_FILE).unlink(missing_ok=True)
     os.environ["VERL_FILE_LOGGER_PATH"] = str(output_dir / METRICS_FILE)
-    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic)
+    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra)
     if trace:
-        overrides.append(f"verl_ext.trace.dir={output_dir / 'trace'}")
+        overrides = merge_overrides([f"verl_ext.trace.dir={output_dir / 'trace'}"], overrides)
     # verl seeds neither torch nor numpy for the FSDP engine: the critic's fresh value head would
     # differ from run to run. One intra-op thread: threads buy nothing on this model, and results
     # then do not depend on the machine's core count.
@@ -124,7 +147,7 @@ def run(
     np.random.seed(seed)
     torch.manual_seed(seed)
     configs = Path(__file__).resolve().parents[1] / "configs"
-    run_in_process(merge_overrides(overrides, extra), config_dir=configs, config_name="verl_ext_trainer")
+    run_in_process(overrides, config_dir=configs, config_name="verl_ext_trainer")
 
 
 def read_metrics(output_dir: Path) -> dict[int, dict]:

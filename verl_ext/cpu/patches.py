@@ -52,6 +52,26 @@ def unpinned_offload_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     return CPUOffloadPolicy
 
 
+def vectorised_bootstrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    # verl bootstraps best@n / worst@n of every validation metric with a Python loop over 1,000
+    # resamples (metric_utils.py:847): about 7 ms a call, 540 calls per validation of the CPU task.
+    # The same resamples (the same global-RNG calls, in the same order) reduced with numpy give the
+    # same numbers; anything but np.max / np.min over numbers goes to verl's own loop.
+    def bootstrap_metric(data, subset_size, reduce_fns, n_bootstrap=1000, seed=42):
+        import numpy as np
+
+        axis_reductions = {np.max: "max", np.min: "min"}
+        numeric = all(isinstance(value, (int, float, np.integer, np.floating)) for value in data)
+        if not numeric or not all(fn in axis_reductions for fn in reduce_fns):
+            return original(data, subset_size, reduce_fns, n_bootstrap=n_bootstrap, seed=seed)
+        np.random.seed(seed)
+        resamples = np.asarray(data, dtype=np.float64)[np.random.choice(len(data), size=(n_bootstrap, subset_size), replace=True)]
+        results = [getattr(resamples, axis_reductions[fn])(axis=1) for fn in reduce_fns]
+        return [(float(np.mean(result)), float(np.std(result))) for result in results]
+
+    return bootstrap_metric
+
+
 def register_platform(platform_manager) -> None:
     from verl_ext.cpu.platform import PlatformCPU
 

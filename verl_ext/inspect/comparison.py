@@ -95,8 +95,7 @@ def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tupl
     data = StepData.read(trace, step, ("reward", "value"))
     if data.columns["reward"] is None or data.columns["value"] is None:
         raise UsageError(f"step {step} has no rewards or values to re-estimate from (a critic-free run?)")
-    columns, notes = estimator_columns(algorithm, n, tuple(lambdas))
-    raw = {label: data.estimate(estimator, settings)[1] for label, (estimator, settings) in columns.items()}
+    raw, notes = step_estimates(data, algorithm, n, lambdas)
     labels = tuple(raw)
 
     layout = data.layout
@@ -119,15 +118,8 @@ def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tupl
     })  # fmt: skip
 
     uid = np.array(extra["uid"].to_pylist(), dtype=object)[layout.valid_rows]
-    groups = uid if not any(u is None for u in uid) else sample_ids.astype(str)
-    statistics = pa.table({
-        "estimator": list(labels),
-        "var_batch": pa.array([float(np.var(raw[label], ddof=1)) if len(raw[label]) > 1 else None for label in labels], pa.float64()),
-        "var_within_group": pa.array([_within_group_variance(raw[label], groups, sample_ids) for label in labels], pa.float64()),
-        "mean_abs": pa.array([float(np.mean(np.abs(raw[label]))) for label in labels], pa.float64()),
-    })  # fmt: skip
-    if statistics.column("var_within_group").null_count == len(labels):
-        notes.append("no prompt has two responses at this step: var_within_group is empty")
+    statistics, more_notes = estimator_statistics(raw, uid, sample_ids)
+    notes += more_notes
     positions = np.arange(int(position.max()) + 1 if len(position) else 0)
     shares = {"token_index": positions.astype(np.int32)}
     for label in labels:
@@ -139,11 +131,67 @@ def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tupl
     return Comparison(step, sample, labels, table, statistics, pa.table(shares), correlation, tuple(notes))
 
 
-def _within_group_variance(values: np.ndarray, groups: np.ndarray, samples: np.ndarray) -> float | None:
-    """Mean over the groups of at least two responses of the variance of the group's values."""
-    variances = []
-    for group in np.unique(groups):
-        members = groups == group
-        if len(np.unique(samples[members])) > 1:
-            variances.append(np.var(values[members], ddof=1))
-    return float(np.mean(variances)) if variances else None
+def step_estimates(
+    data: StepData, algorithm: RecordedAlgorithm, n: int = DEFAULT_N, lambdas: tuple[float, ...] = DEFAULT_LAMBDAS
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """label -> raw advantage (float64) at the valid tokens of ``data`` (which holds ``reward`` and
+    ``value``), one entry per estimator of :func:`estimator_columns`; and notes on what was left out."""
+    columns, notes = estimator_columns(algorithm, n, tuple(lambdas))
+    return {label: data.estimate(estimator, settings)[1] for label, (estimator, settings) in columns.items()}, notes
+
+
+def estimator_statistics(raw: dict[str, np.ndarray], uid: np.ndarray, sample_ids: np.ndarray) -> tuple[pa.Table, list[str]]:
+    """The ``statistics`` table of a step (module docstring) from its re-estimated ``raw`` advantages,
+    with the ``uid`` (any hashable, or integer group codes) and sample of every valid token (a
+    missing uid: each sample is its own group)."""
+    labels = list(raw)
+    if uid.dtype == object and any(u is None for u in uid):
+        uid = sample_ids
+    groups = _group_codes(uid, sample_ids)
+    statistics = pa.table({
+        "estimator": labels,
+        "var_batch": pa.array([float(np.var(raw[label], ddof=1)) if len(raw[label]) > 1 else None for label in labels], pa.float64()),
+        "var_within_group": pa.array([_within_group_variance(raw[label], groups) for label in labels], pa.float64()),
+        "mean_abs": pa.array([float(np.mean(np.abs(raw[label]))) if len(raw[label]) else None for label in labels], pa.float64()),
+    })  # fmt: skip
+    notes = []
+    if statistics.column("var_within_group").null_count == len(labels):
+        notes.append("no prompt has two responses at this step: var_within_group is empty")
+    return statistics, notes
+
+
+def _group_codes(groups: np.ndarray, samples: np.ndarray) -> np.ndarray | None:
+    """0 … G−1 per token for the groups of at least two responses, −1 for the others; None if there
+    is no such group. A group's uid is the same on all its tokens, so it is factorised per sample."""
+    if not len(samples):
+        return None
+    first = np.flatnonzero(np.r_[True, samples[1:] != samples[:-1]])  # tokens of a sample are contiguous
+    per_sample = groups[first]
+    if per_sample.dtype == object:
+        index: dict = {}
+        codes = np.array([index.setdefault(g, len(index)) for g in per_sample], np.int64)
+    else:
+        codes = np.unique(per_sample, return_inverse=True)[1].reshape(-1)
+    # one sample may appear as several runs only in a malformed trace: count distinct samples per group
+    distinct = np.unique(np.stack([codes, samples[first].astype(np.int64)], axis=1), axis=0)[:, 0]
+    sizes = np.bincount(distinct, minlength=int(codes.max()) + 1)
+    kept = sizes > 1
+    if not kept.any():
+        return None
+    renumber = np.where(kept, np.cumsum(kept) - 1, -1)
+    return np.repeat(renumber[codes], np.diff(np.r_[first, len(samples)]))
+
+
+def _within_group_variance(values: np.ndarray, groups: np.ndarray | None) -> float | None:
+    """Mean over the groups of at least two responses (codes ≥ 0) of the variance (n − 1) of the
+    group's values."""
+    if groups is None:
+        return None
+    member = groups >= 0
+    codes, x = groups[member], values[member]
+    count = np.bincount(codes)
+    mean = np.bincount(codes, weights=x) / count
+    squares = np.bincount(codes, weights=(x - mean[codes]) ** 2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        variances = squares / (count - 1)
+    return float(np.mean(variances))

@@ -177,6 +177,7 @@ class TokenDecoder:
         self.source = source
         #: Why there is no tokenizer (None when there is one).
         self.problem = problem
+        self._single: dict[int, str] = {}  # id -> its text decoded alone (a page decodes many samples)
 
     @classmethod
     def load(cls, path: str | None) -> "TokenDecoder":
@@ -217,7 +218,9 @@ class TokenDecoder:
         out: list[str] = []
         i = 0
         while i < len(ids):
-            text = self._decode(ids[i : i + 1])
+            text = self._single.get(ids[i])
+            if text is None:
+                text = self._single[ids[i]] = self._decode(ids[i : i + 1])
             run = 1
             if _REPLACEMENT in text:
                 for length in range(2, min(_MAX_BYTES_PER_CHARACTER, len(ids) - i) + 1):

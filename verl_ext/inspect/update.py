@@ -314,9 +314,7 @@ def _aggregate(table, term: np.ndarray, minibatches: list[dict], mode: str, scal
 def _fraction(table, flag: np.ndarray, kind: str) -> float:
     """verl's clip fractions: a token mean per micro-batch, then means over ranks, micro-batches and
     mini-batches (actor, ``Metric`` MEAN), or one flat mean of all micro-batch values (critic)."""
-    keys = np.stack([table[k] for k in ("epoch", "minibatch", "microbatch", "rank")], axis=1)
-    groups, inverse = np.unique(keys, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
+    groups, inverse = _unique_rows([table[k] for k in ("epoch", "minibatch", "microbatch", "rank")])
     per_micro = np.bincount(inverse, weights=flag.astype(np.float64)) / np.bincount(inverse)
     if kind == "critic":
         return float(per_micro.mean())
@@ -324,6 +322,21 @@ def _fraction(table, flag: np.ndarray, kind: str) -> float:
     for (epoch, minibatch, microbatch, _), value in zip(groups, per_micro):
         by.setdefault((epoch, minibatch), {}).setdefault(microbatch, []).append(value)
     return float(np.mean([np.mean([np.mean(ranks) for ranks in micro.values()]) for micro in by.values()]))
+
+
+def _unique_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(np.stack(columns, 1), axis=0, return_inverse=True)`` for small non-negative
+    integer columns, as one int64 code per row (sorting rows of a stacked array is far slower)."""
+    columns = [np.asarray(c, np.int64) for c in columns]
+    if not len(columns[0]) or min(int(c.min()) for c in columns) < 0:
+        groups, inverse = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)
+        return groups, inverse.reshape(-1)
+    radix = [int(c.max()) + 1 for c in columns]
+    code = columns[0]
+    for column, base in zip(columns[1:], radix[1:]):
+        code = code * base + column
+    codes, inverse = np.unique(code, return_inverse=True)
+    return np.stack(np.unravel_index(codes, radix), axis=1), inverse.reshape(-1)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -335,14 +348,18 @@ def update_statistics(trace, step: int) -> dict[str, float | None]:
     empty = {"clip_low": None, "clip_high": None, "clip_dual": None, "adv_dlogp_corr": None}
     if step not in trace.update_steps.get("actor", []):
         return empty
-    table = trace.actor_update(step, columns=["epoch", "clip", "advantage", "log_prob", "old_log_prob"]).to_pydict()
-    clip = np.array(table["clip"], dtype=object)
-    if not len(clip):
+    table = trace.actor_update(step, columns=["epoch", "clip", "advantage", "log_prob", "old_log_prob"])
+    if not table.num_rows:
         return empty
-    epoch = np.array(table["epoch"])
+    clip = table.column("clip").to_numpy(zero_copy_only=False)
+    epoch = table.column("epoch").to_numpy()
     last = epoch == epoch.max()
-    advantage = np.array(table["advantage"], float)[last]
-    change = (np.array(table["log_prob"], float) - np.array(table["old_log_prob"], float))[last]
+
+    def floats(name: str) -> np.ndarray:
+        return np.asarray(table.column(name).fill_null(float("nan")).to_numpy(zero_copy_only=False), float)
+
+    advantage = floats("advantage")[last]
+    change = (floats("log_prob") - floats("old_log_prob"))[last]
     corr = float(np.corrcoef(advantage, change)[0, 1]) if len(change) > 1 and change.std() > 0 and advantage.std() > 0 else None
     return {
         "clip_low": float((clip == "low").mean()),

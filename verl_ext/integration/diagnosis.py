@@ -25,7 +25,7 @@ class Finding:
 
 
 def diagnose(fresh_import: bool = True):
-    from packaging.version import Version
+    from packaging.specifiers import SpecifierSet
 
     import verl_ext
     from verl_ext import patching
@@ -38,9 +38,8 @@ def diagnose(fresh_import: bool = True):
         yield Finding(False, "verl", "not importable in this Python environment")
         return
 
-    low, high = SUPPORTED_VERL
-    supported = Version(low) <= Version(verl.__version__) <= Version(high)
-    yield Finding(supported, "verl", f"{verl.__version__} (verl-ext {verl_ext.__version__} supports {low} - {high})")
+    supported = SpecifierSet(SUPPORTED_VERL).contains(verl.__version__, prereleases=True)
+    yield Finding(supported, "verl", f"{verl.__version__} (verl-ext {verl_ext.__version__} supports verl{SUPPORTED_VERL})")
     yield Finding(
         plugin.LOADED and plugin.LOAD_ERROR is None,
         "plugin",
@@ -62,15 +61,15 @@ def diagnose(fresh_import: bool = True):
 
 def _touch_finding(touch, state, verl_version: str) -> Finding:
     label, name = touch.kind, f"{touch.component}: {touch.name}"
-    if touch.component == "cpu" and state is None and verl_version != touch.versions:
-        return Finding(True, label, f"{name}: n/a (the CPU backend supports verl {touch.versions} only)")
+    if not touch.covers(verl_version):
+        return Finding(True, label, f"{name}: n/a, written for verl{touch.versions} (this is {verl_version})")
     absent_module, missing = _find_target(touch)  # importing the module is what applies a pending touch
     if state is not None and state.error:
         return Finding(False, label, f"{name}: {state.error}")
     if state is not None and state.applied:
         return Finding(True, label, f"{name} [{touch.versions}]")
     if absent_module:
-        return Finding(True, label, f"{name}: not applied, {absent_module} (needed by verl {touch.versions})")
+        return Finding(True, label, f"{name}: not applied, {absent_module} (written for verl{touch.versions})")
     if missing:
         return Finding(False, label, f"{name}: {missing}")
     why = "the CPU backend is off" if state is None else "an override of verl-ext's subclass"

@@ -50,7 +50,7 @@ def compute_registered_advantage(data: Any, name: str, gamma: float, lam: float,
 
 def wrap_compute_advantage(original: Callable) -> Callable:
     from verl_ext import registry
-    from verl_ext.integration import trace_hook
+    from verl_ext.integration import nonfinite_hook, trace_hook
 
     signature = inspect.signature(original)  # bind by name: the positional order differs across versions
 
@@ -63,9 +63,10 @@ def wrap_compute_advantage(original: Callable) -> Callable:
         if name in registry.names():
             result = compute_registered_advantage(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
             trace_hook.after_advantage(data, name, advantage_raw=result.advantage_raw)
-            return data
-        data = original(*args, **kwargs)
-        trace_hook.after_advantage(data, name, advantage_raw=None)
+        else:
+            data = original(*args, **kwargs)
+            trace_hook.after_advantage(data, name, advantage_raw=None)
+        nonfinite_hook.after_advantage(data)  # after the capture: a traced step is kept when this raises
         return data
 
     return compute_advantage
@@ -150,11 +151,11 @@ def wrap_apply_kl_penalty(original: Callable) -> Callable:
 
 
 def _wrap_fit(original: Callable, trainer_kind: str) -> Callable:
-    from verl_ext.integration import trace_hook
+    from verl_ext.integration import nonfinite_hook, trace_hook
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        with trace_hook.session(self, trainer_kind):
+        with nonfinite_hook.session(self), trace_hook.session(self, trainer_kind):
             return original(self, *args, **kwargs)
 
     return fit
@@ -169,12 +170,13 @@ def wrap_v1_fit(original: Callable) -> Callable:
 
 
 def wrap_v1_compute_advantage(original: Callable) -> Callable:
-    from verl_ext.integration import trace_hook
+    from verl_ext.integration import nonfinite_hook, trace_hook
 
     @functools.wraps(original)
     def _compute_advantage(self, batch, metrics):
-        batch = original(self, batch, metrics)
-        return trace_hook.after_v1_advantage(self, batch)
+        with nonfinite_hook.deferred():  # verl_ext.nonfinite=raise: once the trace has the step
+            batch = original(self, batch, metrics)
+            return trace_hook.after_v1_advantage(self, batch)
 
     return _compute_advantage
 

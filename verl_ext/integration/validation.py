@@ -6,7 +6,7 @@ from typing import Any
 
 from verl_ext import registry
 from verl_ext.integration.patches import estimator_name
-from verl_ext.options import TraceOptions
+from verl_ext.options import TraceOptions, nonfinite_mode
 
 
 def known_estimator_names() -> set[str]:
@@ -37,7 +37,8 @@ def critic_required(config: Any) -> bool:
 
 
 def check_config(config: Any) -> None:
-    """Estimator name, estimator options and trace options; raises ValueError naming key and value."""
+    """Estimator name, estimator options, trace options and verl_ext.nonfinite; raises ValueError naming
+    key and value."""
     algorithm = config.get("algorithm") or {}
     name = estimator_name(algorithm.get("adv_estimator"))
     valid = known_estimator_names()
@@ -47,6 +48,7 @@ def check_config(config: Any) -> None:
         )
     registry.check_algorithm(algorithm)
     critic_required(config)
+    nonfinite_mode(config)
     trace = TraceOptions.from_config(config)
     if trace.enabled:
         check_trace_dir_writable(trace.dir)

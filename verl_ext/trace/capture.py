@@ -12,8 +12,9 @@ in place once the hook returns:
   (float32, int32, bool).
 
 :class:`StepFiles` runs on the writer thread: :func:`token_table` gathers the positions ``t < L_i``
-into the long format of ``TOKEN_FILE_SCHEMA``, :func:`prompt_table` builds ``PROMPT_SCHEMA``, and the
-step's run-record entry goes into the token file's footer.
+into the long format of ``TOKEN_SCHEMA``, :func:`prompt_table` builds ``PROMPT_SCHEMA``, and the
+step's run-record entry goes into the token file's footer. Both tables have ``step``; the trace's
+:class:`~verl_ext.trace.schema.Layout` says how they are stored and named.
 """
 
 from __future__ import annotations
@@ -35,17 +36,16 @@ from verl_ext.estimators import whitening_moments
 from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import (
     FLOAT_COLUMN_NAMES,
+    LAYOUT,
     PROMPT_SCHEMA,
     STEP_RECORD_METADATA_KEY,
-    TOKEN_FILE_SCHEMA,
-    UPDATE_FILE_SCHEMAS,
+    TOKEN_SCHEMA,
     UPDATE_RECORD_METADATA_KEY,
+    UPDATE_SCHEMAS,
     WRITE_ID_METADATA_KEY,
+    Layout,
     StepEntry,
     UpdateEntry,
-    prompt_file,
-    token_file,
-    update_file,
 )
 
 
@@ -183,7 +183,7 @@ def whiten_stats(values: torch.Tensor | None, mask: torch.Tensor) -> dict[str, f
 
 
 def token_table(snapshot: StepSnapshot) -> pa.Table:
-    """The long-format token table (TOKEN_FILE_SCHEMA), sorted by (sample, token_index)."""
+    """The long-format token table (TOKEN_SCHEMA), sorted by (sample, token_index)."""
     rows = snapshot.rows
     width = snapshot.mask.shape[1]
     # (N, W) selection of the positions t < L_i; boolean indexing walks it row-major, so every
@@ -199,6 +199,7 @@ def token_table(snapshot: StepSnapshot) -> pa.Table:
 
     return pa.Table.from_arrays(
         [
+            np.full(rows, snapshot.step, np.int64),
             sample,
             uid,
             token_index,
@@ -206,7 +207,7 @@ def token_table(snapshot: StepSnapshot) -> pa.Table:
             gather(snapshot.mask, pa.bool_()),
             *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMN_NAMES),
         ],
-        schema=TOKEN_FILE_SCHEMA,
+        schema=TOKEN_SCHEMA,
     )
 
 
@@ -247,7 +248,8 @@ def _end_flags(capture: StepCapture, lengths: np.ndarray, token_id: np.ndarray |
 
 @dataclass(frozen=True)
 class StepFiles:
-    """The two tables of one step, with its run-record entry in the token table's footer."""
+    """The two tables of one step as ``layout`` stores them, with its run-record entry in the token
+    table's footer."""
 
     step: int
     entry: StepEntry
@@ -255,20 +257,20 @@ class StepFiles:
     prompts: pa.Table
 
     @classmethod
-    def build(cls, snapshot: StepSnapshot) -> "StepFiles":
+    def build(cls, snapshot: StepSnapshot, layout: Layout = LAYOUT) -> "StepFiles":
         step = snapshot.step
         entry = StepEntry(
             rows=snapshot.rows,
             samples=snapshot.samples,
             batch_samples=snapshot.batch_samples,
-            file=token_file(step),
-            prompts_file=prompt_file(step),
+            file=layout.token_file(step),
+            prompts_file=layout.prompt_file(step),
             written_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             kl_coef=snapshot.kl_coef,
             whiten=snapshot.whiten,
         )
         write_id = {WRITE_ID_METADATA_KEY: uuid.uuid4().hex}
-        tokens, prompts = token_table(snapshot), prompt_table(snapshot)
+        tokens, prompts = layout.stored(token_table(snapshot)), layout.stored(prompt_table(snapshot), prompts=True)
         footer = {STEP_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(entry))}
         return cls(
             step=step,
@@ -306,10 +308,10 @@ class UpdateFiles:
     table: pa.Table
 
     @classmethod
-    def build(cls, capture: UpdateCapture, max_samples: int | None) -> "UpdateFiles":
-        """The table sorted by (epoch, sample, token_index); samples past ``max_samples`` are left out,
-        as in the token table. A column some part did not report is null."""
-        schema = UPDATE_FILE_SCHEMAS[capture.kind]
+    def build(cls, capture: UpdateCapture, max_samples: int | None, layout: Layout = LAYOUT) -> "UpdateFiles":
+        """The table sorted by (epoch, sample, token_index), as ``layout`` stores it; samples past
+        ``max_samples`` are left out, as in the token table. A column some part did not report is null."""
+        schema = UPDATE_SCHEMAS[capture.kind]
         kept = []
         for part in capture.parts:
             sample = np.asarray(part["columns"]["sample"])
@@ -317,6 +319,8 @@ class UpdateFiles:
             kept.append((part, keep))
 
         def column(field: pa.Field) -> pa.Array:
+            if field.name == "step":
+                return pa.array(np.full(sum(int(keep.sum()) for _, keep in kept), capture.step, np.int64))
             if field.name in UPDATE_PART_SCALARS:
                 pieces = [np.full(int(keep.sum()), part[field.name], np.int32) for part, keep in kept]
             elif all(part["columns"].get(field.name) is not None for part, _ in kept):
@@ -339,13 +343,14 @@ class UpdateFiles:
         entry = UpdateEntry(
             kind=capture.kind,
             rows=table.num_rows,
-            file=update_file(capture.kind, capture.step),
+            file=layout.update_file(capture.kind, capture.step),
             written_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             logged=dict(capture.logged),
             minibatches=[minibatches[key] for key in sorted(minibatches)],
         )
         footer = {UPDATE_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(entry))}
-        return cls(capture.step, capture.kind, entry, table.replace_schema_metadata({**schema.metadata, **footer}))
+        table = layout.stored(table.replace_schema_metadata({**schema.metadata, **footer}))
+        return cls(capture.step, capture.kind, entry, table)
 
 
 def _check(capture: StepCapture) -> None:

@@ -2,13 +2,14 @@
 
 A :class:`Trace` is a view of the directory as it was when opened (reopen it to see steps written
 since). Every problem with the trace itself raises :class:`TraceError` with a one-line message.
+Traces of every readable format give the same tables: format 3 stores ``step`` in its files
+(``step-<n>``), formats 1 and 2 only in the folder name (``step=<n>``); see schema.py.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
-import re
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
@@ -25,27 +26,23 @@ from verl_ext.trace.schema import (
     RUN_RECORD,
     SCHEMA_VERSION_METADATA_KEY,
     STEP_RECORD_METADATA_KEY,
-    TOKEN_FILE,
-    TOKEN_FILE_SCHEMA,
+    STEP_FILE,
     TOKEN_SCHEMA,
     UPDATE_DIRS,
-    UPDATE_FILE_SCHEMAS,
     UPDATE_RECORD_METADATA_KEY,
     UPDATE_SCHEMAS,
     WRITE_ID_METADATA_KEY,
+    Layout,
     RunRecord,
     StepEntry,
     UpdateEntry,
-    prompt_file,
-    token_file,
-    update_file,
+    layout_of,
 )
 
 if TYPE_CHECKING:
     import pandas
     import polars
 
-_FILE_PATH = re.compile(rf"(?:(?P<kind>{'|'.join(UPDATE_DIRS.values())})/)?step=(?P<step>\d+)/{re.escape(TOKEN_FILE)}")
 #: Columns added in schema version 2: read as null from a version-1 file.
 NEW_IN_VERSION_2 = frozenset({"rollout_log_prob", "response_length", "eos", "truncated"})
 
@@ -69,28 +66,31 @@ def open_trace(path: str, *, filesystem=None) -> "Trace":
     run_record = record.read(fs, root, path)
     if run_record is None:
         raise TraceError(f"{path} is not a verl-ext trace: it has no {RUN_RECORD}")
-    steps, updates = _steps_on_disk(fs, root, path)
+    steps, updates = _steps_on_disk(fs, root, path, layout_of(run_record.schema_version))
     return Trace(path, run_record, steps, fs, root, updates)
 
 
-def _steps_on_disk(fs: pafs.FileSystem, root: str, shown_path: str) -> tuple[list[int], dict[str, list[int]]]:
+def _steps_on_disk(
+    fs: pafs.FileSystem, root: str, shown_path: str, layout: Layout
+) -> tuple[list[int], dict[str, list[int]]]:
     """Steps with a token file, and per update kind the steps with an update file (one listing).
 
-    A step directory the writer would not have named (``step=03`` for step 3) is a TraceError: its
-    data would never be read, and a second directory of the same step would hide which one is real.
+    A step directory the writer would not have named is a TraceError: ``step-03`` for step 3, or a
+    name of the other layout (``step=3`` in a trace of format 3, ``step-3`` in one of format 1 or 2).
+    Its data would never be read, and a second directory of the same step would hide which one is real.
     """
     directories = {name: kind for kind, name in UPDATE_DIRS.items()}
     steps: list[int] = []
     updates: dict[str, list[int]] = {kind: [] for kind in UPDATE_DIRS}
     for info in fs.get_file_info(pafs.FileSelector(root, recursive=True)):
         relative = posixpath.relpath(info.path, root)
-        match = _FILE_PATH.fullmatch(relative)
+        match = STEP_FILE.fullmatch(relative)
         if match and info.type == pafs.FileType.File:
             step = int(match.group("step"))
-            if f"step={step}" != f"step={match.group('step')}":
+            if match.group("dir") != layout.step_dir(step):
                 raise TraceError(
                     f"{shown_path}/{posixpath.dirname(relative)} is not a directory this trace writes: step {step} "
-                    f"lives in step={step}; remove or rename the copy"
+                    f"lives in {layout.step_dir(step)}; remove or rename the copy"
                 )
             (updates[directories[match.group("kind")]] if match.group("kind") else steps).append(step)
     return sorted(steps), {kind: sorted(found) for kind, found in updates.items()}
@@ -99,7 +99,7 @@ def _steps_on_disk(fs: pafs.FileSystem, root: str, shown_path: str) -> tuple[lis
 class Trace:
     """A trace directory: ``record`` (the run record), ``steps`` (sorted steps whose token file is
     on disk), and per-step tables. Token tables have TOKEN_SCHEMA's columns in its order (``step``
-    included), rows sorted by (sample, token_index)."""
+    included), rows sorted by (sample, token_index); ``layout`` says how the files are named."""
 
     def __init__(
         self,
@@ -115,6 +115,8 @@ class Trace:
         self.steps = steps
         #: kind ("actor", "critic") -> sorted steps with an update table of that kind on disk
         self.update_steps = updates or {kind: [] for kind in UPDATE_DIRS}
+        #: how the files are named, by the format of the run record (schema.py)
+        self.layout = layout_of(run_record.schema_version)
         self._fs = fs
         self._root = root
         self._footers: dict[int, dict[bytes, bytes]] = {}
@@ -124,7 +126,7 @@ class Trace:
         names = _known_columns(columns)
         # With only ``step`` asked for, ``sample`` is still read: it gives the row count.
         file_columns = [name for name in names if name != "step"] or ["sample"]
-        table = self._read_parquet(step, token_file(step), TOKEN_FILE_SCHEMA, file_columns)
+        table = self._read_parquet(step, self.layout.token_file(step), TOKEN_SCHEMA, file_columns)
         arrays = [pa.array(np.full(table.num_rows, step, np.int64)) if name == "step" else table[name] for name in names]
         return pa.Table.from_arrays(arrays, schema=_subschema(TOKEN_SCHEMA, names))
 
@@ -135,7 +137,8 @@ class Trace:
 
     def prompts(self, step: int) -> pa.Table:
         """The prompt table of one step (PROMPT_SCHEMA): one row per traced sample."""
-        table = self._read_parquet(step, prompt_file(step), PROMPT_SCHEMA, PROMPT_SCHEMA.names)
+        self.require_step(step)
+        table = self._read_file(self.layout.prompt_file(step), PROMPT_SCHEMA, PROMPT_SCHEMA.names, step, stores_step=True)
         written_with = (table.schema.metadata or {}).get(WRITE_ID_METADATA_KEY.encode())
         if written_with != self._footer(step).get(WRITE_ID_METADATA_KEY.encode()):
             raise TraceError(
@@ -156,7 +159,7 @@ class Trace:
     def update_record(self, kind: str, step: int) -> UpdateEntry:
         """What the update table of ``kind`` at ``step`` holds, as stored in its footer (incl. verl's logged metrics)."""
         self._require_update(kind, step)
-        relative = update_file(kind, step)
+        relative = self.layout.update_file(kind, step)
         footer = self._attempt(relative, lambda file: pq.read_metadata(file).metadata or {})
         entry = footer.get(UPDATE_RECORD_METADATA_KEY.encode())
         if entry is None:
@@ -166,18 +169,20 @@ class Trace:
     def step_record(self, step: int) -> StepEntry:
         """The step's entry of the run record, as stored with its data (the token file's footer)."""
         entry = self._footer(step).get(STEP_RECORD_METADATA_KEY.encode())
+        relative = self.layout.token_file(step)
         if entry is None:
-            raise TraceError(f"{self.path}/{token_file(step)} has no step record in its footer")
-        return StepEntry.from_dict(json.loads(entry), f"{self.path}/{token_file(step)} footer")
+            raise TraceError(f"{self.path}/{relative} has no step record in its footer")
+        return StepEntry.from_dict(json.loads(entry), f"{self.path}/{relative} footer")
 
     def dataset(self) -> ds.Dataset:
-        """All steps as one ``pyarrow.dataset`` (TOKEN_SCHEMA, ``step`` from the hive partition)."""
-        return ds.dataset(
-            self._root,
-            filesystem=self._fs,
-            format="parquet",
-            partitioning=ds.partitioning(pa.schema([TOKEN_SCHEMA.field("step")]), flavor="hive"),
+        """The token files of ``steps`` as one ``pyarrow.dataset`` (TOKEN_SCHEMA), in either layout:
+        each file is known to hold its step, which fills ``step`` where the file does not store it."""
+        return ds.FileSystemDataset.from_paths(
+            [storage.join(self._root, self.layout.token_file(step)) for step in self.steps],
             schema=TOKEN_SCHEMA,
+            format=ds.ParquetFileFormat(),
+            filesystem=self._fs,
+            partitions=[ds.field("step") == step for step in self.steps],
         )
 
     def to_pandas(self, step: int | None = None) -> "pandas.DataFrame":
@@ -202,7 +207,7 @@ class Trace:
         names = _known_columns(columns, schema)
         self._require_update(kind, step)
         file_columns = [name for name in names if name != "step"] or ["sample"]
-        table = self._read_file(update_file(kind, step), UPDATE_FILE_SCHEMAS[kind], file_columns)
+        table = self._read_file(self.layout.update_file(kind, step), schema, file_columns, step)
         arrays = [pa.array(np.full(table.num_rows, step, np.int64)) if name == "step" else table[name] for name in names]
         return pa.Table.from_arrays(arrays, schema=_subschema(schema, names))
 
@@ -223,24 +228,41 @@ class Trace:
         """Key-value metadata of the step's token file (cached)."""
         if step not in self._footers:
             self.require_step(step)
-            self._footers[step] = self._attempt(token_file(step), lambda file: pq.read_metadata(file).metadata or {})
+            relative = self.layout.token_file(step)
+            self._footers[step] = self._attempt(relative, lambda file: pq.read_metadata(file).metadata or {})
         return self._footers[step]
 
     def _read_parquet(self, step: int, relative: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
         """``columns`` of one of the step's files, checked against ``schema`` and cast to its types."""
         self.require_step(step)
-        return self._read_file(relative, schema, columns)
+        return self._read_file(relative, schema, columns, step)
 
-    def _read_file(self, relative: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
+    def _read_file(
+        self, relative: str, schema: pa.Schema, columns: list[str], step: int, stores_step: bool | None = None
+    ) -> pa.Table:
+        """``columns`` of the file of ``step`` at ``relative``. A file that stores ``step`` (by default as
+        the layout says; prompt files always) must hold that step only: a file moved to another step's
+        name is a TraceError, not data of the wrong step."""
+        stores_step = self.layout.step_in_files if stores_step is None else stores_step
+
         def read(file) -> pa.Table:
             parquet = pq.ParquetFile(file)
             version = (parquet.schema_arrow.metadata or {}).get(SCHEMA_VERSION_METADATA_KEY.encode())
             if version is not None and version.decode() not in map(str, READABLE_SCHEMA_VERSIONS):
                 raise TraceError(f"{self.path}/{relative}: schema version {version.decode()} is not supported")
-            missing = [name for name in schema.names if name not in parquet.schema_arrow.names]
+            expected = [name for name in schema.names if stores_step or name != "step"]
+            missing = [name for name in expected if name not in parquet.schema_arrow.names]
             absent = set(missing) & NEW_IN_VERSION_2 if version in (None, b"1") else set()
             if set(missing) - absent:
                 raise TraceError(f"{self.path}/{relative} lacks column(s) {', '.join(n for n in missing if n not in absent)}")
+            if stores_step:
+                others = _other_steps(parquet, step)
+                if others:
+                    right = relative.replace(self.layout.step_dir(step), self.layout.step_dir(others[0]), 1)
+                    raise TraceError(
+                        f"{self.path}/{relative} holds step {', '.join(map(str, others))}, not {step} (it belongs in "
+                        f"{right}): it was moved or copied; move it back or remove it"
+                    )
             table = parquet.read(columns=[name for name in columns if name not in absent])
             table = table.select([name for name in columns if name not in absent])
             for name in columns:
@@ -261,6 +283,23 @@ class Trace:
             raise TraceError(f"{self.path}/{relative} is missing") from None
         except (OSError, ValueError, pa.ArrowException) as error:
             raise TraceError(f"{self.path}/{relative} is not a readable Parquet file ({one_line(error)})") from None
+
+
+def _other_steps(parquet: pq.ParquetFile, step: int) -> list[int]:
+    """The values of the file's ``step`` column other than ``step`` (their smallest and largest when
+    there are several), from the row groups' statistics: the column is read only where they lack them."""
+    paths = [parquet.metadata.schema.column(i).path for i in range(parquet.metadata.num_columns)]
+    index = paths.index("step")
+    found: set[int] = set()
+    for group in range(parquet.metadata.num_row_groups):
+        row_group = parquet.metadata.row_group(group)
+        if row_group.num_rows == 0:
+            continue
+        statistics = row_group.column(index).statistics
+        if statistics is None or not statistics.has_min_max:
+            return sorted(set(parquet.read(columns=["step"])["step"].unique().to_pylist()) - {step})
+        found.update((statistics.min, statistics.max))
+    return sorted(found - {step})
 
 
 def _known_columns(columns: list[str] | None, schema: pa.Schema = TOKEN_SCHEMA) -> list[str]:

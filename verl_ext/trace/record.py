@@ -25,13 +25,14 @@ def read(fs: pafs.FileSystem, root: str, shown_path: str) -> RunRecord | None:
     return RunRecord.from_json(raw, shown_path)
 
 
-def merge(existing: RunRecord | None, new: RunRecord, shown_path: str) -> RunRecord:
+def merge(existing: RunRecord | None, new: RunRecord, shown_path: str, schema_version: int = SCHEMA_VERSION) -> RunRecord:
     """The record a writer starts from: ``new`` (the run now starting) with the step entries of
-    ``existing`` (a run traced earlier into the same directory, e.g. before a resume).
+    ``existing`` (a run traced earlier into the same directory, e.g. before a resume), of the
+    ``schema_version`` the writer writes (that of the layout it writes in).
 
     Warns when the algorithm settings changed, since earlier steps were computed with the old ones.
     """
-    merged = dataclasses.replace(new, schema_version=SCHEMA_VERSION, steps=dict(existing.steps) if existing else {})
+    merged = dataclasses.replace(new, schema_version=schema_version, steps=dict(existing.steps) if existing else {})
     if existing and existing.algorithm != new.algorithm:
         old, now = existing.algorithm, new.algorithm
         changed = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))

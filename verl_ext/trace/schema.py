@@ -1,27 +1,37 @@
 """The trace format: layout, columns, the run record. This is a public contract; bump
 :data:`SCHEMA_VERSION` on any change a reader could notice.
 
-Layout of a trace directory (local path or fsspec URL)::
+Layout of a trace directory (local path or fsspec URL), format 3::
 
     TRACE/
       _run.json                   the run record (:class:`RunRecord`)
-      step=<n>/part-0.parquet     token table of step n (TOKEN_SCHEMA), one row per response
+      step-<n>/part-0.parquet     token table of step n (TOKEN_SCHEMA), one row per response
                                   position up to the sample's last valid token
-      _prompts/step=<n>.parquet   one row per traced sample of step n (PROMPT_SCHEMA): its prompt,
+      _prompts/step-<n>.parquet   one row per traced sample of step n (PROMPT_SCHEMA): its prompt,
                                   response length, and whether it ended with EOS or was truncated
-      _actor_update/step=<n>/part-0.parquet    the actor's update of step n (ACTOR_UPDATE_SCHEMA): one
+      _actor_update/step-<n>/part-0.parquet    the actor's update of step n (ACTOR_UPDATE_SCHEMA): one
                                   row per trained token per PPO epoch
-      _critic_update/step=<n>/part-0.parquet   the critic's update of step n (CRITIC_UPDATE_SCHEMA)
+      _critic_update/step-<n>/part-0.parquet   the critic's update of step n (CRITIC_UPDATE_SCHEMA)
       _tmp/                       files being written (invisible to readers; removed by a clean close)
 
-``step`` is the hive partition key: it lives in the directory name, not inside the files, so each
-reader's standard call sees one token table with a ``step`` column (the README gives the calls that
-make it an integer in every reader). Names beginning with ``_`` or ``.`` (the run record, the
-prompt tables, the update tables, files being written) are skipped by pyarrow's and pandas'
-discovery and do not match the ``step=*/*.parquet`` globs; pointed at ``TRACE/_actor_update`` or
-``TRACE/_critic_update``, the same calls read an update table.
+Every file stores ``step`` (int64) as its first column, and ``step-<n>`` is not a ``key=value``
+name, so no reader makes a partition column of it: each reader's plain call (``pd.read_parquet(TRACE)``,
+``pl.read_parquet("TRACE/step-*/*.parquet")``, DuckDB's ``read_parquet('TRACE/step-*/*.parquet')``,
+``ds.dataset(TRACE)``) sees one token table whose ``step`` is an integer. Names beginning with ``_`` or
+``.`` (the run record, the prompt tables, the update tables, files being written) are skipped by
+pyarrow's and pandas' discovery and do not match the ``step-*/*.parquet`` globs; pointed at
+``TRACE/_actor_update``, ``TRACE/_critic_update`` or ``TRACE/_prompts``, the same calls read those
+tables. The writer names step n ``step-<n>`` exactly (no leading zeros); the reader refuses any
+other name for a step (``step-03``), and a file whose stored ``step`` is not its folder's.
 
-Update tables (schema version 2): for every PPO epoch e and mini-batch k of a traced step, one row
+Formats 1 and 2 (:data:`HIVE_LAYOUT`) named the same files ``step=<n>/part-0.parquet``,
+``_prompts/step=<n>.parquet``, ``_actor_update/step=<n>/part-0.parquet``: a hive partition, with
+``step`` only in the folder name (not in the token and update files; the prompt files had it), which
+pandas reads as an unordered categorical. The reader reads both layouts and gives the same tables;
+one trace has one layout (the run record's ``schema_version`` says which), so a writer resuming into
+a trace of format 1 or 2 goes on in that layout, writing format 2.
+
+Update tables (since format 2): for every PPO epoch e and mini-batch k of a traced step, one row
 per valid token the mini-batch trains, keyed by (step, sample, token_index) like the token table
 (``sample`` is the row of the trainer's batch, whatever shuffling, mini-batches, micro-batches and
 data-parallel ranks did to it). Each row also says where it was trained: ``epoch``, ``minibatch``
@@ -45,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +63,11 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Schema versions this code reads. Version 1 (verl-ext 0.1) has no update tables, no
-#: rollout_log_prob column and no per-sample end flags: those read as null.
-READABLE_SCHEMA_VERSIONS = (1, 2)
+#: rollout_log_prob column and no per-sample end flags: those read as null. Versions 1 and 2 name
+#: a step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 
 RUN_RECORD = "_run.json"
 PROMPTS_DIR = "_prompts"
@@ -72,20 +84,75 @@ WRITE_ID_METADATA_KEY = "verl_ext.write_id"
 SCHEMA_VERSION_METADATA_KEY = "verl_ext.schema_version"
 
 
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a trace names a step's files, and whether its token and update files store ``step``."""
+
+    #: between ``step`` and the number: ``step-<n>`` (format 3), ``step=<n>`` (formats 1, 2)
+    separator: str
+    #: the schema version a writer writes in this layout
+    schema_version: int
+
+    @property
+    def step_in_files(self) -> bool:
+        """Token and update files store ``step`` (prompt files always do)."""
+        return self.separator == "-"
+
+    def step_dir(self, step: int) -> str:
+        return f"step{self.separator}{step}"
+
+    def token_file(self, step: int) -> str:
+        return f"{self.step_dir(step)}/{TOKEN_FILE}"
+
+    def prompt_file(self, step: int) -> str:
+        return f"{PROMPTS_DIR}/{self.step_dir(step)}.parquet"
+
+    def update_file(self, kind: str, step: int) -> str:
+        return f"{UPDATE_DIRS[kind]}/{self.step_dir(step)}/{TOKEN_FILE}"
+
+    def stored(self, table: pa.Table, *, prompts: bool = False) -> pa.Table:
+        """``table`` (``step`` included, as the reader gives it) as this layout stores it."""
+        if self.step_in_files:
+            return table
+        if not prompts:
+            table = table.drop_columns(["step"])
+        version = {SCHEMA_VERSION_METADATA_KEY.encode(): str(self.schema_version).encode()}
+        return table.replace_schema_metadata({**(table.schema.metadata or {}), **version})
+
+
+#: The layout of format 3: ``step-<n>``, ``step`` stored in every file.
+LAYOUT = Layout("-", SCHEMA_VERSION)
+#: The layout of formats 1 and 2: ``step=<n>``, a hive partition (``step`` only in the folder name).
+HIVE_LAYOUT = Layout("=", 2)
+
+
+def layout_of(schema_version: int) -> Layout:
+    """The layout of a trace whose run record has ``schema_version``."""
+    return LAYOUT if schema_version >= 3 else HIVE_LAYOUT
+
+
+#: A step's token or update file, in either layout: (kind directory or None, separator, step digits).
+STEP_FILE = re.compile(
+    rf"(?:(?P<kind>{'|'.join(UPDATE_DIRS.values())})/)?(?P<dir>step(?P<separator>[-=])(?P<step>\d+))/{re.escape(TOKEN_FILE)}"
+)
+
+
 def step_dir(step: int) -> str:
-    return f"step={step}"
+    return LAYOUT.step_dir(step)
 
 
 def prompt_file(step: int) -> str:
-    return f"{PROMPTS_DIR}/step={step}.parquet"
+    return LAYOUT.prompt_file(step)
 
 
 def token_file(step: int) -> str:
-    return f"{step_dir(step)}/{TOKEN_FILE}"
+    return LAYOUT.token_file(step)
 
 
 def update_file(kind: str, step: int) -> str:
-    return f"{UPDATE_DIRS[kind]}/{step_dir(step)}/{TOKEN_FILE}"
+    return LAYOUT.update_file(kind, step)
 
 
 # --------------------------------------------------------------------------- columns
@@ -124,8 +191,12 @@ FLOAT_COLUMNS = (
 )  # fmt: skip
 FLOAT_COLUMN_NAMES = tuple(column.name for column in FLOAT_COLUMNS)
 
-#: Columns stored in ``step=<n>/part-0.parquet`` (``step`` itself comes from the directory name).
-TOKEN_FILE_COLUMNS = (
+#: The first column of every table of the trace, stored in every file (format 3; formats 1 and 2 kept
+#: it in the folder name of the token and update files).
+STEP_COLUMN = Column("step", pa.int64(), "the training step (verl's global_steps, from 1)", nullable=False)
+#: The columns of ``step-<n>/part-0.parquet``, as stored and as every reader sees them.
+TOKEN_COLUMNS = (
+    STEP_COLUMN,
     Column("sample", pa.int32(), "row of the sample in the trainer's batch", nullable=False),
     Column("uid", pa.string(), "verl's prompt id: the samples of one prompt share it"),
     Column("token_index", pa.int32(), "t, the position in the response (0 = first response token)", nullable=False),
@@ -133,12 +204,8 @@ TOKEN_FILE_COLUMNS = (
     Column("mask", pa.bool_(), "true on trainable tokens (response_mask)", "response_mask", nullable=False),
     *FLOAT_COLUMNS,
 )
-STEP_COLUMN = Column("step", pa.int64(), "the training step (verl's global_steps, from 1)", nullable=False)
-TOKEN_COLUMNS = (STEP_COLUMN, *TOKEN_FILE_COLUMNS)
 
 _VERSION = {SCHEMA_VERSION_METADATA_KEY: str(SCHEMA_VERSION)}
-TOKEN_FILE_SCHEMA = pa.schema([c.field for c in TOKEN_FILE_COLUMNS], metadata=_VERSION)
-#: The token table as a reader sees it: the file columns plus the partition key.
 TOKEN_SCHEMA = pa.schema([c.field for c in TOKEN_COLUMNS], metadata=_VERSION)
 
 PROMPT_COLUMNS = (
@@ -185,9 +252,8 @@ CRITIC_UPDATE_COLUMNS = (
     Column("vf_clipped", pa.bool_(), "the clipped square is the larger one (counted in critic/vf_clipfrac)"),
 )
 UPDATE_COLUMNS = {"actor": ACTOR_UPDATE_COLUMNS, "critic": CRITIC_UPDATE_COLUMNS}
-#: Update tables as a reader sees them (``step`` from the directory name), and as stored.
+#: Update tables, as stored and as every reader sees them.
 UPDATE_SCHEMAS = {kind: pa.schema([c.field for c in columns], metadata=_VERSION) for kind, columns in UPDATE_COLUMNS.items()}
-UPDATE_FILE_SCHEMAS = {kind: pa.schema([c.field for c in columns[1:]], metadata=_VERSION) for kind, columns in UPDATE_COLUMNS.items()}
 #: Footer key of an update file: its UpdateEntry as JSON.
 UPDATE_RECORD_METADATA_KEY = "verl_ext.update_record"
 
@@ -204,8 +270,8 @@ class StepEntry:
     rows: int  # rows in the token file
     samples: int  # samples traced (N)
     batch_samples: int  # samples in the trainer's batch (B ≥ N)
-    file: str  # "step=<n>/part-0.parquet", relative to the trace directory
-    prompts_file: str  # "_prompts/step=<n>.parquet"
+    file: str  # "step-<n>/part-0.parquet", relative to the trace directory ("step=<n>/…" before format 3)
+    prompts_file: str  # "_prompts/step-<n>.parquet"
     written_at: str  # ISO 8601 UTC, when the writer started writing the step
     kl_coef: float | None  # the β applied at this step
     #: {"mean": μ, "var": σ²}: the statistics ``masked_whiten`` uses, of advantage_raw over the valid
@@ -228,7 +294,7 @@ class UpdateEntry:
 
     kind: str  # "actor" | "critic"
     rows: int
-    file: str  # "_actor_update/step=<n>/part-0.parquet"
+    file: str  # "_actor_update/step-<n>/part-0.parquet"
     written_at: str
     #: verl's own logged metrics of the step for this model (e.g. actor/pg_loss, actor/pg_clipfrac),
     #: which the per-token terms must reproduce.

@@ -3,13 +3,15 @@
 ``submit`` (training thread) copies what the step needs (:func:`capture.take_snapshot`) and queues
 the copy; the writer thread builds the Arrow tables and publishes, for each step, in this order:
 
-1. ``_prompts/step=<n>.parquet``
-2. ``step=<n>/part-0.parquet``: publishing it is what makes the step visible to every reader;
+1. ``_prompts/step-<n>.parquet``
+2. ``step-<n>/part-0.parquet``: publishing it is what makes the step visible to every reader;
    its footer holds the step entry (and a write id shared with the prompt file)
 3. ``_run.json`` with the step entry added
 
-and, when the step's updates have run, ``_critic_update/step=<n>/part-0.parquet`` and
-``_actor_update/step=<n>/part-0.parquet`` (each followed by ``_run.json`` with its entry added).
+and, when the step's updates have run, ``_critic_update/step-<n>/part-0.parquet`` and
+``_actor_update/step-<n>/part-0.parquet`` (each followed by ``_run.json`` with its entry added).
+A writer resuming into a trace of format 1 or 2 writes these files in that trace's layout
+(``step=<n>``, format 2) and says so once, so that one trace never mixes layouts (schema.py).
 
 Every file is written under ``_tmp/`` and moved into place (:mod:`storage` says what that
 guarantees per filesystem), so a reader never sees a half-written file, a re-traced step replaces
@@ -38,12 +40,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import posixpath
 import queue
 import threading
 import time
 import traceback
 import warnings
 
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from verl_ext.errors import TraceError, UsageError, one_line
@@ -58,7 +62,16 @@ from verl_ext.trace.capture import (
     UpdateFiles,
     take_snapshot,
 )
-from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RUN_RECORD, TMP_DIR, RunRecord
+from verl_ext.trace.schema import (
+    FLOAT_COLUMN_NAMES,
+    HIVE_LAYOUT,
+    LAYOUT,
+    RUN_RECORD,
+    STEP_FILE,
+    TMP_DIR,
+    Layout,
+    RunRecord,
+)
 
 #: Parquet encoding of the token file, chosen by benchmarks/bench_trace.py: float columns as
 #: byte-stream-split (no dictionary, which costs a hash per value and rarely pays on floats) then
@@ -67,7 +80,7 @@ from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RUN_RECORD, TMP_DIR, RunRe
 TOKEN_PARQUET_OPTIONS = {
     "compression": "zstd",
     "compression_level": 1,
-    "use_dictionary": ["uid", "token_id"],
+    "use_dictionary": ["step", "uid", "token_id"],
     "use_byte_stream_split": list(FLOAT_COLUMN_NAMES),
     "row_group_size": 128 * 1024,
 }
@@ -75,7 +88,7 @@ PROMPT_PARQUET_OPTIONS = {"compression": "zstd", "compression_level": 1}
 UPDATE_PARQUET_OPTIONS = {
     "compression": "zstd",
     "compression_level": 1,
-    "use_dictionary": ["clip"],
+    "use_dictionary": ["step", "clip"],
     "row_group_size": 128 * 1024,
 }
 
@@ -111,7 +124,9 @@ class TraceWriter:
             raise UsageError(f"trace dir {options.dir} is not writable: {one_line(error)}") from None
         try:
             storage.prepare_directory(self._fs, self._root)
-            self._record = record.merge(record.read(self._fs, self._root, options.dir), run_record, options.dir)
+            existing = record.read(self._fs, self._root, options.dir)
+            self._layout = _layout_to_write(self._fs, self._root, options.dir, existing)
+            self._record = record.merge(existing, run_record, options.dir, self._layout.schema_version)
             self._write_record()
         except Exception as error:  # noqa: BLE001
             self._lease.release()
@@ -234,7 +249,7 @@ class TraceWriter:
                 if self._lost is not None:  # the directory is no longer this writer's
                     raise OSError(f"not written: {one_line(self._lost)}")
                 if isinstance(item, UpdateCapture):
-                    self._publish_update(UpdateFiles.build(item, self._options.max_samples_per_step))
+                    self._publish_update(UpdateFiles.build(item, self._options.max_samples_per_step, self._layout))
                 else:
                     self._write(item)
             except Exception as error:  # noqa: BLE001 - reported on the training thread
@@ -244,7 +259,7 @@ class TraceWriter:
 
     def _write(self, snapshot: StepSnapshot) -> None:
         try:
-            files = StepFiles.build(snapshot)
+            files = StepFiles.build(snapshot, self._layout)
         finally:  # the tables hold their own copies: the snapshot's memory can serve the next step
             self._memory.give_back(snapshot.block)
         self._publish(files)
@@ -290,3 +305,27 @@ class TraceWriter:
 
     def _write_record(self) -> None:
         storage.publish_bytes(self._fs, self._root, RUN_RECORD, self._record.to_json())
+
+
+def _layout_to_write(fs, root: str, shown_path: str, existing: RunRecord | None) -> Layout:
+    """:data:`LAYOUT`, unless the directory holds a trace of format 1 or 2 with steps (in its run record
+    or on disk): that one goes on in its own layout (HIVE_LAYOUT), with a warning saying so."""
+    if existing is not None and existing.schema_version >= LAYOUT.schema_version:
+        return LAYOUT
+    old = bool(existing is not None and existing.steps)
+    if not old:
+        for info in fs.get_file_info(pafs.FileSelector(root, recursive=True)):
+            match = STEP_FILE.fullmatch(posixpath.relpath(info.path, root))
+            if match and match.group("separator") == HIVE_LAYOUT.separator:
+                old = True
+                break
+    if not old:
+        return LAYOUT
+    warnings.warn(
+        f"trace dir {shown_path} holds a trace of format {existing.schema_version if existing else 2} "
+        "(step=<n> folders): this run's steps go there in that layout (format 2, where pd.read_parquet "
+        "gives step as a category); a new trace dir gets format 3 (step-<n> folders, an integer step)",
+        UserWarning,
+        stacklevel=3,
+    )
+    return HIVE_LAYOUT

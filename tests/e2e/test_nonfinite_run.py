@@ -1,0 +1,113 @@
+"""verl_ext.nonfinite in verl's real RayPPOTrainer.fit() on CPU (in-process, trace off): a NaN the
+critic gives at step 2 (tests/e2e/nonfinite_probe.py) is named in one line; warn trains on, raise
+stops the run with that line before step 2's updates. One fresh interpreter per run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cpu.helpers import CONFIGS, SCENARIOS, read_batches
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="verl-ext's CPU backend refuses to run on a host with a CUDA GPU"
+)
+
+
+def run_with_nan(out: Path, mode: str) -> subprocess.CompletedProcess:
+    from verl_ext.cpu.assets import build_assets, default_cache_dir
+    from verl_ext.cpu.overrides import cpu_environment
+
+    build_assets(default_cache_dir())
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        **cpu_environment(out),
+        "VERL_EXT_CPU_ASSETS": str(default_cache_dir()),
+        "PYTHONPATH": str(ROOT),
+        "VERL_USE_EXTERNAL_MODULES": "tests.e2e.nonfinite_probe",
+        "VERL_EXT_TEST_NAN_DIR": str(out),
+        "VERL_EXT_TEST_NAN_STEP": "2",
+    }
+    command = [
+        sys.executable, str(SCENARIOS), "in-process", str(out), "--estimator", "mc", "--steps", "2",
+        "--config-dir", str(CONFIGS), "--config-name", "verl_ext_trainer", "--", f"verl_ext.nonfinite={mode}",
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=600)
+    (out / "output.log").write_text(result.stdout + result.stderr)
+    return result
+
+
+def expected_line(out: Path, valid: int, first_uid: str) -> str:
+    injected = json.loads((out / "injected.json").read_text())
+    return (
+        f"verl-ext: step 2: advantages not finite on {valid} of {valid} valid tokens, first nan at sample 0 "
+        f"(uid {first_uid}), token 0; first non-finite upstream: values, nan at sample 3 (uid {injected['uid']}), "
+        f"token {injected['token']} (1 valid token)"
+    )
+
+
+def test_warn_names_the_nan_value_and_training_goes_on(tmp_path):
+    result = run_with_nan(tmp_path / "warn", "warn")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    step = read_batches(tmp_path / "warn")["steps"][2]  # the batch step 2's updates used
+    said = [line for line in result.stderr.splitlines() if line.startswith("verl-ext: step")]
+    assert said == [expected_line(tmp_path / "warn", int(step["response_mask"].sum()), step["uid"][0])]
+    assert (tmp_path / "warn" / "updates.txt").read_text().split("\n")[:-1] == ["1 critic", "1 actor", "2 critic", "2 actor"]
+
+
+def test_raise_stops_the_run_with_that_line_before_the_update(tmp_path):
+    result = run_with_nan(tmp_path / "raise", "raise")
+    assert result.returncode != 0
+    error = next(line for line in result.stderr.splitlines() if "NonFiniteError" in line)
+    line = error.split("NonFiniteError: ", 1)[1]
+    assert line.startswith("verl-ext: step 2: advantages not finite on ")
+    injected = json.loads((tmp_path / "raise" / "injected.json").read_text())
+    assert line.endswith(f"first non-finite upstream: values, nan at sample 3 (uid {injected['uid']}), token {injected['token']} (1 valid token)")
+    assert (tmp_path / "raise" / "updates.txt").read_text().split("\n")[:-1] == ["1 critic", "1 actor"]
+
+
+# --------------------------------------------------------------------------- the V1 trainer, on Ray
+
+
+def run_v1_with_nan(out: Path, mode: str, steps: int) -> subprocess.CompletedProcess:
+    """``python -m verl.trainer.main_ppo`` with verl-ext's config, trainer.use_v1=True, the probe in every
+    process; the NaN at step 1."""
+    from verl_ext.cpu.assets import build_assets
+    from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
+
+    out.mkdir(parents=True, exist_ok=True)
+    probe = {
+        "PYTHONPATH": str(ROOT),
+        "VERL_USE_EXTERNAL_MODULES": "tests.e2e.nonfinite_probe",
+        "VERL_EXT_TEST_NAN_DIR": str(out),
+        "VERL_EXT_TEST_NAN_STEP": "1",
+    }
+    overrides = merge_overrides(
+        cpu_overrides(build_assets(), out, steps=steps, estimator="mc", use_v1=True),
+        [f"verl_ext.nonfinite={mode}", *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in probe.items())],
+    )
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIGS}", "--config-name=verl_ext_trainer", *overrides]
+    env = {**os.environ, **cpu_environment(out), **probe}
+    result = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=900)
+    (out / "output.log").write_text(result.stdout + result.stderr)
+    return result
+
+
+def test_v1_raise_stops_the_run_with_that_line_before_the_update(tmp_path):
+    out = tmp_path / "v1"
+    result = run_v1_with_nan(out, "raise", steps=2)
+    assert result.returncode != 0
+    injected = json.loads((out / "injected.json").read_text())
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "NonFiniteError: verl-ext: step 1:" in line]
+    assert lines, (result.stdout + result.stderr)[-4000:]
+    assert lines[0].split("NonFiniteError: ", 1)[1].endswith(
+        f"first non-finite upstream: values, nan at sample 3 (uid {injected['uid']}), token {injected['token']} (1 valid token)"
+    )
+    assert not (out / "updates.txt").exists()  # no update of step 1 ran
