@@ -45,6 +45,7 @@ bench: setup
 	$(PY) benchmarks/bench_check.py
 	$(PY) benchmarks/bench_update.py
 	$(PY) benchmarks/bench_view.py
+	$(PY) benchmarks/bench_nonfinite.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .hypothesis

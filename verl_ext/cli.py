@@ -441,7 +441,7 @@ def demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=_count(1), default=DEMO_STEPS, help=f"training steps (default {DEMO_STEPS})")
     parser.add_argument("--estimator", default="mc", help="algorithm.adv_estimator (default mc)")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
-    parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a wrong verdict)")
+    parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a verdict and a score below 1)")
     parser.add_argument("overrides", nargs="*", help="more hydra overrides for the trainer; they win")
 
 

@@ -23,6 +23,7 @@ def declared_verl_range() -> str:
     """The verl versions verl-ext accepts, as a PEP 440 specifier: the ``verl`` requirement of
     setup.cfg, the one place it is written (read from the installed package's metadata, or from
     setup.cfg beside the source when verl-ext runs uninstalled). It is the range CI tests."""
+    import configparser
     from importlib.metadata import PackageNotFoundError, requires
     from pathlib import Path
 
@@ -31,8 +32,9 @@ def declared_verl_range() -> str:
     try:
         lines = requires("verl-ext") or []
     except PackageNotFoundError:
-        setup_cfg = Path(__file__).resolve().parents[1] / "setup.cfg"
-        lines = [line.strip() for line in setup_cfg.read_text().splitlines() if line.strip().startswith("verl")]
+        setup_cfg = configparser.ConfigParser()
+        setup_cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+        lines = [line for line in setup_cfg.get("options", "install_requires", fallback="").splitlines() if line.strip()]
     for line in lines:
         requirement = Requirement(line)
         if requirement.name == "verl" and not requirement.marker:

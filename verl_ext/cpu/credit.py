@@ -21,7 +21,7 @@ import numpy as np
 
 from verl_ext.cpu.assets import EOS, special_token_id, token_id
 from verl_ext.cpu.task import VERDICT_MARK
-from verl_ext.inspect.comparison import estimator_columns
+from verl_ext.inspect.comparison import DEFAULT_N, estimator_columns
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData
 
@@ -74,7 +74,7 @@ def verdict_share_by_estimator(trace, step: int, labels: tuple[str, ...] = SIDE_
     re-estimated from the recorded rewards and values."""
     algorithm = RecordedAlgorithm.from_record(trace.record)
     lambdas = tuple(float(label[3:]) for label in labels if label.startswith("gae"))
-    columns, _ = estimator_columns(algorithm, 3, lambdas)
+    columns, _ = estimator_columns(algorithm, DEFAULT_N, lambdas)
     data, at_verdict = _with_verdicts(trace, step)
     shares = {}
     for label in labels:
@@ -86,10 +86,13 @@ def verdict_share_by_estimator(trace, step: int, labels: tuple[str, ...] = SIDE_
 
 def critic_at_verdict(trace, step: int) -> tuple[float | None, float | None]:
     """(EV after, EV before): the critic's explained variance against the Monte-Carlo return at the
-    states that have seen the verdict token (token_index > verdict) and at those up to it."""
-    data, at_verdict = _with_verdicts(trace, step)
-    returns = monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
+    states that have seen the verdict token (token_index > verdict) and at those up to it; (None,
+    None) for a run without a critic."""
+    data = StepData.read(trace, step, ("reward", "value"))
     values = data.columns["value"]
+    if values is None:
+        return None, None
+    returns = monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
     verdict_of_token = _verdict_index_per_token(trace, step, data)
     has_verdict = verdict_of_token >= 0
     after = has_verdict & (_token_index(data) > verdict_of_token)

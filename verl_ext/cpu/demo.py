@@ -30,6 +30,7 @@ from pathlib import Path
 def run_demo(args: argparse.Namespace) -> int:
     from verl_ext import cli
     from verl_ext.trace.reader import open_trace
+    from verl_ext.cpu.credit import critic_at_verdict
     from verl_ext.view import write_page
 
     started = time.monotonic()
@@ -52,7 +53,10 @@ def run_demo(args: argparse.Namespace) -> int:
     trace = open_trace(str(trace_dir))
     last_step = _print_credit(trace)
     sample = args.sample if args.sample is not None else _interesting_sample(trace, last_step)
-    _print_side_by_side(trace, last_step, sample)
+    if critic_at_verdict(trace, last_step) != (None, None):
+        _print_side_by_side(trace, last_step, sample)
+    else:
+        print("\n  (no critic in this run: nothing to re-estimate mc, GAE and td0 from)")
     print()
     cli.main(["show", str(trace_dir), "--step", str(last_step), "--sample", str(sample)])
     _explain_verdict(trace, last_step, sample, args.estimator)

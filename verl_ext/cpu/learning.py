@@ -92,11 +92,12 @@ def learning_overrides(
         "actor_rollout_ref.actor.optim.lr_warmup_steps=5",  # Adam's first steps are large: ramp up
         "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",  # then decay, to 0.1 at the last step
         "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
-        # two actor updates per step: the second sees a policy that moved, so ratios leave 1 and clip
+        # two actor updates per step (when the batch divides): the second sees a policy that moved,
+        # so ratios leave 1 and some tokens clip
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini_batch * samples}",
         f"critic.optim.lr={CRITIC_LR if pretrained_critic else 1e-3}",
-        f"critic.ppo_mini_batch_size={mini_batch}",  # two critic updates per step
+        f"critic.ppo_mini_batch_size={mini_batch}",
         f"critic.ppo_micro_batch_size_per_gpu={mini_batch * samples}",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",

@@ -231,7 +231,7 @@ def summary_markdown(results: list[RunResult], settings: StudySettings) -> str:
             f"| {s.estimator} | {s.critic} | {s.runs} | {_pm(s.before)} | {_pm(s.after)} | {s.steps_to_threshold} | "
             f"{_fmt(s.explained_var)} | {_fmt(s.ev_after_verdict)} | {_fmt(s.verdict_share)} | {s.seconds:.0f} |"
         )
-    failed = [f"{r.estimator} seed {r.seed} ({r.failed})" for r in results if r.failed]
+    failed = [f"{_run_name(r.estimator, r.critic, r.seed)} ({r.failed})" for r in results if r.failed]
     if failed:
         lines += ["", f"Failed runs: {', '.join(failed)}."]
     return "\n".join(lines) + "\n"

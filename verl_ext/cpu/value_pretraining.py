@@ -23,6 +23,7 @@ Deterministic given the seed (one CPU thread, seeded sampling and initialisation
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -49,8 +50,8 @@ class ValuePretrainingSettings:
 class CriticFit:
     """Held-out explained variance of V(s_t) against the return, after and before the verdict."""
 
-    ev_after_verdict: float
-    ev_before_verdict: float
+    ev_after_verdict: float | None
+    ev_before_verdict: float | None
     mean_abs_error: float
 
 
@@ -87,7 +88,7 @@ def pretrain_value(policy, tokenizer, train: list[Problem], val: list[Problem], 
                 optimizer.step()
                 updates += 1
             history.append(asdict(_fit(critic, held_out)))
-            if history[-1]["ev_after_verdict"] >= history[best_epoch]["ev_after_verdict"] + settings.min_gain:
+            if _score(history[-1]) >= _score(history[best_epoch]) + settings.min_gain:
                 best_epoch, best_state = len(history) - 1, copy.deepcopy(critic.state_dict())
             elif len(history) - 1 - best_epoch >= settings.patience:
                 break
@@ -221,13 +222,19 @@ def _fit(critic, responses: _Responses) -> CriticFit:
         after[row, start + verdict + 1 :] = True  # states that have seen the verdict
     valid = response_mask.bool()
     return CriticFit(
-        ev_after_verdict=round(_explained_variance(values[after], returns[after]), 4),
-        ev_before_verdict=round(_explained_variance(values[before], returns[before]), 4),
+        ev_after_verdict=_explained_variance(values[after], returns[after]),
+        ev_before_verdict=_explained_variance(values[before], returns[before]),
         mean_abs_error=round(float((values[valid] - returns[valid]).abs().mean()), 4),
     )
 
 
-def _explained_variance(values, returns) -> float:
-    """1 − Var(G − V) / Var(G), with n − 1 like verl's ``critic/vf_explained_var``."""
-    spread = returns.double().var()
-    return float(1 - (returns - values).double().var() / spread) if spread > 0 else float("nan")
+def _explained_variance(values, returns) -> float | None:
+    from verl_ext.inspect.critic import explained_variance
+
+    ev = explained_variance(values.double().numpy(), returns.double().numpy())
+    return None if ev is None else round(ev, 4)
+
+
+def _score(fit: dict) -> float:
+    """The held-out EV after the verdict; −∞ when undefined (no verdicts, or no spread in G)."""
+    return -math.inf if fit["ev_after_verdict"] is None else fit["ev_after_verdict"]

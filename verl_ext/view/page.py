@@ -143,7 +143,8 @@ def inline_json(data) -> str:
 def render_page(data: dict, title: str) -> str:
     """The HTML page: the viewer's style and script inline, ``data`` inline as JSON."""
     nonce = secrets.token_urlsafe(18)
-    policy = f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"
+    connect = "'self'" if data.get("mode") == "served" else "'none'"  # a file page fetches nothing at all
+    policy = f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; connect-src {connect}; img-src data:; base-uri 'none'; form-action 'none'"
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
         f'<meta http-equiv="Content-Security-Policy" content="{policy}">\n'

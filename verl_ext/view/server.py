@@ -70,7 +70,7 @@ class ViewServer:
 
     @property
     def url(self) -> str:
-        shown = DEFAULT_HOST if self.host in ("", "0.0.0.0") else f"[{self.host}]" if ":" in self.host else self.host
+        shown = DEFAULT_HOST if self.host in ("", "0.0.0.0", "::") else f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{shown}:{self.port}/"
 
     def serve_forever(self) -> None:
@@ -174,7 +174,7 @@ class ViewServer:
         if not header:
             return False
         name = header.rsplit(":", 1)[0] if not header.endswith("]") else header
-        return name.lower() in _LOOPBACK_NAMES
+        return name.lower() in _LOOPBACK_NAMES or _is_loopback(name.strip("[]"))
 
 
 def _integer(query: dict[str, list[str]], name: str) -> int:
