@@ -122,7 +122,12 @@ def _run_name(estimator: str, critic: str, seed: int) -> str:
 def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, run_dir: Path) -> RunResult:
     done_file = run_dir / "run.json"
     # what decides a run's outcome (the threshold only reads it)
-    wanted = {"estimator": estimator, "critic": critic, "seed": seed, "steps": settings.steps, "test_freq": settings.test_freq}
+    from verl_ext.cpu.assets import build_assets
+
+    wanted = {
+        "estimator": estimator, "critic": critic, "seed": seed, "steps": settings.steps, "test_freq": settings.test_freq,
+        "assets": build_assets().root.name,  # the hash of what the warm start and the critic were built from
+    }  # fmt: skip
     if done_file.exists():
         recorded = json.loads(done_file.read_text())
         if {key: recorded.get(key) for key in wanted} == wanted:
