@@ -96,7 +96,6 @@ def learning_overrides(
         # so ratios leave 1 and some tokens clip
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini_batch * samples}",
-        f"critic.optim.lr={CRITIC_LR if pretrained_critic else 1e-3}",
         f"critic.ppo_mini_batch_size={mini_batch}",
         f"critic.ppo_micro_batch_size_per_gpu={mini_batch * samples}",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
@@ -106,8 +105,8 @@ def learning_overrides(
         f"trainer.test_freq={test_freq}",
         "trainer.logger=[console,file]",
     ]
-    if pretrained_critic:
-        recipe.append(f"critic.model.path={assets.critic_dir}")
+    if pretrained_critic:  # else the warm start with a fresh value head, at cpu_overrides' lr 1e-3
+        recipe += [f"critic.model.path={assets.critic_dir}", f"critic.optim.lr={CRITIC_LR}"]
     return merge_overrides(base, recipe, ESTIMATOR_OPTIONS.get(estimator, []), list(extra))
 
 

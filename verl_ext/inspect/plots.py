@@ -45,10 +45,10 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from verl_ext.errors import UsageError
-from verl_ext.inspect.critic import critic_diagnostics, steps_by_bucket
+from verl_ext.inspect.critic import critic_diagnostics, explained_variance, steps_by_bucket
 from verl_ext.inspect.render import display_width
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
-from verl_ext.inspect.summary import explained_variance, summarize
+from verl_ext.inspect.summary import summarize
 from verl_ext.inspect.table import CONTINUATION, EMPTY, decoder_for, sample_view
 
 VALUE_COLOR, RETURN_COLOR, RAW_COLOR, ADVANTAGE_COLOR = "#1f77b4", "#d62728", "#2ca02c", "#9467bd"
