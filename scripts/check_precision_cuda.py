@@ -25,8 +25,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 from bench_estimators import make_batch  # noqa: E402
+
+from tests.reduced_precision import scan_by_float32_product  # noqa: E402  (the scan before issue 18)
 
 GAMMA, LAM, N_STEP = 0.99, 0.95, 8
 CASES = {  # name: (registry name, options)
@@ -89,21 +92,6 @@ def errors(actual, expected, valid):
     a, e = actual.double()[valid], expected[valid]
     diff = (a - e).abs()
     return float(diff.max() / e.abs().max()), float((diff / (1 + e.abs())).max())
-
-
-def scan_by_float32_product(x, d):
-    """The scan before issue 18: in-block sums as one float32 matrix product (tests/test_precision.py)."""
-    from verl_ext import kernels
-
-    batch, length = x.shape
-    x, k, n_blocks = kernels._whole_blocks(x)
-    local = torch.matmul(x.view(batch, n_blocks, k), kernels._power_matrix(d, k).transpose(-1, -2))
-    if n_blocks > 1:
-        starts = scan_by_float32_product(local[:, :, 0], d**k)
-        next_start = torch.nn.functional.pad(starts[:, 1:], (0, 1))
-        tail_decay = kernels._tail_decay(d, k)
-        local += next_start.unsqueeze(-1) * (tail_decay.unsqueeze(1) if d.dim() else tail_decay)
-    return local.view(batch, n_blocks * k)[:, :length]
 
 
 def run(name, rewards, values, mask, float32_product=False):

@@ -88,3 +88,19 @@ def _rounded(value, bits: int):
     if isinstance(value, (list, tuple)):  # multi_dot, chain_matmul, einsum with a list
         return type(value)(_rounded(v, bits) for v in value)
     return value
+
+
+def scan_by_float32_product(x, d):
+    """The scan as it was before issue 18, for comparison: the in-block sums of
+    ``verl_ext.kernels`` as one float32 matrix product, which reduced precision (TF32) rounds."""
+    from verl_ext import kernels
+
+    batch, length = x.shape
+    x, k, n_blocks = kernels._whole_blocks(x)
+    local = torch.matmul(x.view(batch, n_blocks, k), kernels._power_matrix(d, k).transpose(-1, -2))
+    if n_blocks > 1:
+        starts = scan_by_float32_product(local[:, :, 0], d**k)
+        next_start = torch.nn.functional.pad(starts[:, 1:], (0, 1))
+        tail_decay = kernels._tail_decay(d, k)
+        local += next_start.unsqueeze(-1) * (tail_decay.unsqueeze(1) if d.dim() else tail_decay)
+    return local.view(batch, n_blocks * k)[:, :length]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tests.reference as ref
-from tests.reduced_precision import EmulatedReducedPrecision, round_mantissa
+from tests.reduced_precision import EmulatedReducedPrecision, round_mantissa, scan_by_float32_product
 from verl_ext import kernels, registry
 
 GAMMA, LAM = 0.99, 0.95
@@ -95,19 +95,6 @@ def worst_errors(result, expected_triple, mask) -> dict[str, float]:
         wanted = np.asarray(wanted, dtype=np.float64)[valid]
         errors[label] = float(np.max(np.abs(actual.double().numpy()[valid] - wanted) / (1.0 + np.abs(wanted))))
     return errors
-
-
-def scan_by_float32_product(x, d):
-    """The scan as it was before issue 18: the in-block sums as one float32 matrix product."""
-    batch, length = x.shape
-    x, k, n_blocks = kernels._whole_blocks(x)
-    local = torch.matmul(x.view(batch, n_blocks, k), kernels._power_matrix(d, k).transpose(-1, -2))
-    if n_blocks > 1:
-        starts = scan_by_float32_product(local[:, :, 0], d**k)
-        next_start = torch.nn.functional.pad(starts[:, 1:], (0, 1))
-        tail_decay = kernels._tail_decay(d, k)
-        local += next_start.unsqueeze(-1) * (tail_decay.unsqueeze(1) if d.dim() else tail_decay)
-    return local.view(batch, n_blocks * k)[:, :length]
 
 
 # --------------------------------------------------------------------------- the emulation itself

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verl_ext.cpu.assets import EOS, special_token_id, token_id
-from verl_ext.cpu.task import VERDICT_MARK
+from verl_ext.cpu.task import VERDICT_MARK, verdict_index
 from verl_ext.inspect.comparison import DEFAULT_N, estimator_columns
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData
@@ -75,7 +75,8 @@ def verdict_share_by_estimator(trace, step: int, labels: tuple[str, ...] = SIDE_
     algorithm = RecordedAlgorithm.from_record(trace.record)
     lambdas = tuple(float(label[3:]) for label in labels if label.startswith("gae"))
     columns, _ = estimator_columns(algorithm, DEFAULT_N, lambdas)
-    data, at_verdict = _with_verdicts(trace, step)
+    data = StepData.read(trace, step, ("reward", "value"))
+    at_verdict = _verdict_index_per_token(trace, step, data) == _token_index(data)
     shares = {}
     for label in labels:
         estimator, settings = columns[label]
@@ -112,19 +113,13 @@ def _verdict_index_per_token(trace, step: int, data: StepData) -> np.ndarray:
     return np.array([verdicts.get(int(sample), -1) for sample in samples], dtype=np.int64)
 
 
-def _with_verdicts(trace, step: int) -> tuple[StepData, np.ndarray]:
-    """The step's rewards and values at its valid tokens, and which of those are verdict tokens."""
-    data = StepData.read(trace, step, ("reward", "value"))
-    return data, _verdict_index_per_token(trace, step, data) == _token_index(data)
-
-
 def _verdict_positions(table) -> dict[int, int]:
-    marks = table[(table["token_id"] == token_id(VERDICT_MARK)) & table["mask"]]
-    first = marks.groupby("sample")["token_index"].min() + 1
-    valid = table[table["mask"]].set_index(["sample", "token_index"])["token_id"]
-    eos = special_token_id(EOS)
-    return {
-        int(sample): int(index)
-        for sample, index in first.items()
-        if (sample, index) in valid.index and valid[(sample, index)] != eos  # "，</s>" has no verdict
-    }
+    """sample -> token_index of the verdict, by :func:`verl_ext.cpu.task.verdict_index` on each
+    response's valid tokens (rows sorted by sample and token_index, as the reader returns them)."""
+    mark, eos = token_id(VERDICT_MARK), special_token_id(EOS)
+    positions = {}
+    for sample, rows in table[table["mask"]].groupby("sample", sort=False):
+        index = verdict_index(rows["token_id"].tolist(), mark, eos)
+        if index is not None:
+            positions[int(sample)] = int(rows["token_index"].iloc[index])
+    return positions
