@@ -29,9 +29,9 @@ def main() -> None:
     import verl_ext.cpu
 
     verl_ext.cpu.activate()
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.cpu.in_process import run_in_process
-    from verl_ext.cpu.learning import read_metrics
+    from verl_ext.apps.learning import read_metrics
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides
     from verl_ext.integration.update_hook import ROW_KEY
     from verl_ext.trace.reader import open_trace

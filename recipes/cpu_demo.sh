@@ -4,7 +4,7 @@
 # verl-ext's CPU backend (VERL_EXT_CPU=1) supplies what verl 0.9.1 lacks there: a CPU platform, an
 # HF-generate rollout and a few patches. The model is the CPU task's warm-started tiny llama, the
 # tokenizer works on characters and the prompts are "请问a+b=c？": all built locally on first use, no
-# download (verl_ext/cpu/assets.py). `make demo` trains the same task longer, in process.
+# download (verl_ext/tasks/arith/assets.py). `make demo` trains the same task longer, in process.
 #
 #   recipes/cpu_demo.sh                                   # 5 steps of verl's gae (critic on), legacy trainer
 #   ESTIMATOR=grpo ROLLOUT_N=4 recipes/cpu_demo.sh         # verl's grpo, 4 samples per prompt
@@ -37,10 +37,10 @@ OUTPUT_DIR=$(cd "$OUTPUT_DIR" && pwd)
 echo "[cpu-demo] tiny model, tokenizer and prompts (built once, then cached) ..."
 # One override (and one NAME=value) per line; a failure here stops the script (set -e).
 overrides=$(
-  "$PYTHON" -m verl_ext.cpu.overrides --output-dir "$OUTPUT_DIR" --steps "$STEPS" --estimator "$ESTIMATOR" \
+  "$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --steps "$STEPS" --estimator "$ESTIMATOR" \
     --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" ${V1:+--v1} -- "$@"
 )
-environment=$("$PYTHON" -m verl_ext.cpu.overrides --output-dir "$OUTPUT_DIR" --env)
+environment=$("$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --env)
 mapfile -t OVERRIDES <<<"$overrides"
 mapfile -t ENVIRONMENT <<<"$environment"
 
@@ -50,7 +50,7 @@ status=0
 (
   cd "$OUTPUT_DIR"  # hydra writes its run directory (outputs/) under the working directory
   env "${ENVIRONMENT[@]}" "$PYTHON" -m verl.trainer.main_ppo "${CONFIG_ARGS[@]}" "${OVERRIDES[@]}" 2>&1
-) | "$PYTHON" -m verl_ext.cpu.progress "$OUTPUT_DIR/train.log" --steps "$STEPS" || status=$?
+) | "$PYTHON" -m verl_ext.apps.progress "$OUTPUT_DIR/train.log" --steps "$STEPS" || status=$?
 if [[ $status -ne 0 ]]; then
   echo "[cpu-demo] failed (exit $status); the full output is in $OUTPUT_DIR/train.log" >&2
   exit "$status"

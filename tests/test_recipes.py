@@ -15,7 +15,7 @@ RECIPES = sorted(p for p in (ROOT / "recipes").glob("gsm8k_*.sh") if p.name != "
 
 @pytest.fixture(scope="module")
 def assets():
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
 
     return build_assets()  # the cache the other tests share
 

@@ -53,13 +53,25 @@ def test_importing_every_module_activates_nothing():
 
 # Each package may import the ones listed for it, and the ground floor (the modules directly under
 # verl_ext/: estimators, kernels, registry, options, patching, touches, errors); the ground floor
-# imports only itself. verl_ext.cli is the top.
+# imports only itself. verl_ext.cli is the top. Imports inside functions count as well.
 ALLOWED = {
     "trace": set(),
     "inspect": {"trace"},
     "integration": {"trace"},  # plugin.py activates the CPU backend only when its switch is set
     "view": {"trace", "inspect"},  # the browser view shows what the inspection computes
-    "cpu": {"trace", "inspect", "view", "cli"},  # the demo prints what the inspection commands print, and writes the page
+    "cpu": set(),  # the backend knows verl, not the tasks nor the apps that run on it
+    "tasks": {"trace", "inspect", "cpu"},  # a task's credit reads traces; its assets feed a CPU run
+    "apps": {"trace", "inspect", "view", "cpu", "tasks"},  # they call the inspection directly, never the CLI
+}
+#: Activation, behind its switches: VERL_USE_EXTERNAL_MODULES=verl_ext, VERL_EXT_CPU=1.
+ACTIVATION = {
+    ("verl_ext", "verl_ext.integration.plugin"),
+    ("verl_ext", "verl_ext.integration.plugin.activate_loudly"),
+    ("verl_ext.integration.plugin", "verl_ext.cpu"),
+}
+MODULES = {
+    ".".join(("verl_ext", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): path
+    for path in sorted(PACKAGE.rglob("*.py"))
 }
 
 
@@ -71,6 +83,8 @@ def layer(module: str) -> str:
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Every verl_ext name ``path`` imports, at module level or inside a function: ``from a import b``
+    gives ``a`` and ``a.b`` (``b`` may be a module or a name in ``a``)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -81,21 +95,74 @@ def imported_modules(path: Path) -> set[str]:
     return {name for name in names if name.startswith("verl_ext")}
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_lower_layers_never_import_upper_ones(path):
-    module = ".".join(("verl_ext", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+@pytest.mark.parametrize("module", sorted(MODULES), ids=lambda m: str(MODULES[m].relative_to(PACKAGE)))
+def test_lower_layers_never_import_upper_ones(module):
     own = layer(module)
     if own == "cli":
         return
     allowed = {"ground", "verl_ext", own} | ALLOWED.get(own, set())
-    exceptions = {  # activation, behind its switches: VERL_USE_EXTERNAL_MODULES=verl_ext, VERL_EXT_CPU=1
-        ("verl_ext", "verl_ext.integration.plugin"),
-        ("verl_ext", "verl_ext.integration.plugin.activate_loudly"),
-        ("verl_ext.integration.plugin", "verl_ext.cpu"),
-    }
-    imports = {name for name in imported_modules(path) if (module, name) not in exceptions}
+    imports = {name for name in imported_modules(MODULES[module]) if (module, name) not in ACTIVATION}
     wrong = sorted(name for name in imports if layer(name) not in allowed)
     assert wrong == [], f"{module} ({own}) imports {wrong}"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the verl_ext modules it imports (lazy imports included, activation edges left out)."""
+    graph = {}
+    for module, path in MODULES.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # ``from a import b``: the module a.b when there is one, else the module a
+                targets |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module for alias in node.names}
+        activation = {target for source, target in ACTIVATION if source == module}
+        graph[module] = {name for name in targets if name in MODULES and name != module} - activation
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_even_through_lazy_imports():
+    """Lazy imports defer verl, torch and matplotlib; they never hide a cycle between verl-ext's modules."""
+    assert cycles(module_graph()) == []
 
 
 def test_every_touch_of_verl_is_one_record_with_why_and_versions():

@@ -131,7 +131,7 @@ def show(args: argparse.Namespace) -> int:
     """One sample's per-token table with decoded tokens."""
     from verl_ext.inspect.render import render
     from verl_ext.inspect.stepdata import RecordedAlgorithm
-    from verl_ext.inspect.table import decoder_for, sample_view, visible
+    from verl_ext.inspect.table import decoder_for, sample_view
 
     trace = _open_run(args.run)
     step = trace.steps[0] if args.step is None else args.step
@@ -140,16 +140,8 @@ def show(args: argparse.Namespace) -> int:
     if not decoder.available:  # said after the step was read, so that a bad trace stays a one-line error
         print(f"note: {decoder.problem}; tokens are shown as ids", file=sys.stderr)
     if args.format != "csv":
-        algorithm = RecordedAlgorithm.from_record(trace.record)
         prefix = "" if args.format == "text" else "- "
-        header = [
-            f"step {view.step} · sample {view.sample} · uid {view.uid} · {view.table.num_rows} tokens "
-            f"({view.valid_tokens} valid) · {algorithm.describe()}",
-        ]
-        if view.prompt_text is not None:
-            header.append(f"prompt:   {visible(view.prompt_text, show_spaces=False)}")
-        if view.response_text is not None:
-            header.append(f"response: {visible(view.response_text, show_spaces=False)}")
+        header = view.header(RecordedAlgorithm.from_record(trace.record))
         _emit("\n".join(prefix + line for line in header) + "\n")
     _emit(render(view.table, args.format, args.digits))
     return 0
@@ -447,7 +439,7 @@ def demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def demo(args: argparse.Namespace) -> int:
     """Train a tiny model with verl's real PPO trainer on CPU, trace every step, check and show the trace."""
-    from verl_ext.cpu.demo import run_demo
+    from verl_ext.apps.demo import run_demo
 
     _require_writable(args.output_dir, "the demo's outputs")
     return run_demo(args)
@@ -457,7 +449,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def study_arguments(parser: argparse.ArgumentParser) -> None:
-    from verl_ext.cpu.study import DEFAULT_ESTIMATORS
+    from verl_ext.apps.study import DEFAULT_ESTIMATORS
 
     parser.add_argument("--estimators", default=",".join(DEFAULT_ESTIMATORS), metavar="E,E,…", help=f"default: {','.join(DEFAULT_ESTIMATORS)}")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 … N-1 per estimator (default 3)")
@@ -474,7 +466,7 @@ def study_arguments(parser: argparse.ArgumentParser) -> None:
 
 def study(args: argparse.Namespace) -> int:
     """Run every estimator with every seed on the CPU task through verl's real trainer; compare them."""
-    from verl_ext.cpu.study import StudySettings, parse_estimators, run_study
+    from verl_ext.apps.study import StudySettings, parse_estimators, run_study
 
     estimators = parse_estimators(args.estimators)
     for name, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--test-freq", args.test_freq), ("--jobs", args.jobs)):

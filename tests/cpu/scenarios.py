@@ -24,7 +24,7 @@ def in_process(args: argparse.Namespace, extra: list[str]):
     import verl_ext.cpu
 
     verl_ext.cpu.activate()
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.cpu.in_process import BatchRecorder, run_in_process
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides
 
@@ -58,7 +58,7 @@ def hf_server(output_dir: Path):
     import torch
     from transformers import AutoTokenizer
 
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.cpu.rollout import HFGenerationServer
 
     assets = build_assets()

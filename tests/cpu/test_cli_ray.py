@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from tests.cpu.helpers import run
-from verl_ext.cpu.assets import DATA_SOURCE
-from verl_ext.cpu.learning import read_metrics
+from verl_ext.tasks.arith.assets import DATA_SOURCE
+from verl_ext.apps.learning import read_metrics
 from verl_ext.cpu.overrides import cpu_overrides
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"

@@ -8,7 +8,7 @@ import torch
 
 from tests import reference
 from tests.cpu.helpers import read_batches
-from verl_ext.cpu.learning import read_metrics
+from verl_ext.apps.learning import read_metrics
 
 GAMMA, LAM = 0.99, 0.9
 

@@ -68,7 +68,7 @@ def test_the_learning_recipe_sizes_its_batches_from_the_batch_it_ends_up_with(as
 
     import pytest
 
-    from verl_ext.cpu.learning import learning_overrides
+    from verl_ext.apps.learning import learning_overrides
     from verl_ext.cpu.overrides import compose_config
     from verl_ext.errors import UsageError
 

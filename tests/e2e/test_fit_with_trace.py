@@ -93,7 +93,7 @@ def valid(mask) -> np.ndarray:
 
 
 def test_values_are_present_and_the_critic_trains(finished_run):
-    from verl_ext.cpu.learning import read_metrics
+    from verl_ext.apps.learning import read_metrics
 
     estimator, out, batches = finished_run
     steps = batches["steps"]
@@ -283,7 +283,7 @@ def test_update_reproduces_verls_logged_metrics(finished_run):
     """verl's own metrics file against the update tables, aggregated here as verl's token-mean does:
     per mini-batch over its tokens, then the mean over mini-batches and epochs; clip fractions as
     means of micro-batch fractions."""
-    from verl_ext.cpu.learning import read_metrics
+    from verl_ext.apps.learning import read_metrics
     from verl_ext.trace.reader import open_trace
 
     estimator, out, _ = finished_run

@@ -35,7 +35,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def multinode_run(cluster, tmp_path_factory):
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
     from tests.cpu.helpers import main_ppo_with_verl_ext_config

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_with_nan(out: Path, mode: str) -> subprocess.CompletedProcess:
-    from verl_ext.cpu.assets import build_assets, default_cache_dir
+    from verl_ext.tasks.arith.assets import build_assets, default_cache_dir
     from verl_ext.cpu.overrides import cpu_environment
 
     build_assets(default_cache_dir())
@@ -79,7 +79,7 @@ def test_raise_stops_the_run_with_that_line_before_the_update(tmp_path):
 def run_v1_with_nan(out: Path, mode: str, steps: int) -> subprocess.CompletedProcess:
     """``python -m verl.trainer.main_ppo`` with verl-ext's config, trainer.use_v1=True, the probe in every
     process; the NaN at step 1."""
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
     out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def v1_run(tmp_path_factory):
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
     from tests.cpu.helpers import main_ppo_with_verl_ext_config
@@ -91,7 +91,7 @@ def test_v1_trace_passes_the_checker(v1_run):
 
 
 def test_v1_update_tables_cover_every_trained_token_and_reproduce_verls_metrics(v1_run):
-    from verl_ext.cpu.learning import read_metrics
+    from verl_ext.apps.learning import read_metrics
     from verl_ext.trace.reader import open_trace
 
     trace, metrics = open_trace(str(v1_run / "trace")), read_metrics(v1_run)

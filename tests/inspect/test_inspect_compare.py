@@ -1,6 +1,6 @@
 """``verl-ext compare`` / ``verl_ext.inspect.compare`` (module ``comparison``) on a synthetic trace with holes (interior masked
 tokens), against the direct sums of tests/reference.py. The same on a real trace of verl's trainer,
-with groups of four responses per prompt: tests/cpu/test_learning.py."""
+with groups of four responses per prompt: tests/apps/test_learning.py."""
 
 from __future__ import annotations
 

@@ -207,27 +207,31 @@ def test_unknown_estimator_stops_the_real_cli_before_ray_starts():
 # --------------------------------------------------------------------------- loading the plugin
 
 
+#: Prints: plugin loaded?, verl-ext's estimators in verl's registry, and which modules of the CPU
+#: backend, the example tasks and the apps were loaded (none: a run without VERL_EXT_CPU is a GPU run).
 PROBE = (
-    "import sys, verl; loaded = 'verl_ext.integration.plugin' in sys.modules; "
+    "import os, sys; os.environ.pop('VERL_EXT_CPU', None); import verl; "
+    "loaded = 'verl_ext.integration.plugin' in sys.modules; "
     "from verl.trainer.ppo import core_algos; "
-    "print(loaded, sorted(set(core_algos.ADV_ESTIMATOR_REGISTRY) & {'mc', 'td0', 'nstep', 'gae_ext'}))"
+    "print(loaded, sorted(set(core_algos.ADV_ESTIMATOR_REGISTRY) & {'mc', 'td0', 'nstep', 'gae_ext'}), "
+    "sorted(m for m in sys.modules if m.split('.')[:2] in (['verl_ext', 'cpu'], ['verl_ext', 'tasks'], ['verl_ext', 'apps']))))"
 )
 
 
 @requires_verl("0.9.0", "no entry-point plugins")
 def test_plugin_loads_on_plain_import_verl():
     result = run_python(PROBE)
-    assert result.stdout.strip().splitlines()[-1] == "True ['gae_ext', 'mc', 'nstep', 'td0']", result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "True ['gae_ext', 'mc', 'nstep', 'td0'] []", result.stderr
 
 
 def test_plugin_loads_through_verl_use_external_modules():
     result = run_python(PROBE, {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "verl_ext"})
-    assert result.stdout.strip().splitlines()[-1] == "True ['gae_ext', 'mc', 'nstep', 'td0']", result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "True ['gae_ext', 'mc', 'nstep', 'td0'] []", result.stderr
 
 
 def test_without_plugin_nothing_is_registered():
     result = run_python(PROBE, {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": ""})
-    assert result.stdout.strip().splitlines()[-1] == "False []", result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False [] []", result.stderr
 
 
 def test_a_broken_plugin_is_loud():

@@ -10,13 +10,15 @@ touch of verl is a record of :data:`verl_ext.touches.CPU_TOUCHES`.
 Public entry points (import them from their modules):
 
 * :func:`activate`: install the platform, the patches and the ``hf`` rollout in this process;
-* :func:`verl_ext.cpu.assets.build_assets`: the task's warm-started tiny model, tokenizer, prompts (cached);
-* :mod:`verl_ext.cpu.learning`: one learning run of the task (the recipe the demo and the study share);
 * :func:`verl_ext.cpu.overrides.cpu_overrides` / ``cpu_environment`` / ``merge_overrides``: the
-  hydra overrides and environment variables of a CPU run;
+  hydra overrides and environment variables of a CPU run, given a task's assets
+  (:class:`verl_ext.cpu.overrides.RunAssets`);
 * :func:`verl_ext.cpu.in_process.run_in_process`: verl's real ``RayPPOTrainer.fit()`` without Ray,
   with an ``on_batch`` hook (e.g. :class:`verl_ext.cpu.in_process.BatchRecorder`) per step (the
   module needs the backend active before it is imported).
+
+The backend knows no task: the example task lives in :mod:`verl_ext.tasks.arith` and the
+applications that train on it (the learning recipe, the demo, the study) in :mod:`verl_ext.apps`.
 """
 
 from __future__ import annotations

@@ -4,20 +4,20 @@ One list serves the real CLI (``python -m verl.trainer.main_ppo <overrides>``), 
 runner and the tests. Every entry is there for a reason given next to it; what verl cannot be
 configured into is patched instead (:mod:`verl_ext.cpu.patches`).
 
-From a shell, one override per line (``recipes/cpu_demo.sh`` reads them with ``mapfile``)::
+The model, prompts and reward come from a task's assets (:class:`RunAssets`; the example task's
+are :func:`verl_ext.tasks.arith.assets.build_assets`). From a shell, one override per line
+(``recipes/cpu_demo.sh`` reads them with ``mapfile``)::
 
-    python -m verl_ext.cpu.overrides --output-dir outputs/cpu --steps 5 --estimator gae
+    python -m verl_ext.apps.overrides --output-dir outputs/cpu --steps 5 --estimator gae
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from verl_ext.cpu import CPU_PROCESS_ENV, ENV_SWITCH, ROLLOUT_NAME
-from verl_ext.cpu.assets import CpuAssets, build_assets
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -25,6 +25,17 @@ if TYPE_CHECKING:
 #: Prompts are "<|user|>请问a+b=c？<|assistant|>" (at most 11 tokens).
 PROMPT_LENGTH = 16
 METRICS_FILE = "metrics.jsonl"
+
+
+class RunAssets(Protocol):
+    """What a CPU run needs from a task: a model directory (weights and tokenizer), verl's
+    RLHFDataset parquet files and a reward function verl loads by path."""
+
+    model_dir: Path
+    train_file: Path
+    val_file: Path
+    reward_file: Path
+    reward_name: str
 
 
 def cpu_environment(output_dir: str | os.PathLike) -> dict[str, str]:
@@ -38,7 +49,7 @@ def cpu_environment(output_dir: str | os.PathLike) -> dict[str, str]:
 
 
 def cpu_overrides(
-    assets: CpuAssets,
+    assets: RunAssets,
     output_dir: str | os.PathLike,
     *,
     steps: int = 2,
@@ -184,34 +195,3 @@ def compose_config(
         context = initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
     with context:
         return compose(config_name=config_name, overrides=list(overrides))
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Print the overrides of a verl CPU run, one per line.")
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--assets-dir", default=None, help="asset cache (default: $VERL_EXT_CPU_ASSETS or ~/.cache)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--estimator", default="gae")
-    parser.add_argument("--train-batch-size", type=int, default=8)
-    parser.add_argument("--rollout-n", type=int, default=1)
-    parser.add_argument("--v1", action="store_true", help="verl's V1 trainer (the default trainer of verl 0.9)")
-    parser.add_argument("--env", action="store_true", help="print the environment as NAME=value lines instead")
-    parser.add_argument("extra", nargs="*", help="more overrides; they win over the generated ones")
-    args = parser.parse_args(argv)
-    if args.env:
-        print("\n".join(f"{name}={value}" for name, value in cpu_environment(args.output_dir).items()))
-        return
-    overrides = cpu_overrides(
-        build_assets(args.assets_dir),
-        args.output_dir,
-        steps=args.steps,
-        estimator=args.estimator,
-        train_batch_size=args.train_batch_size,
-        rollout_n=args.rollout_n,
-        use_v1=args.v1,
-    )
-    print("\n".join(merge_overrides(overrides, args.extra)))
-
-
-if __name__ == "__main__":
-    main()

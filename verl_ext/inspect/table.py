@@ -51,6 +51,19 @@ class SampleView:
     def valid_tokens(self) -> int:
         return int(pc.sum(self.table.column("mask")).as_py() or 0)
 
+    def header(self, algorithm: RecordedAlgorithm) -> list[str]:
+        """What the table is: step, sample, uid, token counts, the run's algorithm, and the decoded
+        prompt and response when there is a tokenizer."""
+        lines = [
+            f"step {self.step} · sample {self.sample} · uid {self.uid} · {self.table.num_rows} tokens "
+            f"({self.valid_tokens} valid) · {algorithm.describe()}"
+        ]
+        if self.prompt_text is not None:
+            lines.append(f"prompt:   {visible(self.prompt_text, show_spaces=False)}")
+        if self.response_text is not None:
+            lines.append(f"response: {visible(self.response_text, show_spaces=False)}")
+        return lines
+
 
 #: Update-table columns ``sample_view(..., epoch=e)`` adds, by kind.
 UPDATE_COLUMNS = {"actor": ("minibatch", "log_prob", "ratio", "clip", "pg_loss"), "critic": ("vpred", "vf_loss")}

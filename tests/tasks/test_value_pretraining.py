@@ -1,5 +1,5 @@
 """Value pretraining's pieces, by hand: where V(s_t) is read from, the loss, the held-out fit split
-at the verdict, and the scored responses of the warm start (verl_ext.cpu.value_pretraining)."""
+at the verdict, and the scored responses of the warm start (verl_ext.tasks.arith.value_pretraining)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from verl_ext.cpu.value_pretraining import _fit, _Responses, _scored_responses, _value_loss, _values
+from verl_ext.tasks.arith.value_pretraining import _fit, _Responses, _scored_responses, _value_loss, _values
 
 PAD = 0
 
@@ -44,7 +44,7 @@ def expected_value(prompt: list[int], response: list[int], t: int) -> float:
 
 
 def test_values_are_the_head_output_one_position_before_each_response_token():
-    from verl_ext.cpu.warm_start import left_padded
+    from verl_ext.tasks.arith.warm_start import left_padded
 
     critic = StubCritic(lambda ids, positions: 100 * ids + positions)
     input_ids, attention_mask, response_mask = left_padded(ROWS, PAD)
@@ -127,9 +127,9 @@ def test_scored_responses_of_the_warm_start(assets):
     decoded answer, the verdict token after the first "，"."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_ext.cpu.assets import AssetSpec, task_problems, token_id
-    from verl_ext.cpu.task import score_response
-    from verl_ext.cpu.warm_start import prompt_ids
+    from verl_ext.tasks.arith.assets import AssetSpec, task_problems, token_id
+    from verl_ext.tasks.arith.task import score_response
+    from verl_ext.tasks.arith.warm_start import prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
     policy = AutoModelForCausalLM.from_pretrained(assets.model_dir, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """Value pretraining: the critic learns the outcome of the warm start's own answers before RL starts.
 
 The CPU analogue of VAPO's value pretraining. The warm-started policy answers every training row
-once (temperature 1); each response is scored (:func:`verl_ext.cpu.task.score_response`) and its
+once (temperature 1); each response is scored (:func:`verl_ext.tasks.arith.task.score_response`) and its
 Monte-Carlo return is the score at every token (γ = 1, the reward sits on the last token). The
 critic is what verl builds from the model directory — ``AutoModelForTokenClassification`` with one
 label, the warm start's body and a fresh linear head ``score`` — trained with verl's own
@@ -28,8 +28,8 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-from verl_ext.cpu.task import VERDICT_MARK, Problem, score_response, verdict_index
-from verl_ext.cpu.warm_start import left_padded, position_ids, prompt_ids
+from verl_ext.tasks.arith.task import VERDICT_MARK, Problem, score_response, verdict_index
+from verl_ext.tasks.arith.warm_start import left_padded, position_ids, prompt_ids
 from verl_ext.torch_threads import one_torch_thread
 
 
@@ -142,8 +142,6 @@ class _Responses:
 def _scored_responses(policy, tokenizer, problems: list[Problem], samples: int, seed: int) -> _Responses:
     import torch
 
-    from verl_ext.cpu.assets import token_id
-
     prompts = [prompt_ids(tokenizer, p) for p in problems for _ in range(samples)]
     expected = [p.answer() for p in problems for _ in range(samples)]
     input_ids, attention_mask, _ = left_padded([(p, []) for p in prompts], tokenizer.pad_token_id)
@@ -154,7 +152,7 @@ def _scored_responses(policy, tokenizer, problems: list[Problem], samples: int, 
             temperature=1.0, top_k=0, top_p=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         )  # fmt: skip
     rows, scores, verdicts, verdict_right = [], [], [], []
-    mark = token_id(VERDICT_MARK)
+    mark = tokenizer.convert_tokens_to_ids(VERDICT_MARK)
     for prompt, generated, answer in zip(prompts, output[:, input_ids.shape[1] :].tolist(), expected):
         response = generated[: generated.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in generated else generated
         response = [t for t in response if t != tokenizer.pad_token_id] or [tokenizer.eos_token_id]

@@ -1,17 +1,17 @@
-"""The reward verl calls for the CPU task (:mod:`verl_ext.cpu.task`): "请问a+b=c？" -> "等于<a+b>，是的！|不是！".
+"""The reward verl calls for the CPU task (:mod:`verl_ext.tasks.arith.task`): "请问a+b=c？" -> "等于<a+b>，是的！|不是！".
 
 verl loads this file by path as its custom reward function (``reward.custom_reward_function.path``,
 ``name=compute_score``) and puts the returned score on the last valid response token
 (``AgentLoopWorker._postprocess``: ``rm_scores[i, valid_length - 1] = score``), so
 ``token_level_scores`` is zero everywhere except that token.
 
-Score (:func:`verl_ext.cpu.task.score_response`): 1.0 for exactly the expected answer; otherwise
+Score (:func:`verl_ext.tasks.arith.task.score_response`): 1.0 for exactly the expected answer; otherwise
 0.2 for the right "等于<sum>，" plus 0.2 for the right verdict (at most 0.4).
 """
 
 from __future__ import annotations
 
-from verl_ext.cpu.task import score_response
+from verl_ext.tasks.arith.task import score_response
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:

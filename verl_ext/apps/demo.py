@@ -1,13 +1,13 @@
 """``make demo`` (``verl-ext demo``): verl's real PPO trainer learns the CPU task, traced, then inspected.
 
-1. The task, the warm start and the pretrained critic (:mod:`verl_ext.cpu.task`,
-   :mod:`verl_ext.cpu.warm_start`, :mod:`verl_ext.cpu.value_pretraining`): built once and cached,
+1. The task, the warm start and the pretrained critic (:mod:`verl_ext.tasks.arith.task`,
+   :mod:`verl_ext.tasks.arith.warm_start`, :mod:`verl_ext.tasks.arith.value_pretraining`): built once and cached,
    nothing downloaded.
 2. Training: ``algorithm.adv_estimator=mc`` (the critic switched on by the plugin) with the recipe
-   of :mod:`verl_ext.cpu.learning`, verl's ``RayPPOTrainer.fit()`` in a child process without Ray,
+   of :mod:`verl_ext.apps.learning`, verl's ``RayPPOTrainer.fit()`` in a child process without Ray,
    the per-token trace on. verl validates on the held-out prompts before and after.
 3. The trace checked against the definitions.
-4. Where the credit lands (:mod:`verl_ext.cpu.credit`): every 10 steps the verdict token's share
+4. Where the credit lands (:mod:`verl_ext.tasks.arith.credit`): every 10 steps the verdict token's share
    of Σ|A| and the critic's explained variance after the verdict; at the last step the share under
    mc, GAE(0.95) and td0 side by side, re-estimated from the recorded values; one response token
    by token, with its advantages under those estimators.
@@ -28,9 +28,10 @@ from pathlib import Path
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from verl_ext import cli
+    from verl_ext.inspect.check import check_trace
+    from verl_ext.inspect.render import format_report
+    from verl_ext.tasks.arith.credit import critic_at_verdict
     from verl_ext.trace.reader import open_trace
-    from verl_ext.cpu.credit import critic_at_verdict
     from verl_ext.view import write_page
 
     started = time.monotonic()
@@ -47,10 +48,11 @@ def run_demo(args: argparse.Namespace) -> int:
         return status
 
     _say("3/5 checking the trace against the definitions (docs/definitions.md §8)")
-    checked = cli.main(["check", str(trace_dir), "--quiet"])
+    trace = open_trace(str(trace_dir))
+    report = check_trace(trace)
+    print(format_report(report), flush=True)
 
     _say("4/5 where the credit lands: the verdict token against the rest of the response")
-    trace = open_trace(str(trace_dir))
     last_step = _print_credit(trace)
     sample = args.sample if args.sample is not None else _interesting_sample(trace, last_step)
     if critic_at_verdict(trace, last_step) != (None, None):
@@ -58,12 +60,12 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         print("\n  (no critic in this run: nothing to re-estimate mc, GAE and td0 from)")
     print()
-    cli.main(["show", str(trace_dir), "--step", str(last_step), "--sample", str(sample)])
+    _show(trace, last_step, sample)
     _explain_verdict(trace, last_step, sample, args.estimator)
     _print_validation(output)
 
     _say("5/5 plots, and the run token by token in a browser")
-    cli.main(["plot", str(trace_dir), "--out", str(output / "plots"), "--sample", str(sample)])
+    _plot(trace, output / "plots", sample)
     page = write_page(trace, output / "view.html", step=last_step, sample=sample)
     print(f"{page}  (open it in a browser; on a remote machine: scp it, or `verl-ext view {trace_dir}` behind `ssh -L`)")
 
@@ -72,12 +74,41 @@ def run_demo(args: argparse.Namespace) -> int:
     print("  view.html       every response token by token, coloured by advantage, value, ratio, …: one self-contained page")
     print("  plots/          value, return and advantage curves, heatmaps, the PPO picture")
     print("  train.log       verl's full output;  metrics.jsonl  verl's metrics, one line per step")
-    return checked
+    return 0 if report.passed else 1
+
+
+def _show(trace, step: int, sample: int) -> None:
+    """What ``verl-ext show TRACE --step STEP --sample SAMPLE`` prints."""
+    from verl_ext.inspect.render import render
+    from verl_ext.inspect.stepdata import RecordedAlgorithm
+    from verl_ext.inspect.table import decoder_for, sample_view
+
+    view = sample_view(trace, step, sample, decoder_for(trace))
+    print("\n".join(view.header(RecordedAlgorithm.from_record(trace.record))) + "\n")
+    print(render(view.table, "text"), flush=True)
+
+
+def _plot(trace, directory: Path, sample: int) -> None:
+    """What ``verl-ext plot TRACE --out DIRECTORY --sample SAMPLE`` writes and prints (notes included)."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from verl_ext.inspect.plots import PlotNote, save_plots
+    from verl_ext.inspect.table import decoder_for
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlotNote)
+        paths = save_plots(trace, directory, None, sample, decoder_for(trace))
+    for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, PlotNote)):
+        print(f"note: {message}", file=sys.stderr)
+    print("\n".join(map(str, paths)), flush=True)
 
 
 def _describe_task() -> None:
-    from verl_ext.cpu.assets import build_assets
-    from verl_ext.cpu.task import Problem
+    from verl_ext.tasks.arith.assets import build_assets
+    from verl_ext.tasks.arith.task import Problem
 
     assets = build_assets()
     report = json.loads(assets.warm_start_report.read_text())
@@ -100,10 +131,10 @@ def _describe_task() -> None:
 
 
 def _train(args: argparse.Namespace, output: Path) -> int:
-    from verl_ext.cpu.progress import follow
+    from verl_ext.apps.progress import follow
 
     command = [
-        sys.executable, "-m", "verl_ext.cpu.learning", str(output),
+        sys.executable, "-m", "verl_ext.apps.learning", str(output),
         "--estimator", args.estimator, "--seed", str(args.seed), "--steps", str(args.steps),
         "--test-freq", str(args.steps), "--trace", "--", *args.overrides,
     ]  # fmt: skip
@@ -115,7 +146,7 @@ def _train(args: argparse.Namespace, output: Path) -> int:
 def _print_credit(trace, every: int = 10) -> int:
     """Every ``every``-th step (and the first and last): the verdict's share of the trained-on
     advantages and the critic's explained variance after the verdict."""
-    from verl_ext.cpu.credit import critic_at_verdict, verdict_credit
+    from verl_ext.tasks.arith.credit import critic_at_verdict, verdict_credit
 
     steps = trace.steps
     for step in steps:
@@ -129,7 +160,7 @@ def _print_credit(trace, every: int = 10) -> int:
 def _print_side_by_side(trace, step: int, sample: int) -> None:
     """The verdict's share of Σ|raw A| under mc, GAE(0.95) and td0 on ``step`` (re-estimated from its
     recorded rewards and values), and ``sample`` token by token under each."""
-    from verl_ext.cpu.credit import SIDE_BY_SIDE, verdict_positions, verdict_share_by_estimator
+    from verl_ext.tasks.arith.credit import SIDE_BY_SIDE, verdict_positions, verdict_share_by_estimator
     from verl_ext.inspect.comparison import compare
     from verl_ext.inspect.render import render
 
@@ -157,7 +188,7 @@ def _print_side_by_side(trace, step: int, sample: int) -> None:
 def _interesting_sample(trace, step: int) -> int:
     """A response of ``step`` with a verdict that is not fully right (its advantage shows the push
     back), else 0."""
-    from verl_ext.cpu.credit import verdict_positions
+    from verl_ext.tasks.arith.credit import verdict_positions
 
     scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()
     verdicts = verdict_positions(trace, step)
@@ -166,7 +197,7 @@ def _interesting_sample(trace, step: int) -> int:
 
 
 def _explain_verdict(trace, step: int, sample: int, estimator: str) -> None:
-    from verl_ext.cpu.credit import verdict_positions
+    from verl_ext.tasks.arith.credit import verdict_positions
 
     index = verdict_positions(trace, step).get(sample)
     if index is None:
@@ -189,7 +220,7 @@ def _explain_verdict(trace, step: int, sample: int, estimator: str) -> None:
 
 def _print_validation(output: Path) -> None:
     """Held-out accuracy before training (step 0) and after the last step (verl's validation metrics)."""
-    from verl_ext.cpu.learning import read_metrics, validation_accuracy
+    from verl_ext.apps.learning import read_metrics, validation_accuracy
 
     by_step = validation_accuracy(read_metrics(output))
     if len(by_step) >= 2:

@@ -4,20 +4,20 @@
 
 * ``model/``: the warm-started policy. A ``llama`` model (hidden 128, 2 layers, fixed seed) is
   initialised at random and fine-tuned for a few hundred steps on the CPU task
-  (:mod:`verl_ext.cpu.warm_start`, ~20 s on one core), then saved with ``save_pretrained`` next to
+  (:mod:`verl_ext.tasks.arith.warm_start`, ~20 s on one core), then saved with ``save_pretrained`` next to
   a character-level tokenizer built with the ``tokenizers`` library. The actor, the reference and
   the critic (with verl's fresh value head) all start from it. ``llama`` and not ``qwen2``:
   transformers 5 forces ``Qwen2Tokenizer`` for ``model_type: qwen2``, which breaks a
   character-level vocabulary; a ``llama`` config round-trips exactly.
 * ``warm_start.json``: its settings, final loss, time, and held-out accuracy (greedy and sampled).
-* ``critic/``: the pretrained critic (:mod:`verl_ext.cpu.value_pretraining`): the warm start with
+* ``critic/``: the pretrained critic (:mod:`verl_ext.tasks.arith.value_pretraining`): the warm start with
   verl's value head, trained on the warm start's own sampled answers until its held-out explained
   variance after the verdict stops improving; ``value_pretraining.json`` reports that fit and the
   time. The learning recipe starts verl's critic from it (``critic.model.path``).
-* ``train.parquet`` / ``val.parquet``: "请问a+b=c？" prompts (:mod:`verl_ext.cpu.task`) in verl's
+* ``train.parquet`` / ``val.parquet``: "请问a+b=c？" prompts (:mod:`verl_ext.tasks.arith.task`) in verl's
   RLHFDataset schema (chat-message ``prompt``, ``reward_model.ground_truth`` = the expected answer,
   ``extra_info.index``); validation problems are held out from the warm start and from RL.
-* the reward function is :mod:`verl_ext.cpu.reward` (a source file verl loads by path).
+* the reward function is :mod:`verl_ext.tasks.arith.reward` (a source file verl loads by path).
 
 The build is idempotent and safe to race: a finished build is a directory named after the hash of
 its spec, published with an atomic rename.
@@ -35,10 +35,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verl_ext.cpu import reward
-from verl_ext.cpu.task import Problem, balanced_sample, problem_sets
-from verl_ext.cpu.value_pretraining import ValuePretrainingSettings
-from verl_ext.cpu.warm_start import WarmStartSettings
+from verl_ext.tasks.arith import reward
+from verl_ext.tasks.arith.task import Problem, balanced_sample, problem_sets
+from verl_ext.tasks.arith.value_pretraining import ValuePretrainingSettings
+from verl_ext.tasks.arith.warm_start import WarmStartSettings
 
 #: Bump when the layout or content of the assets changes, so old caches are not reused.
 ASSETS_FORMAT = 4
@@ -163,8 +163,8 @@ def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Pro
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from verl_ext.cpu.value_pretraining import pretrain_value
-    from verl_ext.cpu.warm_start import evaluate, supervised_fine_tune
+    from verl_ext.tasks.arith.value_pretraining import pretrain_value
+    from verl_ext.tasks.arith.warm_start import evaluate, supervised_fine_tune
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(

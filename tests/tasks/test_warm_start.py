@@ -1,5 +1,5 @@
 """The warm-started policy the CPU runs start from: it knows the format and the sum, and its verdict
-carries only the documented weak prior (verl_ext/cpu/warm_start.py). Graded here with a regular
+carries only the documented weak prior (verl_ext/tasks/arith/warm_start.py). Graded here with a regular
 expression of the answer's format, independently of the task's own scoring."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verl_ext.cpu.assets import AssetSpec, task_problems
+from verl_ext.tasks.arith.assets import AssetSpec, task_problems
 
 ANSWER = re.compile(r"等于(\d+)，(是的|不是)！")
 
@@ -74,8 +74,8 @@ def test_the_warm_start_is_deterministic(tmp_path, assets):
     """Built twice (here: the fine-tune alone, fewer steps), the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from verl_ext.cpu.assets import build_tokenizer, task_problems
-    from verl_ext.cpu.warm_start import WarmStartSettings, supervised_fine_tune
+    from verl_ext.tasks.arith.assets import build_tokenizer, task_problems
+    from verl_ext.tasks.arith.warm_start import WarmStartSettings, supervised_fine_tune
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from verl_ext.cpu.reward import compute_score
-from verl_ext.cpu.task import Problem, balanced_sample, problem_sets, score_response, verdict_index
+from verl_ext.tasks.arith.reward import compute_score
+from verl_ext.tasks.arith.task import Problem, balanced_sample, problem_sets, score_response, verdict_index
 
 
 def test_the_seed_dialogue_is_a_problem_of_the_task():
@@ -82,8 +82,8 @@ def test_the_demo_credit_lines_work_without_a_critic(tmp_path, capsys):
     """`verl-ext demo --estimator grpo`: a run without values has no critic column and nothing to
     re-estimate from, and says so instead of failing after training."""
     from tests.inspect.test_critic_diagnostics import critic_free_trace
-    from verl_ext.cpu import demo
-    from verl_ext.cpu.credit import critic_at_verdict
+    from verl_ext.apps import demo
+    from verl_ext.tasks.arith.credit import critic_at_verdict
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(critic_free_trace(tmp_path))

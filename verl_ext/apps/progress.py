@@ -3,7 +3,7 @@
 verl prints every metric of a step on one very long line; on a terminal the phases of a run (Ray
 start, workers, validation, steps) drown in it. ``recipes/cpu_demo.sh`` pipes the trainer through::
 
-    python -m verl.trainer.main_ppo ... 2>&1 | python -m verl_ext.cpu.progress LOG_FILE --steps N
+    python -m verl.trainer.main_ppo ... 2>&1 | python -m verl_ext.apps.progress LOG_FILE --steps N
 
 which writes everything to LOG_FILE and prints: the startup phases, one line per training step with
 its main metrics, validation scores, and any traceback in full. From Python: :func:`follow`.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from verl_ext.cpu.progress import follow
+from verl_ext.apps.progress import follow
 
 OUTPUT = [
     "2026 INFO worker.py:2029 -- Started a local Ray instance.\n",

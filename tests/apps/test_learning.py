@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 import tests.reference as ref
-from verl_ext.cpu.learning import read_metrics
+from verl_ext.apps.learning import read_metrics
 
 STEPS = 25
 
@@ -21,7 +21,7 @@ STEPS = 25
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory, cpu_env):
     outputs = [tmp_path_factory.mktemp(f"learn{i}") for i in range(2)]
-    command = [sys.executable, "-m", "verl_ext.cpu.learning", "--estimator", "mc", "--seed", "0",
+    command = [sys.executable, "-m", "verl_ext.apps.learning", "--estimator", "mc", "--seed", "0",
                "--steps", str(STEPS), "--test-freq", str(STEPS), "--trace"]  # fmt: skip
     processes = [
         subprocess.Popen([*command[:3], str(out), *command[3:]], env=cpu_env(out), cwd=out,
@@ -119,8 +119,8 @@ def test_compare_matches_the_direct_sums_on_a_real_step(last_step):
 
 def test_verdict_credit_by_hand(last_step):
     """The demo's credit line: the verdict token follows the first "，", and its |A| against the rest."""
-    from verl_ext.cpu.assets import token_id
-    from verl_ext.cpu.credit import verdict_credit, verdict_positions
+    from verl_ext.tasks.arith.assets import token_id
+    from verl_ext.tasks.arith.credit import verdict_credit, verdict_positions
 
     trace, frame = last_step
     positions = verdict_positions(trace, STEPS)
@@ -142,7 +142,7 @@ def test_verdict_credit_by_hand(last_step):
 
 # --------------------------------------------------------------------------- the pretrained critic in RL
 
-EOS_ID = 3  # "</s>" in the CPU tokenizer (verl_ext.cpu.assets: <pad>, <unk>, <s>, </s>, ...)
+EOS_ID = 3  # "</s>" in the CPU tokenizer (verl_ext.tasks.arith.assets: <pad>, <unk>, <s>, </s>, ...)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def valid_tokens(frame: pd.DataFrame) -> pd.DataFrame:
 
 def hand_verdicts(frame: pd.DataFrame) -> dict[int, int]:
     """sample -> token_index of the token after the first "，", unless that token is EOS or absent."""
-    from verl_ext.cpu.assets import token_id
+    from verl_ext.tasks.arith.assets import token_id
 
     verdicts = {}
     for sample, rows in valid_tokens(frame).groupby("sample"):
@@ -210,7 +210,7 @@ def raw_advantages(frame: pd.DataFrame) -> tuple[dict[str, np.ndarray], np.ndarr
 
 @pytest.mark.parametrize("step", [1, STEPS])
 def test_verdict_share_by_estimator_by_hand(trace, step):
-    from verl_ext.cpu.credit import verdict_share_by_estimator
+    from verl_ext.tasks.arith.credit import verdict_share_by_estimator
 
     assert trace.record.algorithm.get("gamma", 1.0) == 1.0
     frame = trace.read_step(step).to_pandas()
@@ -249,7 +249,7 @@ def hand_critic_at_verdict(frame: pd.DataFrame) -> tuple[float, float]:
 
 @pytest.mark.parametrize("step", [1, STEPS])
 def test_critic_at_verdict_by_hand(trace, step):
-    from verl_ext.cpu.credit import critic_at_verdict
+    from verl_ext.tasks.arith.credit import critic_at_verdict
 
     after, before = critic_at_verdict(trace, step)
     expected_after, expected_before = hand_critic_at_verdict(trace.read_step(step).to_pandas())
@@ -258,7 +258,7 @@ def test_critic_at_verdict_by_hand(trace, step):
 
 
 def test_the_pretrained_critic_sees_the_outcome_after_the_verdict_at_step_1(trace):
-    from verl_ext.cpu.credit import critic_at_verdict
+    from verl_ext.tasks.arith.credit import critic_at_verdict
 
     after, before = critic_at_verdict(trace, 1)
     assert after >= 0.5 and before < after, (after, before)
@@ -266,8 +266,8 @@ def test_the_pretrained_critic_sees_the_outcome_after_the_verdict_at_step_1(trac
 
 def test_verdict_positions_by_hand_on_a_made_up_step():
     """No trace needed: the token after the first valid "，", unless it is EOS or not valid."""
-    from verl_ext.cpu.assets import token_id
-    from verl_ext.cpu.credit import _verdict_positions
+    from verl_ext.tasks.arith.assets import token_id
+    from verl_ext.tasks.arith.credit import _verdict_positions
 
     ids = lambda text: [token_id(ch) for ch in text]  # noqa: E731
     pad = 0
@@ -290,7 +290,7 @@ def test_verdict_positions_by_hand_on_a_made_up_step():
 def test_the_demo_prints_credit_every_tenth_step_and_the_estimators_side_by_side(trace, capsys):
     """Issue 15, item 6: one credit line per 10 steps (and the first and last), not one per step;
     then the verdict's share under mc, GAE(0.95) and td0 and one response under each."""
-    from verl_ext.cpu import demo
+    from verl_ext.apps import demo
 
     assert demo._print_credit(trace) == STEPS
     lines = capsys.readouterr().out.splitlines()

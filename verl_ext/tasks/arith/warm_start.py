@@ -15,7 +15,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from verl_ext.cpu.task import NO, YES, Problem, score_response
+from verl_ext.tasks.arith.task import NO, YES, Problem, score_response
 from verl_ext.torch_threads import one_torch_thread
 
 

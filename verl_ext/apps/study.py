@@ -1,7 +1,7 @@
 """``verl-ext study``: every estimator, every seed, the same task, through verl's real trainer.
 
-Each run is one ``python -m verl_ext.cpu.learning`` process (verl's ``RayPPOTrainer.fit()`` in
-process, the recipe and per-estimator options of :mod:`verl_ext.cpu.learning`), traced without the
+Each run is one ``python -m verl_ext.apps.learning`` process (verl's ``RayPPOTrainer.fit()`` in
+process, the recipe and per-estimator options of :mod:`verl_ext.apps.learning`), traced without the
 update tables. The critic starts from the pretrained one of the assets; with ``control``, every
 estimator that uses a critic also runs with a fresh critic (the warm start with a new value head,
 at the old recipe's lr 1e-3), the control. Finished runs are kept under
@@ -15,7 +15,7 @@ Outputs, rewritten after every run:
   ``pretrained``, ``fresh`` or ``none``; ``val_acc`` only at validation steps, step 0 being the
   validation before training; ``critic_explained_var`` (verl's) and ``ev_after_verdict`` (the
   critic against the Monte-Carlo return at the states after the verdict,
-  :func:`verl_ext.cpu.credit.critic_at_verdict`) empty without a critic);
+  :func:`verl_ext.tasks.arith.credit.critic_at_verdict`) empty without a critic);
 * ``DIR/learning_curves.png``: held-out accuracy and training score, the mean over seeds with a
   min–max band, per estimator;
 * ``DIR/summary.md``: per estimator, the held-out accuracy before and after (mean ± std over seeds),
@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_ext.cpu.learning import ESTIMATOR_OPTIONS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, VAL_SAMPLES, read_metrics, validation_accuracy
+from verl_ext.apps.learning import ESTIMATOR_OPTIONS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, VAL_SAMPLES, read_metrics, validation_accuracy
 from verl_ext.errors import UsageError
 
 DEFAULT_ESTIMATORS = ("mc", "td0", "nstep", "gae_ext", "gae", "grpo")
@@ -80,7 +80,7 @@ def run_study(
 ) -> int:
     """Run the study (see the module docstring), ``jobs`` runs at a time; return 0, or 1 when a run failed.
 
-    Each run trains on one thread (:mod:`verl_ext.cpu.learning`): on a 2-core machine two jobs
+    Each run trains on one thread (:mod:`verl_ext.apps.learning`): on a 2-core machine two jobs
     finish the study in little more than half the time of one.
     """
     runs = [
@@ -122,7 +122,7 @@ def _run_name(estimator: str, critic: str, seed: int) -> str:
 def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, run_dir: Path) -> RunResult:
     done_file = run_dir / "run.json"
     # what decides a run's outcome (the threshold only reads it)
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
 
     wanted = {
         "estimator": estimator, "critic": critic, "seed": seed, "steps": settings.steps, "test_freq": settings.test_freq,
@@ -135,7 +135,7 @@ def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, ru
     run_dir.mkdir(parents=True, exist_ok=True)
     done_file.unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "verl_ext.cpu.learning", str(run_dir), "--estimator", estimator, "--seed", str(seed),
+        sys.executable, "-m", "verl_ext.apps.learning", str(run_dir), "--estimator", estimator, "--seed", str(seed),
         "--steps", str(settings.steps), "--test-freq", str(settings.test_freq), "--trace",
         *(["--fresh-critic"] if critic == "fresh" else []), "--", "verl_ext.trace.update=false",
     ]  # fmt: skip
@@ -150,7 +150,7 @@ def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, ru
 
 
 def _read_run(estimator: str, critic: str, seed: int, seconds: float, run_dir: Path, reused: bool = False) -> RunResult:
-    from verl_ext.cpu.credit import critic_at_verdict, verdict_credit
+    from verl_ext.tasks.arith.credit import critic_at_verdict, verdict_credit
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(run_dir / "trace"))

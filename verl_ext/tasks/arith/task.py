@@ -13,7 +13,7 @@ one token the policy must learn, decided in the middle of the response, while th
 sits on the last token — the delayed-credit question of the user's notes ("why do the early tokens
 learn?").
 
-Pure Python: problem sets, texts and the score. The reward verl calls is :mod:`verl_ext.cpu.reward`.
+Pure Python: problem sets, texts and the score. The reward verl calls is :mod:`verl_ext.tasks.arith.reward`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from verl_ext.cpu.study import COLUMNS
+from verl_ext.apps.study import COLUMNS
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verl_ext.cpu.assets import EOS, special_token_id, token_id
-from verl_ext.cpu.task import VERDICT_MARK, verdict_index
+from verl_ext.tasks.arith.assets import EOS, special_token_id, token_id
+from verl_ext.tasks.arith.task import VERDICT_MARK, verdict_index
 from verl_ext.inspect.comparison import DEFAULT_N, estimator_columns
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData
@@ -114,7 +114,7 @@ def _verdict_index_per_token(trace, step: int, data: StepData) -> np.ndarray:
 
 
 def _verdict_positions(table) -> dict[int, int]:
-    """sample -> token_index of the verdict, by :func:`verl_ext.cpu.task.verdict_index` on each
+    """sample -> token_index of the verdict, by :func:`verl_ext.tasks.arith.task.verdict_index` on each
     response's valid tokens (rows sorted by sample and token_index, as the reader returns them)."""
     mark, eos = token_id(VERDICT_MARK), special_token_id(EOS)
     positions = {}

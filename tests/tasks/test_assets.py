@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from verl_ext.cpu.assets import CHARACTERS, AssetSpec, build_assets, task_problems, token_id
+from verl_ext.tasks.arith.assets import CHARACTERS, AssetSpec, build_assets, task_problems, token_id
 
 SEED_PROMPT, SEED_RESPONSE = "请问1+1=2？", "是的，等于2！"
 

@@ -4,11 +4,11 @@ The recipe (:func:`learning_overrides`) is shared by ``make demo`` and ``verl-ex
 prompts × 4 samples per step (128 responses), one PPO epoch in two mini-batches (two actor and two
 critic updates per step), the actor at lr 3e-4 after a 5-step warm-up with a cosine decay to 0.1 of
 it at the last step, the critic started from the value-pretrained critic of the assets
-(:mod:`verl_ext.cpu.value_pretraining`) at lr 1e-4 (with ``--fresh-critic``: the warm start with
+(:mod:`verl_ext.tasks.arith.value_pretraining`) at lr 1e-4 (with ``--fresh-critic``: the warm start with
 verl's fresh value head at lr 1e-3, the recipe before value pretraining), no KL. Validation is
 verl's own on the 60 held-out prompts, **sampled** (temperature 1, 8 samples each): the accuracy of
 what the policy does, not of its greedy answer (greedy is near its best already after the warm
-start; see :mod:`verl_ext.cpu.warm_start`). Rollouts are seeded per request
+start; see :mod:`verl_ext.tasks.arith.warm_start`). Rollouts are seeded per request
 (``rollout.full_determinism``), so a run is reproducible given its seed.
 
 Each estimator gets the options it needs (:data:`ESTIMATOR_OPTIONS`); every run sees the same
@@ -16,7 +16,7 @@ prompts, responses per step, seeds and step budget.
 
 From a shell (one run per process: verl's registries and the CPU backend are process-global)::
 
-    python -m verl_ext.cpu.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--trace] [--fresh-critic] [-- OVERRIDE ...]
+    python -m verl_ext.apps.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--trace] [--fresh-critic] [-- OVERRIDE ...]
 
 writes ``OUTPUT_DIR/metrics.jsonl`` (verl's metrics, one line per step), ``train.log`` and, with
 ``--trace``, the per-token trace in ``OUTPUT_DIR/trace``.
@@ -68,7 +68,7 @@ def learning_overrides(
     micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
     (``data.train_batch_size`` and ``actor_rollout_ref.rollout.n`` in ``extra``), so that changing
     those alone gives a valid run."""
-    from verl_ext.cpu.assets import build_assets
+    from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides, override_key
 
     given = {override_key(o): o.split("=", 1)[1] for o in extra if "=" in o}
