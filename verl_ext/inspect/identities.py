@@ -1,52 +1,27 @@
-"""What a check identity is, what it finds, and the one comparison every identity uses.
+"""The identities of docs/definitions.md §8, one record each, in report order: :data:`IDENTITIES`.
 
-An :class:`Identity` is one record: its name, its item of docs/definitions.md §8, the table it reads,
-what it says and its tolerance (both may depend on the run), and the function that checks it. The
-records, in report order, are :data:`verl_ext.inspect.check.IDENTITIES`; the functions of the token
-table live in :mod:`~verl_ext.inspect.check`, those of the update tables in
-:mod:`~verl_ext.inspect.update`. A check function returns a :class:`Finding` (what it found on one
-step); the runner names it with the identity and the step (:class:`StepResult`) and aggregates the
-steps (:class:`IdentityResult`).
-
-Tolerances are ``ATOL`` + a multiple of float32's ε × the magnitude of the numbers the producer
-combined (docs/definitions.md#tolerances); a :class:`Tolerance` keeps the bound and the text the
-report prints for it together.
+An :class:`Identity` is everything about one identity: its name, its item of §8, the table it reads,
+what it says and its tolerance (both may depend on the run), and its check. The checks of the token
+table are in :mod:`~verl_ext.inspect.tokens`, those of the update tables in
+:mod:`~verl_ext.inspect.update`; :func:`verl_ext.inspect.check.check_trace` runs them all, and the
+report, its JSON and the browser view take names, sections and titles from here.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
+from verl_ext.inspect import update
+from verl_ext.inspect.results import ELEMENTWISE, EXACT, Tolerance
+from verl_ext.inspect.stepdata import RecordedAlgorithm
+from verl_ext.inspect.tokens import ACCUMULATED, STATISTICS, WHITENING, TokenStep, steps_on_disk
 
-__all__ = ["ATOL", "EPS32", "Finding", "Identity", "IdentityResult", "Location", "StepResult", "Tolerance", "Violation"]
-
-EPS32 = float(np.finfo(np.float32).eps)  # 2^-23
-#: Below this nothing is claimed: float32 data of order one round at ~6e-8.
-ATOL = 1e-6
+__all__ = ["IDENTITIES", "Identity"]
 
 #: The tables an identity reads: one step of the token table, one step of the update tables, or the
 #: run record against the files (once per check, with a finding per step).
 TOKEN, UPDATE, RUN = "token", "update", "run"
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far a number may be from its due value: the bound (a function of the magnitudes it
-    scales with) and how the report writes it."""
-
-    text: str
-    bound: Callable[..., Any] = lambda: 0.0
-
-    def __call__(self, *magnitudes):
-        return self.bound(*magnitudes)
-
-
-EXACT = Tolerance("exact")
-#: An identity between float32 operands whose magnitudes add up to ``scale``: one or two roundings.
-ELEMENTWISE = Tolerance(f"{ATOL:g} + 4ε·Σ|operand|", lambda scale: ATOL + 4 * EPS32 * scale)
 
 
 @dataclass(frozen=True)
@@ -56,164 +31,64 @@ class Identity:
     name: str
     #: The item of docs/definitions.md §8 it checks, as printed ("8.2": §8, item 2).
     section: str
-    #: TOKEN, UPDATE or RUN: which context ``check`` is given (see :mod:`verl_ext.inspect.check`).
+    #: TOKEN, UPDATE or RUN: which context ``check`` is given (TokenStep, UpdateStep, RunScope).
     table: str
     #: What it says; a function of the run's RecordedAlgorithm where that depends on the run.
-    title: str | Callable[[Any], str]
-    tolerance: Tolerance | Callable[[Any], Tolerance]
+    title: str | Callable[[RecordedAlgorithm], str]
+    tolerance: Tolerance | Callable[[RecordedAlgorithm], Tolerance]
     #: context -> Finding (TOKEN, UPDATE: one step), or -> iterable of (step, Finding) (RUN).
     check: Callable[[Any], Any]
     #: What a violation counts, for "FAIL (3 tokens)".
     counts: str = "token"
 
-    def describe(self, algorithm) -> tuple[str, str]:
+    def describe(self, algorithm: RecordedAlgorithm) -> tuple[str, str]:
         """(title, tolerance text) for this run."""
         title = self.title if isinstance(self.title, str) else self.title(algorithm)
         tolerance = self.tolerance if isinstance(self.tolerance, Tolerance) else self.tolerance(algorithm)
         return title, tolerance.text
 
 
-# --------------------------------------------------------------------------- results as data
+# --------------------------------------------------------------------------- the registry
 
 
-@dataclass(frozen=True)
-class Location:
-    step: int
-    sample: int | None = None
-    token_index: int | None = None
-
-    def __str__(self) -> str:
-        parts = [f"step {self.step}"]
-        if self.sample is not None:
-            parts.append(f"sample {self.sample}")
-        if self.token_index is not None:
-            parts.append(f"token {self.token_index}")
-        return ", ".join(parts)
+def _accumulated(a: RecordedAlgorithm) -> bool:
+    """The raw advantage is recomputed with the estimator (else it is checked as returns − values)."""
+    return a.recomputable and not a.returns_minus_values
 
 
-@dataclass(frozen=True)
-class Violation:
-    """The first offending token of an identity: what the trace holds and what was due."""
-
-    location: Location
-    column: str
-    actual: float | None = None
-    expected: float | None = None
-    error: float | None = None
-    tolerance: float | None = None
-    detail: str | None = None
-
-    def __str__(self) -> str:
-        text = f"{self.location}: {self.column}"
-        if self.expected is not None:
-            text += f" = {self.actual:.7g}, expected {self.expected:.7g}"
-            text += f" (|Δ| {self.error:.2e} > tolerance {self.tolerance:.2e})"
-        elif self.actual is not None:
-            text += f" = {self.actual:.7g}"
-        return text + (f": {self.detail}" if self.detail else "")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """What one identity found on one step."""
-
-    status: str  # "pass", "fail" or "skipped"
-    checked: int = 0
-    violations: int = 0
-    max_abs_error: float | None = None
-    first: Violation | None = None
-    note: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepResult(Finding):
-    """One identity on one step: its finding, named."""
-
-    identity: str
-    step: int
-
-
-@dataclass(frozen=True)
-class IdentityResult:
-    """One identity over all checked steps."""
-
-    identity: str
-    title: str
-    tolerance: str
-    status: str  # "fail" if any step fails, else "pass" if any step passed, else "skipped"
-    checked: int
-    violations: int
-    max_abs_error: float | None
-    first: Violation | None
-    notes: tuple[str, ...]
-
-
-def skipped(why: str) -> Finding:
-    return Finding("skipped", note=f"not applicable: {why}")
-
-
-def compare(actual, expected, tolerance, where: Callable[[int], tuple[Location, str]], note: str | None = None) -> Finding:
-    """``actual`` against ``expected`` within ``tolerance`` (NaN is a violation); ``where(i)`` names
-    the i-th number: (its location, its column) for the first violation."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    error = np.abs(actual - expected)
-    bad = ~(error <= tolerance)
-    violations = int(np.count_nonzero(bad))
-    first = None
-    if violations:
-        i = int(np.argmax(bad))
-        location, column = where(i)
-        if np.isfinite(actual[i]) and np.isfinite(expected[i]):
-            bound = float(np.broadcast_to(tolerance, error.shape)[i])
-            first = Violation(location, column, float(actual[i]), float(expected[i]), float(error[i]), bound)
-        else:
-            first = Violation(location, column, float(actual[i]), detail=f"not finite (expected {expected[i]:.7g})")
-    return Finding(
-        "fail" if violations else "pass", checked=len(error), violations=violations,
-        max_abs_error=float(np.max(error)) if len(error) else None, first=first, note=note,
-    )  # fmt: skip
-
-
-def combine(findings: list[Finding], note: str | None = None) -> Finding:
-    """Several comparisons of one identity as one finding: failed if any failed, its first violation."""
-    failed = [f for f in findings if f.status == "fail"]
-    return Finding(
-        "fail" if failed else "pass", checked=sum(f.checked for f in findings),
-        violations=sum(f.violations for f in findings), max_abs_error=_largest(f.max_abs_error for f in findings),
-        first=failed[0].first if failed else None, note=note,
-    )  # fmt: skip
-
-
-def aggregate(identity: str, title: str, tolerance: str, results: list[StepResult]) -> IdentityResult:
-    """One identity over all its steps: failed if any step failed, passed if any passed, else skipped."""
-    statuses = {r.status for r in results}
-    status = "fail" if "fail" in statuses else "pass" if "pass" in statuses else "skipped"
-    steps_by_note: dict[str, list[int]] = {}
-    for r in results:
-        if r.note:
-            steps_by_note.setdefault(r.note, []).append(r.step)
-    notes = tuple(f"{_steps_text(s, len(results))}: {note}" for note, s in steps_by_note.items())
-    return IdentityResult(
-        identity=identity,
-        title=title,
-        tolerance=tolerance,
-        status=status,
-        checked=sum(r.checked for r in results),
-        violations=sum(r.violations for r in results),
-        max_abs_error=_largest(r.max_abs_error for r in results),
-        first=next((r.first for r in results if r.first is not None), None),
-        notes=notes,
-    )
-
-
-def _largest(errors) -> float | None:
-    """The largest error, NaN the largest of all (a NaN error is a NaN in the data)."""
-    errors = [e for e in errors if e is not None]
-    return max(errors, key=lambda e: math.inf if math.isnan(e) else e) if errors else None
-
-
-def _steps_text(steps: list[int], total: int) -> str:
-    if len(steps) == total and total > 1:
-        return "all steps"
-    shown = ", ".join(str(s) for s in steps[:8]) + (", …" if len(steps) > 8 else "")
-    return ("step " if len(steps) == 1 else "steps ") + shown
+#: Every identity, in report order: the token table's on each step, the run record's once, then the
+#: update tables' on each step (only for a trace that has update tables). To add one: write its check
+#: (a method of :class:`~verl_ext.inspect.tokens.TokenStep` for the token table, a function of an
+#: :class:`~verl_ext.inspect.update.UpdateStep` in :mod:`~verl_ext.inspect.update`) and add its record
+#: here; it is checked, reported and rendered from the record alone.
+IDENTITIES = (
+    Identity(
+        "advantage_raw", "8.1", TOKEN,
+        lambda a: f"raw advantage recomputed: {a.describe_estimator()}" if _accumulated(a) else "raw advantage = returns − values",
+        lambda a: ACCUMULATED if _accumulated(a) else ELEMENTWISE,
+        TokenStep.advantage_raw,
+    ),
+    Identity(
+        "whitening", "8.2", TOKEN,
+        lambda a: "advantages = raw advantage (whitening off)" if a.whitened is False else "advantages = masked_whiten(raw advantage)",
+        lambda a: ELEMENTWISE if a.whitened is False else WHITENING,
+        TokenStep.whitening,
+    ),
+    Identity("whitening_stats", "8.2", TOKEN, "recorded whitening μ, σ = recomputed", STATISTICS, TokenStep.whitening_stats, counts="statistic"),
+    Identity("returns", "8.3", TOKEN, lambda a: f"returns recomputed: {a.describe_estimator()}", ACCUMULATED, TokenStep.returns),
+    Identity(
+        "rewards", "8.4", TOKEN,
+        lambda a: "rewards = scores − β·kl" if a.kl_in_reward else "rewards = scores (no KL in reward)",
+        ELEMENTWISE, TokenStep.rewards,
+    ),
+    Identity("mask_layout", "8.5", TOKEN, "rows 0…n−1 per sample, ending on a valid token", EXACT, TokenStep.mask_layout, counts="row"),
+    Identity("finite", "8.5", TOKEN, "quantities present and finite on valid tokens", EXACT, TokenStep.finite),
+    Identity("steps_on_disk", "8.5", RUN, "every step and update table of the run record is on disk", EXACT, steps_on_disk, counts="file"),
+    Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update.update_rows),
+    Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", update.RATIO, update.ratio),
+    Identity("ratio_first", "8.6", UPDATE, "ratio = 1 in epoch 0, mini-batch 0", update.RATIO_FIRST, update.ratio_first),
+    Identity("pg_loss", "8.6", UPDATE, "pg_loss = vanilla PPO term with dual clip", update.PG_TERM, update.pg_loss),
+    Identity("clip", "8.6", UPDATE, "clip code agrees with verl's loss term", update.PG_TERM, update.clip),
+    Identity("vf_loss", "8.6", UPDATE, "vf_loss = max((v̂−R)², (clip(v̂)−R)²)", update.VF_TERM, update.vf_loss),
+    Identity("update_metrics", "8.6", UPDATE, "aggregated terms = verl's logged update metrics", update.AGGREGATE, update.update_metrics, counts="metric"),
+)  # fmt: skip

@@ -1,7 +1,7 @@
 """The update tables against docs/definitions.md §8.6: what PPO did with each token, checked per step.
 
-The identities (records in :data:`IDENTITIES`, each with its tolerance), on every row of a step's
-update tables:
+The identities (their records: :data:`verl_ext.inspect.identities.IDENTITIES`), on every row of a
+step's update tables:
 
 * ``update_rows``: every valid token of the token table is trained exactly once per epoch, and the
   rows carry the token table's old_log_prob and advantage (actor), value and return (critic): the
@@ -42,14 +42,11 @@ from typing import Callable
 
 import numpy as np
 
-from verl_ext.inspect.identities import (
+from verl_ext.inspect.results import (
     ATOL,
     ELEMENTWISE,
     EPS32,
-    EXACT,
-    UPDATE,
     Finding,
-    Identity,
     Location,
     Tolerance,
     Violation,
@@ -394,17 +391,3 @@ def update_statistics(trace, step: int) -> dict[str, float | None]:
         "adv_dlogp_corr": corr,
     }
 
-
-# --------------------------------------------------------------------------- the records
-
-#: The update tables' identities, in report order (:data:`verl_ext.inspect.check.IDENTITIES` lists them
-#: after the token table's).
-IDENTITIES = (
-    Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update_rows),
-    Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", RATIO, ratio),
-    Identity("ratio_first", "8.6", UPDATE, "ratio = 1 in epoch 0, mini-batch 0", RATIO_FIRST, ratio_first),
-    Identity("pg_loss", "8.6", UPDATE, "pg_loss = vanilla PPO term with dual clip", PG_TERM, pg_loss),
-    Identity("clip", "8.6", UPDATE, "clip code agrees with verl's loss term", PG_TERM, clip),
-    Identity("vf_loss", "8.6", UPDATE, "vf_loss = max((v̂−R)², (clip(v̂)−R)²)", VF_TERM, vf_loss),
-    Identity("update_metrics", "8.6", UPDATE, "aggregated terms = verl's logged update metrics", AGGREGATE, update_metrics, counts="metric"),
-)  # fmt: skip
