@@ -23,6 +23,7 @@ EPS32 = float(np.finfo(np.float32).eps)  # 2^-23
 #: Below this nothing is claimed: float32 data of order one round at ~6e-8.
 ATOL = 1e-6
 
+
 @dataclass(frozen=True)
 class Tolerance:
     """How far a number may be from its due value: the bound (a function of the magnitudes it
