@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from verl_ext import estimators
-from verl_ext.inspect.check import EPS32, WHITENING, accumulated_tolerance
+from verl_ext.inspect.tokens import ACCUMULATED as accumulated_tolerance
+from verl_ext.inspect.tokens import EPS32
+from verl_ext.inspect.tokens import WHITENING_FACTOR as WHITENING
 
 EPS = EPS32
 

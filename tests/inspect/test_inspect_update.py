@@ -108,6 +108,17 @@ def test_the_worked_example_passes_every_update_identity(tmp_path):
     assert update_statuses(hand_trace(tmp_path / "t")) == {key: "pass" for key in UPDATE}
 
 
+def test_the_report_lists_the_identities_in_their_order_and_sections(tmp_path, run_cli):
+    report = check_trace(hand_trace(tmp_path / "t"))
+    assert [r.identity for r in report.identities] == [
+        "advantage_raw", "whitening", "whitening_stats", "returns", "rewards", "mask_layout", "finite", "steps_on_disk", *UPDATE
+    ]  # fmt: skip
+    code, out, _ = run_cli("check", hand_trace(tmp_path / "u"))
+    assert code == 0
+    sections = [line.split()[0] for line in out.splitlines() if line[:2] == "8."]
+    assert sections == ["8.1", "8.2", "8.2", "8.3", "8.4", "8.5", "8.5", "8.5"] + ["8.6"] * len(UPDATE)
+
+
 def test_the_tables_read_back_sorted_and_joined(tmp_path):
     from verl_ext.trace.reader import open_trace
 
@@ -181,3 +192,119 @@ def test_the_ppo_picture_draws_every_row_in_its_clip_colour(tmp_path):
     }
     change = plots.logprob_change(hand_trace(tmp_path / "u"), sample=1).axes[1].lines
     np.testing.assert_allclose(change[1].get_ydata(), [math.log(3.5)] * 3, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- ratio and clip against verl
+
+# One epoch, a mini-batch per sample, old_log_prob = −1, the token table's advantages (ADVANTAGES). The
+# ratios and the clip each gets under ε = 0.2, c = 3, by hand:
+#   sample 0, A = [1, −1, 0.5]:    r = [1.25, 0.7, 0.9]   high, low, none   terms [−1.2, 0.8, −0.45]
+#   sample 1, A = [−0.5, 2, −2]:   r = [3.5, 1.1, 0.75]   dual, none, low   terms [1.5, −2.2, 1.6]
+VERL_RATIOS = [[1.25, 0.7, 0.9], [3.5, 1.1, 0.75]]
+VERL_CLIPS = [["high", "low", "none"], ["dual", "none", "low"]]
+VERL_TERMS = [[-1.2, 0.8, -0.45], [1.5, -2.2, 1.6]]
+
+
+class _ActorConfig(dict):
+    """The fields of verl's ActorConfig that compute_policy_loss_vanilla reads."""
+
+    __getattr__ = dict.__getitem__
+
+
+def verl_policy_loss(sample: int, clip_ratio: float, old_log_prob: list[float], monkeypatch) -> tuple[np.ndarray, dict]:
+    """verl's own compute_policy_loss_vanilla on one sample: its per-token loss matrix (what it hands
+    to agg_loss, as the update hook records it) and its metrics."""
+    from verl.trainer.ppo import core_algos
+
+    seen = {}
+    aggregate = core_algos.agg_loss
+
+    def recording_agg_loss(loss_mat, **kwargs):
+        seen["loss"] = loss_mat
+        return aggregate(loss_mat, **kwargs)
+
+    monkeypatch.setattr(core_algos, "agg_loss", recording_agg_loss)
+    config = _ActorConfig(clip_ratio=clip_ratio, clip_ratio_low=clip_ratio, clip_ratio_high=clip_ratio, clip_ratio_c=3.0, global_batch_info={})
+    log_prob = torch.tensor([[-1 + math.log(r) for r in VERL_RATIOS[sample]]])
+    _, metrics = core_algos.compute_policy_loss_vanilla(
+        old_log_prob=torch.tensor([old_log_prob]), log_prob=log_prob, advantages=torch.tensor([ADVANTAGES[sample]]),
+        response_mask=torch.ones(1, 3), loss_agg_mode="token-mean", config=config,
+    )  # fmt: skip
+    monkeypatch.setattr(core_algos, "agg_loss", aggregate)
+    return seen["loss"][0].numpy(), metrics
+
+
+def verl_trace(directory, monkeypatch, clip_ratio: float = 0.2, stale_old_log_prob: float | None = None) -> str:
+    """A trace whose loss terms and logged metrics are verl's own, for ratios and clip codes recorded
+    with the run's ε = 0.2. ``clip_ratio``: the ε verl's loss actually used; ``stale_old_log_prob``:
+    an old log-prob verl's loss used for sample 1, token 1 instead of the recorded −1."""
+    parts, logged = [], {}
+    for sample in (0, 1):
+        old = [-1.0, -1.0, -1.0]
+        if sample == 1 and stale_old_log_prob is not None:
+            old[1] = stale_old_log_prob
+        loss, metrics = verl_policy_loss(sample, clip_ratio, old, monkeypatch)
+        for name, value in {**metrics, "actor/pg_loss": float(loss.mean())}.items():
+            logged[name] = logged.get(name, 0.0) + value / 2  # the mean over the two mini-batches
+        ratios = np.array(VERL_RATIOS[sample], np.float32)
+        parts.append(part(0, sample, {
+            "log_prob": np.log(ratios) - 1, "old_log_prob": np.full(3, -1.0, np.float32), "ratio": ratios,
+            "advantage": np.array(ADVANTAGES[sample], np.float32), "pg_loss": loss.astype(np.float32),
+            "clip": np.array(VERL_CLIPS[sample], object),
+        }))  # fmt: skip
+    batch = random_batch(1, B=2, T=3, interior=False)
+    batch.mask[:] = 1
+    batch.advantages = torch.tensor(ADVANTAGES)
+    updates = [UpdateCapture(1, "actor", parts, logged)]
+    return write_trace(directory, algorithm("grpo"), {1: batch}, updates={1: updates}, update_settings=SETTINGS)
+
+
+def verl_statuses(path) -> dict[str, str]:
+    return {r.identity: r.status for r in check_trace(path).identities if r.identity in ("ratio", "clip", "pg_loss", "update_metrics")}
+
+
+def test_verls_own_loss_terms_are_the_hand_computed_ones(monkeypatch):
+    for sample in (0, 1):
+        loss, metrics = verl_policy_loss(sample, 0.2, [-1.0] * 3, monkeypatch)
+        np.testing.assert_allclose(loss, VERL_TERMS[sample], rtol=1e-6)
+    # sample 1: one of three clipped by ε (low), one by c (dual); ppo_kl = mean of −log r
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3) and metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 3)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-np.log(VERL_RATIOS[1]).mean(), rel=1e-6)
+
+
+def test_ratio_and_clip_agree_with_what_verl_computed(tmp_path, monkeypatch):
+    path = verl_trace(tmp_path / "t", monkeypatch)
+    assert verl_statuses(path) == {"ratio": "pass", "pg_loss": "pass", "clip": "pass", "update_metrics": "pass"}
+    report = check_trace(path)
+    # ratio: 6 rows against the log-probs, and the 2 unclipped ones (sample 0 token 2, sample 1 token 1)
+    # against verl's terms; update_metrics: pg_loss, both clip fractions and ppo_kl
+    assert report["ratio"].checked == 6 + 2 and report["update_metrics"].checked == 4
+
+
+def test_clip_fails_when_verl_clipped_otherwise_than_the_codes_say(tmp_path, monkeypatch):
+    """verl's loss ran with ε = 0.3 while the run (and the codes) say 0.2: sample 0's token 0 (r = 1.25)
+    was not clipped and token 1 (r = 0.7) was clipped at 0.7, not 0.8. The unclipped tokens agree."""
+    report = check_trace(verl_trace(tmp_path / "t", monkeypatch, clip_ratio=0.3))
+    assert report["clip"].status == "fail" and report["ratio"].status == "pass"
+    first = report["clip"].first
+    assert (first.location.sample, first.location.token_index) == (0, 0)
+    assert first.actual == pytest.approx(-1.25) and first.expected == pytest.approx(-1.2)
+
+
+def test_ratio_fails_when_verls_loss_used_another_ratio(tmp_path, monkeypatch):
+    """verl's loss read old log-prob −1.05 for sample 1, token 1 (unclipped, A = 2, r = 1.1) where the
+    row records −1: verl's term is −2·1.1·e^0.05, not −A·ratio = −2.2."""
+    report = check_trace(verl_trace(tmp_path / "t", monkeypatch, stale_old_log_prob=-1.05))
+    assert report["ratio"].status == "fail" and report["update_metrics"].status == "fail"
+    first = report["ratio"].first
+    assert (first.location.sample, first.location.token_index) == (1, 1)
+    assert first.actual == pytest.approx(-2 * 1.1 * math.exp(0.05), rel=1e-6) and first.expected == pytest.approx(-2.2)
+
+
+def test_a_wrong_logged_ppo_kl_fails_update_metrics(tmp_path, monkeypatch):
+    """ppo_kl of the worked example: the mean over mini-batches of −log r = (0 − ln 1.5 + ln 2 − ln 3.5)/4."""
+    kl = (0 - math.log(1.5) + math.log(2) - math.log(3.5)) / 4
+    monkeypatch.setitem(LOGGED, "actor", {**LOGGED["actor"], "actor/ppo_kl": kl})
+    assert update_statuses(hand_trace(tmp_path / "t"))["update_metrics"] == "pass"
+    monkeypatch.setitem(LOGGED, "actor", {**LOGGED["actor"], "actor/ppo_kl": kl + 1e-3})
+    assert update_statuses(hand_trace(tmp_path / "u"))["update_metrics"] == "fail"

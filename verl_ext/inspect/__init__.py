@@ -12,9 +12,10 @@
     plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
 
 Every function takes an open trace or a path. Modules: ``stepdata`` (a step as arrays, and what the
-run record says about its estimator); ``check`` (the identities of docs/definitions.md §8, their
-recomputation and tolerances, the report as data); ``table`` (the per-token table, decoded tokens);
-``summary`` (one row per step); ``update`` (the update tables' identities and statistics);
+run record says about its estimator); ``identities`` (the identities of docs/definitions.md §8,
+one record each); ``results`` (what a check finds, the one comparison, tolerances); ``tokens`` (the
+token table's checks, recomputation and tolerances); ``check`` (runs them all, the report as data); ``table`` (the per-token table, decoded tokens);
+``summary`` (one row per step); ``update`` (the update tables' checks and statistics);
 ``comparison`` (the estimators side by side on one step); ``critic`` (the critic's values against
 the Monte-Carlo return, by position); ``plots``; ``render`` (text, CSV, Markdown, the check report,
 progress lines). The commands are in :mod:`verl_ext.cli`.
@@ -31,10 +32,10 @@ _EXPORTS = {
     "Trace": "verl_ext.trace.reader",
     "check_trace": "verl_ext.inspect.check",
     "CheckReport": "verl_ext.inspect.check",
-    "IdentityResult": "verl_ext.inspect.check",
-    "StepResult": "verl_ext.inspect.check",
-    "Violation": "verl_ext.inspect.check",
-    "Location": "verl_ext.inspect.check",
+    "IdentityResult": "verl_ext.inspect.results",
+    "StepResult": "verl_ext.inspect.results",
+    "Violation": "verl_ext.inspect.results",
+    "Location": "verl_ext.inspect.results",
     "sample_view": "verl_ext.inspect.table",
     "SampleView": "verl_ext.inspect.table",
     "summarize": "verl_ext.inspect.summary",

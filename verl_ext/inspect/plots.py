@@ -50,6 +50,7 @@ from verl_ext.inspect.render import display_width
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.summary import summarize
 from verl_ext.inspect.table import CONTINUATION, EMPTY, decoder_for, sample_view
+from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 VALUE_COLOR, RETURN_COLOR, RAW_COLOR, ADVANTAGE_COLOR = "#1f77b4", "#d62728", "#2ca02c", "#9467bd"
 #: Tokens per line of the heatmap, and tokens drawn at most.
@@ -230,7 +231,7 @@ def advantage_heatmap(
     return fig
 
 
-CLIP_COLORS = {"none": "#7f7f7f", "low": "#1f77b4", "high": "#d62728", "dual": "#9467bd"}
+CLIP_COLORS = {CLIP_NONE: "#7f7f7f", CLIP_LOW: "#1f77b4", CLIP_HIGH: "#d62728", CLIP_DUAL: "#9467bd"}
 
 
 def ratio_vs_advantage(trace, step: int | None = None, max_points: int = SCATTER_MAX_POINTS) -> Figure:
@@ -254,10 +255,10 @@ def ratio_vs_advantage(trace, step: int | None = None, max_points: int = SCATTER
     dual = bool(((advantage < 0) & (ratio > c)).any())
     top = max(float(ratio.max(initial=1)), 1 + high, c if dual else 0.0) * 1.05
     bottom = min(float(ratio.min(initial=1)), 1 - low) * 0.95
-    axis.fill_between([0, right], 1 + high, top, color=CLIP_COLORS["high"], alpha=0.08, label=f"clipped high (ratio > {1 + high:g})")
-    axis.fill_between([left, 0], bottom, 1 - low, color=CLIP_COLORS["low"], alpha=0.08, label=f"clipped low (ratio < {1 - low:g})")
+    axis.fill_between([0, right], 1 + high, top, color=CLIP_COLORS[CLIP_HIGH], alpha=0.08, label=f"clipped high (ratio > {1 + high:g})")
+    axis.fill_between([left, 0], bottom, 1 - low, color=CLIP_COLORS[CLIP_LOW], alpha=0.08, label=f"clipped low (ratio < {1 - low:g})")
     if dual:
-        axis.fill_between([left, 0], c, top, color=CLIP_COLORS["dual"], alpha=0.08, label=f"dual clip (ratio > c = {c:g})")
+        axis.fill_between([left, 0], c, top, color=CLIP_COLORS[CLIP_DUAL], alpha=0.08, label=f"dual clip (ratio > c = {c:g})")
     for code, color in CLIP_COLORS.items():
         chosen = shown[clip[shown] == code]
         if len(chosen):

@@ -96,24 +96,6 @@ def _csv_column(column: pa.ChunkedArray) -> list[str]:
 
 # --------------------------------------------------------------------------- the check report
 
-#: The item of docs/definitions.md §8 each identity checks, as printed ("8.2": §8, item 2).
-SECTION = {
-    "advantage_raw": "8.1",
-    "whitening": "8.2",
-    "whitening_stats": "8.2",
-    "returns": "8.3",
-    "rewards": "8.4",
-    "mask_layout": "8.5",
-    "finite": "8.5",
-    "steps_on_disk": "8.5",
-    "update_rows": "8.6",
-    "ratio": "8.6",
-    "ratio_first": "8.6",
-    "pg_loss": "8.6",
-    "clip": "8.6",
-    "vf_loss": "8.6",
-    "update_metrics": "8.6",
-}
 LEGEND = (
     "ε = float32 epsilon (1.19e-07); n = terms the producer summed (row length, or the estimator's horizon "
     "if shorter); m = largest |r|, |V|, |R|, |A| of the row; see docs/definitions.md#tolerances"
@@ -121,13 +103,15 @@ LEGEND = (
 
 
 def format_report(report) -> str:
+    definition = {r.identity: report.definition(r.identity) for r in report.identities}
+    section = {name: record.section for name, record in definition.items()}
     rows = [
         (
-            SECTION[r.identity],
+            section[r.identity],
             r.title,
             _error_text(r.max_abs_error),
             "—" if r.status == "skipped" else r.tolerance,
-            _result_text(r),
+            _result_text(r, definition[r.identity].counts),
         )
         for r in report.identities
     ]
@@ -143,13 +127,13 @@ def format_report(report) -> str:
     failed = [r for r in report.identities if r.status == "fail"]
     if failed:
         lines += ["", "first violations:"]
-        lines += [f"  §{SECTION[r.identity]} {r.title}: {r.first}" for r in failed]
+        lines += [f"  §{section[r.identity]} {r.title}: {r.first}" for r in failed]
     sections_by_note: dict[str, list[str]] = {}  # the same note on several identities is said once
     for r in report.identities:
         for note in r.notes:
             sections = sections_by_note.setdefault(note, [])
-            if SECTION[r.identity] not in sections:
-                sections.append(SECTION[r.identity])
+            if section[r.identity] not in sections:
+                sections.append(section[r.identity])
     if sections_by_note:
         lines += ["", "notes:"]
         lines += [f"  §{', §'.join(sections)}: {note}" for note, sections in sections_by_note.items()]
@@ -164,12 +148,9 @@ def _error_text(error: float | None) -> str:
     return "—" if error is None else "0" if error == 0 else f"{error:.1e}"
 
 
-def _result_text(result) -> str:
+def _result_text(result, counts: str) -> str:
     if result.status == "fail":
-        unit = {"mask_layout": ("row", "rows"), "whitening_stats": ("statistic", "statistics"),
-                "steps_on_disk": ("file", "files"), "update_metrics": ("metric", "metrics")}.get(
-            result.identity, ("token", "tokens"))  # fmt: skip
-        return f"FAIL ({result.violations} {unit[result.violations != 1]})"
+        return f"FAIL ({result.violations} {counts}{'s' * (result.violations != 1)})"
     if result.status == "skipped":
         return "skipped (not applicable)" if any("not applicable" in n for n in result.notes) else "skipped"
     return "pass"

@@ -1,21 +1,36 @@
-"""The update tables against docs/definitions.md §8: what PPO did with each token, checked per step.
+"""The update tables against docs/definitions.md §8.6: what PPO did with each token, checked per step.
 
-Identities (on every row of a step's update tables, each with its tolerance):
+The identities (their records: :data:`verl_ext.inspect.identities.IDENTITIES`), on every row of a
+step's update tables:
 
 * ``update_rows``: every valid token of the token table is trained exactly once per epoch, and the
   rows carry the token table's old_log_prob and advantage (actor), value and return (critic): the
   join by (step, sample, token_index) is right whatever verl's shuffling and batching did;
-* ``ratio``: ratio = exp(clamp(log_prob − old_log_prob, −20, 20));
+* ``ratio``: the recorded ratio is the one verl's loss used. Against the log-probs verl's loss was
+  given (the row's log_prob and old_log_prob): ratio = exp(clamp(log_prob − old_log_prob, −20, 20));
+  and against what verl returned: with vanilla PPO, verl's own per-token loss matrix (the pg_loss
+  column, taken from verl's ``agg_loss`` call) equals −A·ratio·w on every token outside the clip
+  regions (A > 0 and ratio ≤ 1+ε_high, or A ≤ 0 and 1−ε_low ≤ ratio ≤ c). What verl logged of the
+  ratio, ``actor/ppo_kl``, is reproduced from the recorded ratios in ``update_metrics``;
 * ``ratio_first``: in the first mini-batch of the first epoch the actor has not stepped yet, so
   ratio = 1 up to the noise of recomputing log-probs (reported);
-* ``pg_loss``: the per-token term equals vanilla PPO's with dual clip, times the rollout weight
-  (other loss modes: skipped, their formula is not checked here);
-* ``clip``: the clip code follows from the ratio, the advantage and the configured ε (exact);
+* ``pg_loss``: verl's per-token loss term equals vanilla PPO's with dual clip recomputed from the
+  log-probs, times the rollout weight (other loss modes: skipped, their formula is not checked here);
+* ``clip``: the recorded clip code is the clip verl's loss applied: with vanilla PPO, verl's loss
+  matrix equals the term the code implies, −A·w times ratio (none), 1−ε_low (low), 1+ε_high (high)
+  or c (dual). A code near a boundary, where the terms coincide, cannot be told from its neighbour
+  this way; verl's own comparisons count it in ``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower``,
+  which ``update_metrics`` reproduces from the codes exactly;
 * ``vf_loss``: vpred_clipped, the loss term and vf_clipped equal verl's clipped value loss;
 * ``update_metrics``: the terms, aggregated as verl does with the run's loss_agg_mode (per
-  mini-batch over its global tokens, micro-batch means for the fractions, then the mean over
-  mini-batches and epochs), reproduce verl's logged actor/pg_loss, actor/pg_clipfrac,
-  actor/pg_clipfrac_lower, critic/vf_loss and critic/vf_clipfrac.
+  mini-batch over its global tokens, micro-batch means for the fractions and ppo_kl, then the mean
+  over mini-batches and epochs), reproduce verl's logged actor/pg_loss, actor/pg_clipfrac,
+  actor/pg_clipfrac_lower, actor/ppo_kl (vanilla PPO), critic/vf_loss and critic/vf_clipfrac.
+
+The per-token ratio and clip code are the update hook's (:mod:`verl_ext.integration.update_hook`),
+computed with verl's expressions from verl's inputs; so they are checked against what verl computed
+from the same inputs (its loss matrix and logged metrics), never against a second copy of those
+expressions.
 
 Also :func:`update_statistics` (clip fractions and the correlation of advantage and Δlog-prob per
 step, for the summary).
@@ -23,67 +38,88 @@ step, for the summary).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Callable
 
 import numpy as np
 
+from verl_ext.inspect.results import (
+    ATOL,
+    ELEMENTWISE,
+    EPS32,
+    Finding,
+    Location,
+    Tolerance,
+    Violation,
+    combine,
+    compare,
+    skipped,
+)
 from verl_ext.inspect.stepdata import StepData
+from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
-#: The identities of the update, in report order.
-UPDATE_IDENTITIES = ("update_rows", "ratio", "ratio_first", "pg_loss", "clip", "vf_loss", "update_metrics")
 #: How far the first mini-batch's ratio may be from 1: the recomputation noise of the log-probs
 #: (fp32 on CPU: below 1e-5; bf16 engines on GPU: up to a few 1e-3).
 RATIO_NOISE = 1e-2
-EPS32 = float(np.finfo(np.float32).eps)
-ATOL = 1e-6
-TOLERANCE_TEXT = {
-    "update_rows": "exact",
-    "ratio": f"{ATOL:g} + 4ε·ratio·(1 + |Δlog-prob|)",
-    "ratio_first": f"|ratio − 1| ≤ {RATIO_NOISE:g}",
-    "pg_loss": f"{ATOL:g} + 8ε·|A|·max(ratio, c)",
-    "clip": "exact (float32, verl's comparisons)",
-    "vf_loss": f"{ATOL:g} + 8ε·(|vpred| + |value| + |return| + ε_v)²",
-    "update_metrics": f"{ATOL:g} + ε·n·max|term| (n: tokens of the largest mini-batch)",
-}
-TITLES = {
-    "update_rows": "each valid token trained once per epoch; rows join the token table",
-    "ratio": "ratio = exp(log_prob − old_log_prob)",
-    "ratio_first": "ratio = 1 in epoch 0, mini-batch 0",
-    "pg_loss": "pg_loss = vanilla PPO term with dual clip",
-    "clip": "clip code agrees with ratio and advantage",
-    "vf_loss": "vf_loss = max((v̂−R)², (clip(v̂)−R)²)",
-    "update_metrics": "aggregated terms = verl's logged update metrics",
-}
+#: One float32 subtraction and exponential.
+RATIO = Tolerance(
+    f"{ATOL:g} + 4ε·ratio·(1 + |Δlog-prob|); terms: as pg_loss",
+    lambda ratio, delta: ATOL + 4 * EPS32 * np.abs(ratio) * (1 + np.abs(delta)),
+)
+RATIO_FIRST = Tolerance(f"|ratio − 1| ≤ {RATIO_NOISE:g}", lambda: RATIO_NOISE)
+#: A policy-loss term −A·w·x, x at most max(ratio, c): a few float32 products.
+PG_TERM = Tolerance(
+    f"{ATOL:g} + 8ε·|A|·max(ratio, c)", lambda advantage, ratio, c: ATOL + 8 * EPS32 * np.abs(advantage) * np.maximum(ratio, c)
+)
+VF_TERM = Tolerance(
+    f"{ATOL:g} + 8ε·(|vpred| + |value| + |return| + ε_v)²",
+    lambda vpred, value, ret, epsilon: ATOL + 8 * EPS32 * (np.abs(vpred) + np.abs(value) + np.abs(ret) + epsilon) ** 2,
+)
+#: A float32 sum of n terms of at most m each (the fractions are exact: ATOL).
+AGGREGATE = Tolerance(f"{ATOL:g} + ε·n·max|term| (n: tokens of the largest mini-batch)", lambda n, m: ATOL + EPS32 * n * m)
 
 #: (recorded metric, its check): what each logged metric is reproduced from.
-_ACTOR_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower")
+_ACTOR_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")
 _CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac")
 
 
-class Outcome:
-    """What one identity found on one step; turned into a StepResult by the caller."""
+class UpdateStep:
+    """One step's update tables, as the update identities read them; ``tokens`` has the token
+    table's valid tokens of the step."""
 
-    def __init__(self, identity: str, status: str, checked: int = 0, violations: int = 0,
-                 max_abs_error: float | None = None, first: dict[str, Any] | None = None, note: str | None = None):  # fmt: skip
-        self.identity, self.status, self.checked, self.violations = identity, status, checked, violations
-        self.max_abs_error, self.first, self.note = max_abs_error, first, note
+    def __init__(self, trace, step: int, tokens: StepData):
+        self.trace, self.step, self.tokens = trace, step, tokens
+        self.settings = trace.record.update or {}
+        self.actor = _table(trace, "actor", step)
+        self.critic = _table(trace, "critic", step)
+        actor = self.settings.get("actor", {})
+        self.low, self.high = actor.get("clip_ratio_low", 0.2), actor.get("clip_ratio_high", 0.2)
+        self.c, self.loss_mode = actor.get("clip_ratio_c", 3.0), actor.get("loss_mode", "vanilla")
 
+    def unavailable(self, kind: str | None = None) -> Finding | None:
+        """Skipped when the step has no update tables, or none of ``kind``."""
+        if self.actor is None and self.critic is None:
+            return skipped("no update tables (verl_ext.trace.update=false, a trace of schema version 1, or a step whose update failed)")
+        if kind == "actor" and self.actor is None:
+            return skipped("no actor update table (critic warm-up?)")
+        if kind == "critic" and self.critic is None:
+            return skipped("no critic update table (critic-free estimator)")
+        return None
 
-def check_update(trace, step: int, tokens: StepData) -> Iterator[Outcome]:
-    """The update identities of one step; ``tokens`` has the token table's valid tokens of the step."""
-    settings = trace.record.update or {}
-    actor = _table(trace, "actor", step)
-    critic = _table(trace, "critic", step)
-    if actor is None and critic is None:
-        why = "no update tables (verl_ext.trace.update=false, a trace of schema version 1, or a step whose update failed)"
-        for identity in UPDATE_IDENTITIES:
-            yield Outcome(identity, "skipped", note=f"not applicable: {why}")
-        return
-    keys = _token_keys(tokens)
-    yield _rows(tokens, keys, actor, critic)
-    yield from _actor_identities(actor, settings.get("actor", {}))
-    yield _value_loss(critic, settings.get("critic", {}))
-    yield _metrics(trace, step, actor, critic, settings)
+    def where(self, table, column: str | Callable[[int], str], rows=None) -> Callable[[int], tuple[Location, str]]:
+        """Names the i-th compared number (row ``rows[i]`` of ``table``): its token and where it was trained."""
+
+        def named(i: int) -> tuple[Location, str]:
+            row = int(i if rows is None else rows[i])
+            label = column if isinstance(column, str) else column(row)
+            at = f"{label} (epoch {int(table['epoch'][row])}, mini-batch {int(table['minibatch'][row])})"
+            return Location(self.step, int(table["sample"][row]), int(table["token_index"][row])), at
+
+        return named
+
+    def weighted_advantage(self) -> np.ndarray:
+        """A·w: the advantage times the rollout weight verl multiplies into the loss term (1 without)."""
+        weight = self.actor.get("is_weight")
+        return self.actor["advantage"] * (1.0 if weight is None else weight)
 
 
 # --------------------------------------------------------------------------- reading
@@ -118,41 +154,17 @@ def _lookup(keys: np.ndarray, table: dict[str, np.ndarray]) -> tuple[np.ndarray,
     return index, found
 
 
-def _first(table, i: int, column: str, actual=None, expected=None, error=None, tolerance=None, detail=None) -> dict:
-    """The first offending row, for the report: where, which column, what was due."""
-    where = f"{column} (epoch {int(table['epoch'][i])}, mini-batch {int(table['minibatch'][i])})"
-    return {
-        "sample": int(table["sample"][i]), "token_index": int(table["token_index"][i]), "column": where,
-        "actual": _float(actual), "expected": _float(expected), "error": _float(error), "tolerance": _float(tolerance),
-        "detail": detail,
-    }  # fmt: skip
-
-
-def _float(value) -> float | None:
-    return None if value is None else float(value)
-
-
-def _compare(identity: str, table, column: str, actual, expected, tolerance, note=None) -> Outcome:
-    error = np.abs(actual - expected)
-    bad = ~(error <= tolerance)  # nan is a violation
-    first = None
-    if bad.any():
-        i = int(np.argmax(bad))
-        first = _first(table, i, column, actual[i], expected[i], error[i], np.broadcast_to(tolerance, error.shape)[i])
-    return Outcome(
-        identity, "fail" if bad.any() else "pass", checked=len(error), violations=int(bad.sum()),
-        max_abs_error=float(np.nanmax(error)) if len(error) else None, first=first, note=note,
-    )  # fmt: skip
-
-
 # --------------------------------------------------------------------------- the identities
 
 
-def _rows(tokens: StepData, keys: np.ndarray, actor, critic) -> Outcome:
+def update_rows(u: UpdateStep) -> Finding:
     """Coverage (each valid token once per epoch, nothing else) and the join's values."""
+    if (unavailable := u.unavailable()) is not None:
+        return unavailable
+    keys = _token_keys(u.tokens)
     checked, problems, first = 0, 0, None
     joined = {"actor": ("old_log_prob", "advantage"), "critic": ("value", "return")}
-    for kind, table in (("actor", actor), ("critic", critic)):
+    for kind, table in (("actor", u.actor), ("critic", u.critic)):
         if table is None:
             continue
         index, found = _lookup(keys, table)
@@ -165,127 +177,137 @@ def _rows(tokens: StepData, keys: np.ndarray, actor, critic) -> Outcome:
                 problems += missing + repeated + stray
                 if first is None:
                     where = np.flatnonzero(in_epoch & ~found)
-                    i = int(where[0]) if len(where) else int(np.flatnonzero(in_epoch)[0])
-                    first = _first(table, i, kind, detail=f"epoch {epoch}: {missing} valid token(s) not trained, "
-                                   f"{repeated} trained more than once, {stray} row(s) not in the token table")  # fmt: skip
+                    location, column = u.where(table, kind)(int(where[0]) if len(where) else int(np.flatnonzero(in_epoch)[0]))
+                    first = Violation(location, column, detail=f"epoch {epoch}: {missing} valid token(s) not trained, "
+                                      f"{repeated} trained more than once, {stray} row(s) not in the token table")  # fmt: skip
         for column in joined[kind]:
-            expected = tokens.columns.get(column)
+            expected = u.tokens.columns.get(column)
             if expected is None or table.get(column) is None:
                 continue
-            mismatch = found & ~np.isclose(table[column], expected[index], rtol=0, atol=ATOL + 4 * EPS32 * np.abs(expected[index]))
+            mismatch = found & ~(np.abs(table[column] - expected[index]) <= ELEMENTWISE(np.abs(expected[index])))
             checked += int(found.sum())
             if mismatch.any():
                 problems += int(mismatch.sum())
                 i = int(np.argmax(mismatch))
-                first = first or _first(table, i, f"{kind} {column}", detail=f"{table[column][i]:.7g} differs from the token table's {expected[index[i]]:.7g}")
-    return Outcome("update_rows", "fail" if problems else "pass", checked=checked, violations=problems, first=first)
+                location, label = u.where(table, f"{kind} {column}")(i)
+                detail = f"{table[column][i]:.7g} differs from the token table's {expected[index[i]]:.7g}"
+                first = first or Violation(location, label, detail=detail)
+    return Finding("fail" if problems else "pass", checked=checked, violations=problems, first=first)
 
 
-def _actor_identities(actor, settings: dict) -> Iterator[Outcome]:
-    if actor is None:
-        for identity in ("ratio", "ratio_first", "pg_loss", "clip"):
-            yield Outcome(identity, "skipped", note="not applicable: no actor update table (critic warm-up?)")
-        return
-    lp, olp, ratio, advantage = actor["log_prob"], actor["old_log_prob"], actor["ratio"], actor["advantage"]
-    delta = np.clip(lp - olp, -20.0, 20.0)
-    yield _compare("ratio", actor, "ratio", ratio, np.exp(delta), ATOL + 4 * EPS32 * np.abs(ratio) * (1 + np.abs(delta)))
-
-    first_minibatch = (actor["epoch"] == 0) & (actor["minibatch"] == 0)
-    noise = float(np.max(np.abs(ratio[first_minibatch] - 1))) if first_minibatch.any() else None
-    outcome = _compare("ratio_first", {k: v[first_minibatch] for k, v in actor.items() if v is not None},
-                       "ratio", ratio[first_minibatch], np.ones(int(first_minibatch.sum())), RATIO_NOISE)  # fmt: skip
-    outcome.note = None if noise is None else f"recomputation noise max |ratio − 1| = {noise:.1e}"
-    yield outcome
-
-    low, high, c = settings.get("clip_ratio_low", 0.2), settings.get("clip_ratio_high", 0.2), settings.get("clip_ratio_c", 3.0)
-    mode = settings.get("loss_mode", "vanilla")
-    if mode != "vanilla":
-        yield Outcome("pg_loss", "skipped", note=f"loss mode {mode!r}: only vanilla PPO's formula is checked")
-    else:
-        exact = np.exp(delta)
-        l1 = np.maximum(-advantage * exact, -advantage * np.clip(exact, 1 - low, 1 + high))
-        term = np.where(advantage < 0, np.minimum(l1, -advantage * c), l1)
-        if actor.get("is_weight") is not None:
-            term = term * actor["is_weight"]
-        tolerance = ATOL + 8 * EPS32 * np.abs(advantage) * np.maximum(exact, c)
-        yield _compare("pg_loss", actor, "pg_loss", actor["pg_loss"], term, tolerance)
-
-    expected = _clip_codes(ratio.astype(np.float32), advantage.astype(np.float32), low, high, c)
-    wrong = actor["clip"] != expected
-    first = None
-    if wrong.any():
-        i = int(np.argmax(wrong))
-        first = _first(actor, i, "clip", detail=f"{actor['clip'][i]!r} where ratio {ratio[i]:.6g} and advantage {advantage[i]:.6g} give {expected[i]!r}")
-    yield Outcome("clip", "fail" if wrong.any() else "pass", checked=len(wrong), violations=int(wrong.sum()), first=first)
+def ratio(u: UpdateStep) -> Finding:
+    """The recorded ratio against the log-probs verl's loss was given, and (vanilla PPO) against
+    verl's loss matrix on the tokens no clip applies to."""
+    if (unavailable := u.unavailable("actor")) is not None:
+        return unavailable
+    actor = u.actor
+    recorded, advantage = actor["ratio"], actor["advantage"]
+    delta = np.clip(actor["log_prob"] - actor["old_log_prob"], -20.0, 20.0)
+    findings = [compare(recorded, np.exp(delta), RATIO(recorded, delta), u.where(actor, "ratio"))]
+    if u.loss_mode != "vanilla":
+        return combine(findings, note=f"loss mode {u.loss_mode!r}: against the log-probs only (its loss is not vanilla PPO's)")
+    # outside every clip region (decided from the ratio, not from the recorded codes: a wrong code is clip's finding)
+    unclipped = np.flatnonzero(np.where(advantage > 0, recorded <= 1 + u.high, (recorded >= 1 - u.low) & (recorded <= u.c)))
+    scaled = u.weighted_advantage()[unclipped]
+    term = -scaled * recorded[unclipped]
+    tolerance = PG_TERM(scaled, recorded[unclipped], u.c)
+    findings.append(compare(actor["pg_loss"][unclipped], term, tolerance, u.where(actor, "verl's pg_loss against −A·ratio", unclipped)))
+    return combine(findings)
 
 
-def _clip_codes(ratio: np.ndarray, advantage: np.ndarray, low: float, high: float, c: float) -> np.ndarray:
-    """verl's comparisons (compute_policy_loss_vanilla) in float32: none, low, high or dual per token."""
-    f32 = np.float32
-    pg1 = -advantage * ratio
-    pg2 = -advantage * np.clip(ratio, f32(1 - low), f32(1 + high))
-    clipped = pg2 > pg1
-    dual = (np.maximum(pg1, pg2) > -advantage * f32(c)) & (advantage < 0)
-    return np.where(dual, "dual", np.where(clipped, np.where(advantage < 0, "low", "high"), "none")).astype(object)
+def ratio_first(u: UpdateStep) -> Finding:
+    if (unavailable := u.unavailable("actor")) is not None:
+        return unavailable
+    actor = u.actor
+    first = np.flatnonzero((actor["epoch"] == 0) & (actor["minibatch"] == 0))
+    noise = float(np.max(np.abs(actor["ratio"][first] - 1))) if len(first) else None
+    note = None if noise is None else f"recomputation noise max |ratio − 1| = {noise:.1e}"
+    return compare(actor["ratio"][first], np.ones(len(first)), RATIO_FIRST(), u.where(actor, "ratio", first), note)
 
 
-def _value_loss(critic, settings: dict) -> Outcome:
-    if critic is None:
-        return Outcome("vf_loss", "skipped", note="not applicable: no critic update table (critic-free estimator)")
-    epsilon = settings.get("cliprange_value", 0.5)
+def pg_loss(u: UpdateStep) -> Finding:
+    """verl's loss matrix against vanilla PPO's term with dual clip, recomputed from the log-probs."""
+    if (unavailable := u.unavailable("actor")) is not None:
+        return unavailable
+    if u.loss_mode != "vanilla":
+        return Finding("skipped", note=f"loss mode {u.loss_mode!r}: only vanilla PPO's formula is checked")
+    actor, low, high, c = u.actor, u.low, u.high, u.c
+    advantage = actor["advantage"]
+    exact = np.exp(np.clip(actor["log_prob"] - actor["old_log_prob"], -20.0, 20.0))
+    l1 = np.maximum(-advantage * exact, -advantage * np.clip(exact, 1 - low, 1 + high))
+    term = np.where(advantage < 0, np.minimum(l1, -advantage * c), l1)
+    if actor.get("is_weight") is not None:
+        term = term * actor["is_weight"]
+    return compare(actor["pg_loss"], term, PG_TERM(u.weighted_advantage(), exact, c), u.where(actor, "pg_loss"))
+
+
+def clip(u: UpdateStep) -> Finding:
+    """The recorded clip code against verl's loss matrix: the term each code implies (vanilla PPO)."""
+    if (unavailable := u.unavailable("actor")) is not None:
+        return unavailable
+    if u.loss_mode != "vanilla":
+        return Finding("skipped", note=f"loss mode {u.loss_mode!r}: its loss is not vanilla PPO's, whose clips the codes name")
+    actor = u.actor
+    codes, recorded = actor["clip"], actor["ratio"]
+    factor = {CLIP_NONE: recorded, CLIP_LOW: 1 - u.low, CLIP_HIGH: 1 + u.high, CLIP_DUAL: u.c}
+    implied = np.select([codes == code for code in factor], [np.broadcast_to(f, recorded.shape) for f in factor.values()], np.nan)
+    scaled = u.weighted_advantage()
+    label = lambda row: f"verl's pg_loss against the term of clip {codes[row]!r}"  # noqa: E731
+    return compare(actor["pg_loss"], -scaled * implied, PG_TERM(scaled, recorded, u.c), u.where(actor, label))
+
+
+def vf_loss(u: UpdateStep) -> Finding:
+    if (unavailable := u.unavailable("critic")) is not None:
+        return unavailable
+    critic = u.critic
+    epsilon = u.settings.get("critic", {}).get("cliprange_value", 0.5)
     vpred, value, ret = critic["vpred"], critic["value"], critic["return"]
     clipped = np.clip(vpred, value - epsilon, value + epsilon)
-    scale = ATOL + 8 * EPS32 * (np.abs(vpred) + np.abs(value) + np.abs(ret) + epsilon) ** 2
-    outcomes = [
-        _compare("vf_loss", critic, "vpred_clipped", critic["vpred_clipped"], clipped, ATOL + 4 * EPS32 * (np.abs(value) + epsilon)),
-        _compare("vf_loss", critic, "vf_loss", critic["vf_loss"], np.maximum((vpred - ret) ** 2, (clipped - ret) ** 2), scale),
-    ]
     f32 = np.float32
     vp, cl, r = vpred.astype(f32), critic["vpred_clipped"].astype(f32), ret.astype(f32)
-    flag = (cl - r) ** 2 > (vp - r) ** 2
-    wrong = critic["vf_clipped"] != flag
-    first = _first(critic, int(np.argmax(wrong)), "vf_clipped", detail="disagrees with the clipped and unclipped squares") if wrong.any() else None
-    outcomes.append(Outcome("vf_loss", "fail" if wrong.any() else "pass", checked=len(wrong), violations=int(wrong.sum()), first=first))
-    failed = [o for o in outcomes if o.status == "fail"]
-    errors = [o.max_abs_error for o in outcomes if o.max_abs_error is not None]
-    return Outcome(
-        "vf_loss", "fail" if failed else "pass", checked=sum(o.checked for o in outcomes),
-        violations=sum(o.violations for o in outcomes), max_abs_error=max(errors) if errors else None,
-        first=failed[0].first if failed else None,
-    )  # fmt: skip
+    clipped_larger = (cl - r) ** 2 > (vp - r) ** 2  # verl's comparison, in float32
+    return combine([
+        compare(critic["vpred_clipped"], clipped, ELEMENTWISE(np.abs(value) + epsilon), u.where(critic, "vpred_clipped")),
+        compare(critic["vf_loss"], np.maximum((vpred - ret) ** 2, (clipped - ret) ** 2),
+                VF_TERM(vpred, value, ret, epsilon), u.where(critic, "vf_loss")),
+        compare(critic["vf_clipped"], clipped_larger, 0.0, u.where(critic, "vf_clipped")),
+    ])  # fmt: skip
 
 
-def _metrics(trace, step: int, actor, critic, settings: dict) -> Outcome:
+def update_metrics(u: UpdateStep) -> Finding:
     """verl's logged update metrics from the per-token terms (docs/definitions.md §8)."""
-    checks: list[tuple[str, float, float, float]] = []  # (metric, logged, reproduced, tolerance)
-    for kind, table, names in (("actor", actor, _ACTOR_METRICS), ("critic", critic, _CRITIC_METRICS)):
+    if (unavailable := u.unavailable()) is not None:
+        return unavailable
+    names, logged, reproduced, tolerances = [], [], [], []
+    for kind, table, metrics in (("actor", u.actor, _ACTOR_METRICS), ("critic", u.critic, _CRITIC_METRICS)):
         if table is None:
             continue
-        record = trace.update_record(kind, step)
-        mode = settings.get(kind, {}).get("loss_agg_mode", "token-mean")
-        scale = settings.get(kind, {}).get("loss_scale_factor")
+        record = u.trace.update_record(kind, u.step)
+        settings = u.settings.get(kind, {})
+        mode = settings.get("loss_agg_mode", "token-mean")
         term = table["pg_loss"] if kind == "actor" else table["vf_loss"]
-        reproduced = {
-            names[0]: (0.5 if kind == "critic" else 1.0) * _aggregate(table, term, record.minibatches, mode, scale),
-            names[1]: _fraction(table, (table["clip"] == "low") | (table["clip"] == "high") if kind == "actor" else table["vf_clipped"], kind),
-        }
+        largest = max(max((m.get("batch_num_tokens") or 0 for m in record.minibatches), default=0), 1)
+        loss = (0.5 if kind == "critic" else 1.0) * _aggregate(table, term, record.minibatches, mode, settings.get("loss_scale_factor"))
+        values = {metrics[0]: (loss, AGGREGATE(largest, float(np.nanmax(np.abs(term))) if len(term) else 0.0))}
         if kind == "actor":
-            reproduced[names[2]] = _fraction(table, table["clip"] == "dual", kind)
-        largest = max((m.get("batch_num_tokens") or 0 for m in record.minibatches), default=0)
-        loss_tolerance = ATOL + EPS32 * max(largest, 1) * float(np.nanmax(np.abs(term))) if len(term) else ATOL
-        for name, value in reproduced.items():
+            codes = table["clip"]
+            values[metrics[1]] = (_metric_mean(table, (codes == CLIP_LOW) | (codes == CLIP_HIGH), kind), ATOL)
+            values[metrics[2]] = (_metric_mean(table, codes == CLIP_DUAL, kind), ATOL)
+            if u.loss_mode == "vanilla":  # verl's ppo_kl: the micro-batch mean of −clamp(Δlog-prob) = −log ratio
+                log_ratio = np.log(table["ratio"])
+                bound = AGGREGATE(largest, float(np.nanmax(np.abs(log_ratio))) if len(log_ratio) else 0.0)
+                values[metrics[3]] = (_metric_mean(table, -log_ratio, kind), bound)
+        else:
+            values[metrics[1]] = (_metric_mean(table, table["vf_clipped"], kind), ATOL)
+        for name, (value, tolerance) in values.items():
             if name in record.logged:
-                checks.append((name, record.logged[name], value, loss_tolerance if name == names[0] else ATOL))
-    if not checks:
-        return Outcome("update_metrics", "skipped", note="no logged update metrics recorded")
-    errors = [abs(logged - value) for _, logged, value, _ in checks]
-    bad = [i for i, (_, _, _, tol) in enumerate(checks) if not errors[i] <= tol]
-    first = None
-    if bad:
-        name, logged, value, tol = checks[bad[0]]
-        first = {"column": name, "actual": logged, "expected": value, "error": errors[bad[0]], "tolerance": tol}
-    return Outcome("update_metrics", "fail" if bad else "pass", checked=len(checks), violations=len(bad),
-                   max_abs_error=max(errors), first=first)  # fmt: skip
+                names.append(name)
+                logged.append(record.logged[name])
+                reproduced.append(value)
+                tolerances.append(tolerance)
+    if not names:
+        return Finding("skipped", note="no logged update metrics recorded")
+    return compare(logged, reproduced, np.array(tolerances), lambda i: (Location(u.step), names[i]))
 
 
 def _aggregate(table, term: np.ndarray, minibatches: list[dict], mode: str, scale) -> float:
@@ -311,11 +333,12 @@ def _aggregate(table, term: np.ndarray, minibatches: list[dict], mode: str, scal
     return float(np.mean(values)) if values else float("nan")
 
 
-def _fraction(table, flag: np.ndarray, kind: str) -> float:
-    """verl's clip fractions: a token mean per micro-batch, then means over ranks, micro-batches and
-    mini-batches (actor, ``Metric`` MEAN), or one flat mean of all micro-batch values (critic)."""
+def _metric_mean(table, values: np.ndarray, kind: str) -> float:
+    """A metric verl logs per micro-batch (clip fractions, ppo_kl): a token mean per micro-batch, then
+    means over ranks, micro-batches and mini-batches (actor, ``Metric`` MEAN), or one flat mean of all
+    micro-batch values (critic)."""
     groups, inverse = _unique_rows([table[k] for k in ("epoch", "minibatch", "microbatch", "rank")])
-    per_micro = np.bincount(inverse, weights=flag.astype(np.float64)) / np.bincount(inverse)
+    per_micro = np.bincount(inverse, weights=values.astype(np.float64)) / np.bincount(inverse)
     if kind == "critic":
         return float(per_micro.mean())
     by = {}
@@ -362,8 +385,9 @@ def update_statistics(trace, step: int) -> dict[str, float | None]:
     change = (floats("log_prob") - floats("old_log_prob"))[last]
     corr = float(np.corrcoef(advantage, change)[0, 1]) if len(change) > 1 and change.std() > 0 and advantage.std() > 0 else None
     return {
-        "clip_low": float((clip == "low").mean()),
-        "clip_high": float((clip == "high").mean()),
-        "clip_dual": float((clip == "dual").mean()),
+        "clip_low": float((clip == CLIP_LOW).mean()),
+        "clip_high": float((clip == CLIP_HIGH).mean()),
+        "clip_dual": float((clip == CLIP_DUAL).mean()),
         "adv_dlogp_corr": corr,
     }
+

@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from verl_ext.trace.schema import CLIP_CODES, CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
+
 #: (B,) int64 tensor in the batch: the sample's row in the trainer's batch (the token table's ``sample``).
 ROW_KEY = "verl_ext_row"
 #: Non-tensor values :func:`tagged_make_iterator` puts on each mini-batch.
@@ -80,7 +82,8 @@ def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=Non
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
     clipped = torch.gt(pg_losses2, pg_losses1)
     dual = torch.gt(torch.maximum(pg_losses1, pg_losses2), -advantages * config.get("clip_ratio_c", 3.0)) & (advantages < 0)
-    clip = torch.where(dual, 3, torch.where(clipped, torch.where(advantages < 0, 1, 2), 0))
+    code = CLIP_CODES.index
+    clip = torch.where(dual, code(CLIP_DUAL), torch.where(clipped, torch.where(advantages < 0, code(CLIP_LOW), code(CLIP_HIGH)), code(CLIP_NONE)))
     entropy = model_output.get("entropy", None)
     columns = {
         "log_prob": log_prob,
@@ -124,9 +127,6 @@ def traced_value_loss(original: Callable, config, model_output, data, dp_group=N
     return loss, metrics
 
 
-CLIP_NAMES = np.array(["none", "low", "high", "dual"], dtype=object)
-
-
 def _report(kind: str, data, mask: torch.Tensor, columns: dict[str, torch.Tensor | None], dp_group) -> dict[str, Any]:
     """The valid tokens of one micro-batch as numpy columns, with where they were trained.
 
@@ -144,7 +144,7 @@ def _report(kind: str, data, mask: torch.Tensor, columns: dict[str, torch.Tensor
         if tensor is None:
             continue
         values = tensor[row, token].cpu()
-        report_columns[name] = CLIP_NAMES[values.numpy()] if name == "clip" else values.numpy().astype(
+        report_columns[name] = np.array(CLIP_CODES, dtype=object)[values.numpy()] if name == "clip" else values.numpy().astype(
             np.bool_ if tensor.dtype == torch.bool else np.float32
         )
     epoch, minibatch = int(tu.get(data, EPOCH_KEY, 0)), int(tu.get(data, MINIBATCH_KEY, 0))

@@ -227,8 +227,9 @@ _WHERE_TRAINED = (
     Column("microbatch", pa.int32(), "micro-batch within the mini-batch (gradient accumulation)", nullable=False),
     Column("rank", pa.int32(), "data-parallel rank that trained the row", nullable=False),
 )
-#: ``clip`` values: which clip of vanilla PPO applies to the token (docs/definitions.md §8).
-CLIP_CODES = ("none", "low", "high", "dual")
+#: ``clip`` values: which clip of vanilla PPO applies to the token (docs/definitions.md §8). The only
+#: place they are written: the update hook stores them by index, the checker and the view read them.
+CLIP_CODES = (CLIP_NONE, CLIP_LOW, CLIP_HIGH, CLIP_DUAL) = ("none", "low", "high", "dual")
 ACTOR_UPDATE_COLUMNS = (
     STEP_COLUMN,
     *_WHERE_TRAINED,
@@ -237,7 +238,7 @@ ACTOR_UPDATE_COLUMNS = (
     Column("ratio", pa.float32(), "exp(clamp(log_prob − old_log_prob, −20, 20)), as verl computes it"),
     Column("advantage", pa.float32(), "the advantage the loss used (the token table's advantage)"),
     Column("pg_loss", pa.float32(), "the per-token policy-loss term of the configured loss, before aggregation"),
-    Column("clip", pa.string(), "none | low (A<0, ratio<1−ε_low) | high (A>0, ratio>1+ε_high) | dual (A<0, ratio>c)"),
+    Column("clip", pa.string(), f"{CLIP_NONE} | {CLIP_LOW} (A<0, ratio<1−ε_low) | {CLIP_HIGH} (A>0, ratio>1+ε_high) | {CLIP_DUAL} (A<0, ratio>c)"),
     Column("entropy", pa.float32(), "entropy of π_θ(· | s_t) where verl computes it (actor.calculate_entropy or entropy_coeff)"),
     Column("is_weight", pa.float32(), "rollout-correction importance weight multiplied into pg_loss, when configured"),
 )

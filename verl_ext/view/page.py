@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from verl_ext.errors import UsageError
+from verl_ext.trace.schema import CLIP_CODES
 
 #: Token rows a page holds by default (about 30 MB): see the module docstring.
 DEFAULT_MAX_TOKENS = 200_000
@@ -141,7 +142,9 @@ def inline_json(data) -> str:
 
 
 def render_page(data: dict, title: str) -> str:
-    """The HTML page: the viewer's style and script inline, ``data`` inline as JSON."""
+    """The HTML page: the viewer's style and script inline, ``data`` inline as JSON (with the clip
+    codes, so that the script names the update table's ``clip`` values as the schema does)."""
+    data = {**data, "clip_codes": list(CLIP_CODES)}
     nonce = secrets.token_urlsafe(18)
     connect = "'self'" if data.get("mode") == "served" else "'none'"  # a file page fetches nothing at all
     policy = f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; connect-src {connect}; img-src data:; base-uri 'none'; form-action 'none'"

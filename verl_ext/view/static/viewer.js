@@ -7,7 +7,7 @@
 
   const DATA = JSON.parse(document.getElementById("verl-ext-data").textContent);
   const SERVED = DATA.mode === "served";
-  const CLIP_CODES = ["none", "low", "high", "dual"];
+  const CLIP_CODES = DATA.clip_codes;  // verl_ext.trace.schema.CLIP_CODES: the payload's clip values index it
   const CLIP_COLOURS = { none: "#ffffff", low: "#4575b4", high: "#d73027", dual: "#7b3294" };
   const FILTERS = {
     all: () => true,

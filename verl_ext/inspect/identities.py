@@ -1,0 +1,94 @@
+"""The identities of docs/definitions.md §8, one record each, in report order: :data:`IDENTITIES`.
+
+An :class:`Identity` is everything about one identity: its name, its item of §8, the table it reads,
+what it says and its tolerance (both may depend on the run), and its check. The checks of the token
+table are in :mod:`~verl_ext.inspect.tokens`, those of the update tables in
+:mod:`~verl_ext.inspect.update`; :func:`verl_ext.inspect.check.check_trace` runs them all, and the
+report, its JSON and the browser view take names, sections and titles from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from verl_ext.inspect import update
+from verl_ext.inspect.results import ELEMENTWISE, EXACT, Tolerance
+from verl_ext.inspect.stepdata import RecordedAlgorithm
+from verl_ext.inspect.tokens import ACCUMULATED, STATISTICS, WHITENING, TokenStep, steps_on_disk
+
+__all__ = ["IDENTITIES", "Identity"]
+
+#: The tables an identity reads: one step of the token table, one step of the update tables, or the
+#: run record against the files (once per check, with a finding per step).
+TOKEN, UPDATE, RUN = "token", "update", "run"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One identity of docs/definitions.md §8, everything about it in one place."""
+
+    name: str
+    #: The item of docs/definitions.md §8 it checks, as printed ("8.2": §8, item 2).
+    section: str
+    #: TOKEN, UPDATE or RUN: which context ``check`` is given (TokenStep, UpdateStep, RunScope).
+    table: str
+    #: What it says; a function of the run's RecordedAlgorithm where that depends on the run.
+    title: str | Callable[[RecordedAlgorithm], str]
+    tolerance: Tolerance | Callable[[RecordedAlgorithm], Tolerance]
+    #: context -> Finding (TOKEN, UPDATE: one step), or -> iterable of (step, Finding) (RUN).
+    check: Callable[[Any], Any]
+    #: What a violation counts, for "FAIL (3 tokens)".
+    counts: str = "token"
+
+    def describe(self, algorithm: RecordedAlgorithm) -> tuple[str, str]:
+        """(title, tolerance text) for this run."""
+        title = self.title if isinstance(self.title, str) else self.title(algorithm)
+        tolerance = self.tolerance if isinstance(self.tolerance, Tolerance) else self.tolerance(algorithm)
+        return title, tolerance.text
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def _accumulated(a: RecordedAlgorithm) -> bool:
+    """The raw advantage is recomputed with the estimator (else it is checked as returns − values)."""
+    return a.recomputable and not a.returns_minus_values
+
+
+#: Every identity, in report order: the token table's on each step, the run record's once, then the
+#: update tables' on each step (only for a trace that has update tables). To add one: write its check
+#: (a method of :class:`~verl_ext.inspect.tokens.TokenStep` for the token table, a function of an
+#: :class:`~verl_ext.inspect.update.UpdateStep` in :mod:`~verl_ext.inspect.update`) and add its record
+#: here; it is checked, reported and rendered from the record alone.
+IDENTITIES = (
+    Identity(
+        "advantage_raw", "8.1", TOKEN,
+        lambda a: f"raw advantage recomputed: {a.describe_estimator()}" if _accumulated(a) else "raw advantage = returns − values",
+        lambda a: ACCUMULATED if _accumulated(a) else ELEMENTWISE,
+        TokenStep.advantage_raw,
+    ),
+    Identity(
+        "whitening", "8.2", TOKEN,
+        lambda a: "advantages = raw advantage (whitening off)" if a.whitened is False else "advantages = masked_whiten(raw advantage)",
+        lambda a: ELEMENTWISE if a.whitened is False else WHITENING,
+        TokenStep.whitening,
+    ),
+    Identity("whitening_stats", "8.2", TOKEN, "recorded whitening μ, σ = recomputed", STATISTICS, TokenStep.whitening_stats, counts="statistic"),
+    Identity("returns", "8.3", TOKEN, lambda a: f"returns recomputed: {a.describe_estimator()}", ACCUMULATED, TokenStep.returns),
+    Identity(
+        "rewards", "8.4", TOKEN,
+        lambda a: "rewards = scores − β·kl" if a.kl_in_reward else "rewards = scores (no KL in reward)",
+        ELEMENTWISE, TokenStep.rewards,
+    ),
+    Identity("mask_layout", "8.5", TOKEN, "rows 0…n−1 per sample, ending on a valid token", EXACT, TokenStep.mask_layout, counts="row"),
+    Identity("finite", "8.5", TOKEN, "quantities present and finite on valid tokens", EXACT, TokenStep.finite),
+    Identity("steps_on_disk", "8.5", RUN, "every step and update table of the run record is on disk", EXACT, steps_on_disk, counts="file"),
+    Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update.update_rows),
+    Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", update.RATIO, update.ratio),
+    Identity("ratio_first", "8.6", UPDATE, "ratio = 1 in epoch 0, mini-batch 0", update.RATIO_FIRST, update.ratio_first),
+    Identity("pg_loss", "8.6", UPDATE, "pg_loss = vanilla PPO term with dual clip", update.PG_TERM, update.pg_loss),
+    Identity("clip", "8.6", UPDATE, "clip code agrees with verl's loss term", update.PG_TERM, update.clip),
+    Identity("vf_loss", "8.6", UPDATE, "vf_loss = max((v̂−R)², (clip(v̂)−R)²)", update.VF_TERM, update.vf_loss),
+    Identity("update_metrics", "8.6", UPDATE, "aggregated terms = verl's logged update metrics", update.AGGREGATE, update.update_metrics, counts="metric"),
+)  # fmt: skip

@@ -1,0 +1,332 @@
+"""The token table's identities of docs/definitions.md §8 (items 1–5), and the run record's index
+against the files: the checks their records in :mod:`verl_ext.inspect.identities` name.
+
+For each step, on valid tokens, within the tolerances below:
+
+1. ``advantage_raw``: returns − values = raw advantage where the estimator says so (one λ); else the
+   raw advantage recomputed with the run's estimator.
+2. ``whitening``: advantages = masked_whiten(raw advantage) over the step's batch (or = raw
+   advantage when whitening is off); ``whitening_stats``: the recorded batch μ, σ² = recomputed.
+3. ``returns``: returns recomputed from (rewards, values, mask) with the run's estimator.
+4. ``rewards``: rewards = scores − β·kl with the step's β when KL is in the reward, else = scores.
+5. ``mask_layout``: each sample's rows run 0…n−1 and end on a valid token (so no valid token
+   follows a trailing pad); ``finite``: the run's quantities are present and finite on valid tokens.
+
+Recomputation runs the registered estimator itself (:func:`verl_ext.registry.run`, the code path of
+training) in float64 on the trace's float32 inputs, one dense row group of the step at a time; the
+trace is read one step at a time, so memory is bounded by one step.
+
+Tolerances. How far a traced number may be from its recomputation and still count as equal.
+
+Traces store float32; the checker recomputes in float64 from those float32 inputs, so the
+difference is the producer's own float32 rounding. Every tolerance here is
+
+    ATOL + (a multiple of float32's ε) × (the magnitude of the numbers the producer combined),
+
+so it scales with the data, and it is far below a real discrepancy: a single token changed by
+1e-2 relative is caught (tests plant exactly that). The multiples, and why:
+
+* elementwise identities (r = s − β·kl, raw = R − V): one or two float32 roundings of the operands,
+  so 4ε·(|a| + |b|).
+* recomputed returns and GAE advantages: the producer sums up to n terms in float32 (verl's
+  Python loop over T, verl-ext's blocked scan). Rounding errors can pile up linearly: measured at
+  up to 0.1·ε·n·m with n the terms summed and m the largest magnitude in the row (constant
+  rewards, rows of 1k to 16k tokens), so the bound is ε·n·m (10x that worst case) plus 4ε·|expected|.
+  n is the row's length L, or the estimator's horizon when shorter: 1 for td0, n for nstep,
+  1/(1 − γλ) for GAE and 1/(1 − γ) for mc.
+* whitening: the producer's batch mean and variance are float32 too; their error scales the
+  whole token by 1/σ. Measured at up to 1.3e-7 × (|A| + (|x| + |μ|)/σ) for verl's and verl-ext's
+  masked_whiten on 1M tokens; the bound is 16ε (≈ 1.9e-6) × (|A| + (|x| + |μ| + |R| + |V|)/σ),
+  where |R| + |V| covers traces whose raw advantage was rebuilt as returns − values (verl's gae).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from verl_ext.inspect.results import ATOL, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped
+from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, step_beta
+from verl_ext.torch_threads import one_torch_thread
+
+#: The token-table columns the identities read.
+QUANTITIES = ("score", "reward", "value", "return", "advantage", "advantage_raw", "kl", "old_log_prob")
+
+# --------------------------------------------------------------------------- tolerances
+
+#: The whitening bound's multiple of ε (measured at 1.3e-7 of the scale, see above).
+WHITENING_FACTOR = 16 * EPS32
+#: A float32 sum of ``terms`` terms of at most ``magnitude`` each (per token).
+ACCUMULATED = Tolerance(
+    f"{ATOL:g} + 4ε·|expected| + ε·n·m",
+    lambda expected, terms, magnitude: ATOL + 4 * EPS32 * np.abs(expected) + EPS32 * terms * magnitude,
+)
+#: (x − μ)/σ given |A| and the operands' magnitude divided by σ.
+WHITENING = Tolerance(
+    f"{ATOL:g} + 16ε·(|A| + (|x|+|μ|+|R|+|V|)/σ)",
+    lambda expected, scale_over_sigma: ATOL + WHITENING_FACTOR * (np.abs(expected) + scale_over_sigma),
+)
+#: The batch statistics μ and σ of whitening.
+STATISTICS = Tolerance(f"{ATOL:g} + 16ε·(|μ|+σ)", lambda mean, sigma: ATOL + WHITENING_FACTOR * (abs(mean) + sigma))
+
+
+# --------------------------------------------------------------------------- recomputation
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """Returns and raw advantages recomputed at the step's valid tokens, with their tolerances."""
+
+    returns: np.ndarray
+    raw: np.ndarray
+    returns_tolerance: np.ndarray
+    raw_tolerance: np.ndarray
+
+
+def recompute(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
+    """Returns and raw advantages at the step's valid tokens, as the run's estimator makes them."""
+    with one_torch_thread():  # row groups are cache-sized: threads only contend
+        return _recompute_groups(algorithm, data)
+
+
+def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
+    layout = data.layout
+    reward, value = data.columns["reward"], data.columns["value"]
+    returns, raw = data.estimate(algorithm.estimator, algorithm.settings)
+    # tolerances: the largest magnitude in each row (inputs and outputs) and the terms summed per row
+    magnitude = np.maximum(np.abs(returns), np.abs(raw))
+    for column in (reward, value):
+        if column is not None:
+            magnitude = np.maximum(magnitude, np.abs(column))
+    nonempty = layout.valid_counts > 0
+    row_magnitude = np.zeros(layout.samples)
+    row_magnitude[nonempty] = np.maximum.reduceat(magnitude, layout.valid_starts[nonempty]) if len(magnitude) else 0.0
+    lengths = layout.valid_counts.astype(np.float64)
+    returns_horizon, raw_horizon = algorithm.estimator.horizons(algorithm.settings)
+    token_sample = layout.valid_sample_index()
+    row_magnitude = row_magnitude[token_sample]
+    return Recomputed(
+        returns,
+        raw,
+        ACCUMULATED(returns, np.minimum(lengths, returns_horizon)[token_sample], row_magnitude),
+        ACCUMULATED(raw, np.minimum(lengths, raw_horizon)[token_sample], row_magnitude),
+    )
+
+
+# --------------------------------------------------------------------------- the token table's identities
+
+
+class TokenStep:
+    """The token table's identities on one step: each method is the check of one identity."""
+
+    def __init__(self, algorithm: RecordedAlgorithm, step_record, data: StepData):
+        self.algorithm = algorithm
+        self.step_record = step_record
+        self.data = data
+        self.step = data.step
+        self.col = data.columns
+        self.recomputed = (
+            recompute(algorithm, data) if algorithm.recomputable and self._inputs_present() else None
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _inputs(self) -> tuple[str, ...]:
+        """The columns the run's estimator computes from."""
+        return ("reward", "value") if self.algorithm.estimator.needs_critic else ("reward",)
+
+    def _inputs_present(self) -> bool:
+        return all(self.col[name] is not None for name in self._inputs())
+
+    def _missing(self, names: Iterable[str]) -> Finding | None:
+        """A failed finding when a column the identity needs is null everywhere."""
+        missing = [name for name in names if self.col[name] is None]
+        if not missing:
+            return None
+        detail = "null on every token of the step"
+        first = Violation(Location(self.step), missing[0], detail=detail)
+        return Finding("fail", violations=1, first=first, note=f"{', '.join(missing)}: {detail}")
+
+    def _compare(self, column: str, actual, expected, tolerance, note: str | None = None) -> Finding:
+        return compare(actual, expected, tolerance, lambda i: (Location(self.step, *self.data.location(i)), column), note)
+
+    # ------------------------------------------------------------------ the identities
+
+    def advantage_raw(self) -> Finding:
+        a = self.algorithm
+        if not a.recomputable:
+            return skipped(a.why_not)
+        needed = ("advantage_raw", "return", "value") if a.returns_minus_values else ("advantage_raw", *self._inputs())
+        if (missing := self._missing(needed)) is not None:
+            return missing
+        raw, ret, value = self.col["advantage_raw"], self.col["return"], self.col["value"]
+        if a.returns_minus_values:
+            return self._compare("advantage_raw", raw, ret - value, ELEMENTWISE(np.abs(ret) + np.abs(value)))
+        return self._compare("advantage_raw", raw, self.recomputed.raw, self.recomputed.raw_tolerance)
+
+    def whitening(self) -> Finding:
+        a = self.algorithm
+        if a.whitened is None:
+            return skipped(a.why_not)
+        if (missing := self._missing(("advantage", "advantage_raw"))) is not None:
+            return missing
+        advantage, raw = self.col["advantage"], self.col["advantage_raw"]
+        if not a.whitened:
+            return self._compare("advantage", advantage, raw, ELEMENTWISE(np.abs(raw)))
+        stats, note = self._whitening_stats_to_use()
+        if stats is None:
+            return Finding("skipped", note=note)
+        mean, var = stats
+        sigma = math.sqrt(var + 1e-8)
+        expected = (raw - mean) / sigma
+        operands = np.abs(raw) + abs(mean)
+        for name in ("return", "value"):  # a raw advantage rebuilt as returns − values carries their rounding
+            if self.col[name] is not None:  # (a non-finite one is identity 8.5's finding, not this one's)
+                operands = operands + np.where(np.isfinite(self.col[name]), np.abs(self.col[name]), 0.0)
+        return self._compare("advantage", advantage, expected, WHITENING(expected, operands / sigma), note)
+
+    @functools.cached_property
+    def _raw_moments(self) -> tuple[float, float]:
+        """μ, σ² of the step's raw advantages, computed here from the trace (independently of the
+        statistics the capture recorded, which one identity compares them with)."""
+        return _whitening_stats(self.col["advantage_raw"])
+
+    def _truncation(self) -> tuple[int, int] | None:
+        """(samples traced, samples in the batch) when the step kept only part of its batch. From the
+        step record: a sample without any valid token has no rows, so the table cannot tell."""
+        batch, samples = self.step_record.batch_samples, self.step_record.samples
+        return (samples, batch) if isinstance(batch, int) and isinstance(samples, int) and batch > samples else None
+
+    def _recorded_stats(self) -> tuple[float, float] | None:
+        recorded = self.step_record.whiten
+        if isinstance(recorded, dict) and all(isinstance(recorded.get(k), (int, float)) for k in ("mean", "var")):
+            return float(recorded["mean"]), float(recorded["var"])
+        return None
+
+    def _whitening_stats_to_use(self) -> tuple[tuple[float, float] | None, str | None]:
+        truncated = self._truncation()
+        if truncated is not None:
+            recorded = self._recorded_stats()
+            if recorded is None:
+                return None, f"traced {truncated[0]} of {truncated[1]} samples and no batch statistics recorded"
+            return recorded, f"traced {truncated[0]} of {truncated[1]} samples: checked with the recorded batch μ, σ²"
+        raw = self.col["advantage_raw"]
+        if len(raw) < 2:
+            return None, "fewer than two valid tokens: whitening is undefined"
+        return self._raw_moments, None
+
+    def whitening_stats(self) -> Finding:
+        if not self.algorithm.whitened:
+            return skipped("whitening is off" if self.algorithm.whitened is False else self.algorithm.why_not)
+        recorded = self._recorded_stats()
+        if recorded is None:
+            return Finding("skipped", note="no whitening statistics recorded")
+        truncated = self._truncation()
+        if truncated is not None:
+            note = f"traced {truncated[0]} of {truncated[1]} samples: the full batch's statistics cannot be recomputed"
+            return Finding("skipped", note=note)
+        if (missing := self._missing(("advantage_raw",))) is not None:
+            return missing
+        if len(self.col["advantage_raw"]) < 2:
+            return Finding("skipped", note="fewer than two valid tokens")
+        mean, var = self._raw_moments
+        actual = [recorded[0], math.sqrt(max(recorded[1], 0.0))]
+        expected = [mean, math.sqrt(var)]
+        names = ("whiten.mean", "whiten.σ")
+        return compare(actual, expected, STATISTICS(mean, math.sqrt(var)), lambda i: (Location(self.step), names[i]))
+
+    def returns(self) -> Finding:
+        a = self.algorithm
+        if not a.recomputable:
+            return skipped(a.why_not)
+        if (missing := self._missing(("return", *self._inputs()))) is not None:
+            return missing
+        r = self.recomputed
+        return self._compare("return", self.col["return"], r.returns, r.returns_tolerance)
+
+    def rewards(self) -> Finding:
+        if (missing := self._missing(("reward", "score"))) is not None:
+            return missing
+        reward, score = self.col["reward"], self.col["score"]
+        if not self.algorithm.kl_in_reward:
+            return self._compare("reward", reward, score, ELEMENTWISE(np.abs(score)))
+        beta = step_beta(self.step_record)
+        if beta is None:
+            detail = "KL is in the reward but the run record has no β (kl_coef) for this step"
+            return Finding("fail", violations=1, first=Violation(Location(self.step), "kl_coef", detail=detail), note=detail)
+        if (missing := self._missing(("kl",))) is not None:
+            return missing
+        penalty = beta * self.col["kl"]
+        tolerance = ELEMENTWISE(np.abs(score) + np.abs(penalty))
+        return self._compare("reward", reward, score - penalty, tolerance, note=f"β = {beta:g}")
+
+    def mask_layout(self) -> Finding:
+        problems = list(self.data.layout.problems())
+        first = None
+        if problems:
+            row, message, _ = min(problems)
+            sample, token = self.data.row_location(row)
+            first = Violation(Location(self.step, sample, token), "mask", detail=message)
+        violations = sum(count for _, _, count in problems)
+        return Finding(
+            "fail" if problems else "pass", checked=len(self.data.layout.mask), violations=violations, first=first
+        )
+
+    def finite(self) -> Finding:
+        a = self.algorithm
+        required = {"score", "reward", "return", "advantage"}
+        if a.recomputable:
+            required |= {"advantage_raw", *self._inputs()}
+        if a.kl_in_reward:
+            required.add("kl")
+        names = [name for name in QUANTITIES if name in required or self.col[name] is not None]
+        if (missing := self._missing([n for n in names if n in required])) is not None:
+            return missing
+        first_row, first = None, None
+        violations = 0
+        for name in names:
+            values = self.col[name]
+            if values is None:
+                continue
+            bad = np.flatnonzero(~np.isfinite(values))
+            violations += len(bad)
+            if len(bad) and (first_row is None or bad[0] < first_row):
+                first_row = int(bad[0])
+                sample, token = self.data.location(first_row)
+                detail = "null" if self.data.is_null(name, first_row) else "not finite"
+                first = Violation(Location(self.step, sample, token), name, float(values[first_row]), detail=detail)
+        checked = sum(len(self.col[n]) for n in names if self.col[n] is not None)
+        return Finding("fail" if violations else "pass", checked=checked, violations=violations, first=first)
+
+
+def _whitening_stats(x: np.ndarray) -> tuple[float, float]:
+    """verl's masked_whiten statistics: μ = Σx/(n+1e-8), σ² = Σ(x−μ)²/(n+1e-8)·n/(n−1)."""
+    n = len(x)
+    mean = float(x.sum() / (n + 1e-8))
+    var = float(np.square(x - mean).sum() / (n + 1e-8) * (n / (n - 1)))
+    return mean, var
+
+
+@dataclass(frozen=True)
+class RunScope:
+    """What the RUN identities read: the trace and which of its steps are checked."""
+
+    trace: Any
+    selected: tuple[int, ...]
+    everything: bool
+
+
+def steps_on_disk(run: RunScope) -> Iterator[tuple[int, Finding]]:
+    """The run record's index against the files: a step or update table it lists must be on disk.
+    (A step on disk that the record lacks is fine: the writer publishes data before the index.)"""
+    trace = run.trace
+    recorded = {int(step): entry for step, entry in trace.record.steps.items()}
+    for step in sorted(recorded if run.everything else set(recorded) & set(run.selected)):
+        missing = [] if step in trace.steps else [recorded[step].file]
+        missing += [u.file for kind, u in recorded[step].updates.items() if step not in trace.update_steps.get(kind, [])]
+        first = Violation(Location(step), missing[0], detail="listed in the run record, missing on disk") if missing else None
+        yield step, Finding("fail" if missing else "pass", checked=1, violations=len(missing), first=first)
