@@ -137,10 +137,9 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
         return batch_meta
     import transfer_queue as tq
 
-    wanted = [
-        "uid", "prompts", "responses", "response_mask", "rm_scores", "token_level_rewards",
-        "values", "advantages", "returns", "old_log_probs", "ref_log_prob", "rollout_log_probs",
-    ]  # fmt: skip
+    from verl_ext.trace.schema import V1_COLUMNS
+
+    wanted = [column.v1_key for column in V1_COLUMNS]
     if not trainer.config.algorithm.use_kl_in_reward:
         wanted.remove("token_level_rewards")  # V1 stores rewards only when they differ from the scores
     if batch_meta.fields is not None:
@@ -148,8 +147,8 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
     stored = tq.kv_batch_get(keys=batch_meta.keys, partition_id=batch_meta.partition_id, select_fields=wanted)
     uid = stored.pop("uid").tolist()
     prompts = stored.pop("prompts")
-    tensors = {name: _padded(value) for name, value in stored.items()}
-    tensors["token_level_scores"] = tensors.pop("rm_scores")
+    # under verl's batch keys, which the capture reads (the scores are rm_scores in V1)
+    tensors = {column.verl_key: _padded(stored[column.v1_key]) for column in V1_COLUMNS if column.v1_key in stored.keys()}
     tensors.setdefault("token_level_rewards", tensors["token_level_scores"])
     tensors["prompts"] = _padded(prompts)  # right-padded here, unlike the legacy batch
     prompt_lengths = prompts.offsets().diff()
