@@ -234,11 +234,6 @@ def all_estimators() -> tuple[Estimator, ...]:
     return tuple(_ESTIMATORS.values())
 
 
-def all_entries() -> tuple[Estimator, ...]:
-    """Every entry: verl-ext's own estimators, then verl's that it describes."""
-    return (*_ESTIMATORS.values(), *_VERL_ESTIMATORS.values())
-
-
 def describe_verl_estimator(
     name: str,
     fn: EstimatorFn | None = None,
@@ -406,5 +401,7 @@ describe_verl_estimator(
     returns_minus_values=lambda s: True,
     label=lambda s: f"gae{s['lam']:g}",
 )
-# its baseline is the mean score of the prompt's group, which the trace does not record as verl used it
-describe_verl_estimator("grpo", needs_critic=False, formula="advantage = (score − group mean) / group std, on every token")
+# not recomputable: its advantages come from group statistics the trace does not hold
+describe_verl_estimator(
+    "grpo", needs_critic=False, formula="advantage = (score − its prompt group's mean) / (the group's std + ε), on every token"
+)

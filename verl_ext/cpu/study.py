@@ -29,8 +29,8 @@ from __future__ import annotations
 import csv
 import importlib
 import json
-import os
 import math
+import os
 import statistics
 import subprocess
 import sys
