@@ -229,6 +229,26 @@ def test_gae_ext_equals_verl_gae(batch, gamma, lam):
     torch.testing.assert_close(ours.advantages[valid], verl_adv[valid], rtol=1e-4, atol=2e-4)
 
 
+@given(batches(max_rows=6, max_len=40, junk=9.0), unit, unit)
+def test_the_entry_of_verls_gae_recomputes_verls_gae(batch, gamma, lam):
+    """The registry's description of verl's ``gae`` (what the checker and compare recompute a gae run
+    with) against verl's own function: whitened whatever algorithm.whiten_advantages says."""
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    rewards, values, mask = batch
+    assume(mask.sum() >= 2)
+    verl_adv, verl_ret = compute_gae_advantage_return(rewards, values, mask, gamma, lam)
+    entry = registry.get("gae")
+    settings = entry.settings({"gamma": gamma, "lam": lam, "whiten_advantages": False})
+    assert settings["whiten_advantages"] is True
+    ours = registry.run(entry, rewards, values, mask, settings)
+    valid = mask.bool()
+    torch.testing.assert_close(ours.returns[valid], verl_ret[valid], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours.advantages[valid], verl_adv[valid], rtol=1e-4, atol=2e-4)
+    assert entry.is_returns_minus_values(settings)
+    torch.testing.assert_close(ours.advantage_raw[valid], (verl_ret - values)[valid], rtol=1e-4, atol=1e-4)
+
+
 @given(batches(max_rows=6, max_len=40, junk=3.0))
 def test_masked_whiten_equals_verl(batch):
     from verl.utils.torch_functional import masked_whiten as verl_masked_whiten
@@ -379,10 +399,39 @@ def test_registry_rejects_a_second_function_under_a_taken_name_and_lists_names()
     with pytest.raises(ValueError, match="'mc' is already registered by verl_ext.registry.mc"):
         registry.register_estimator("mc")(lambda *a, **k: None)
     registry.register_estimator("mc")(registry.get("mc").fn)  # the same function again: a no-op
-    with pytest.raises(ValueError, match="'nope' is not a verl-ext estimator; registered: mc, td0, nstep, gae_ext"):
+    with pytest.raises(ValueError, match="'nope' is not an estimator verl-ext knows; known: mc, td0, nstep, gae_ext, gae, grpo"):
         registry.get("nope")
     with pytest.raises(ValueError, match="non-empty string"):
         registry.register_estimator(" ")
+
+
+def test_verls_estimators_are_described_not_registered():
+    """gae and grpo have entries (what verl-ext knows of them) but are not verl-ext's: not among the
+    names it registers into verl, options and whitening are verl's."""
+    assert registry.names() == ("mc", "td0", "nstep", "gae_ext")
+    gae, grpo = registry.lookup("gae"), registry.lookup("grpo")
+    assert gae.computed_by_verl and gae.needs_critic and gae.recomputable and gae.all_options == ()
+    assert grpo.computed_by_verl and not grpo.needs_critic and not grpo.recomputable
+    assert grpo.settings({"whiten_advantages": True})["whiten_advantages"] is None  # verl-ext cannot tell
+    assert registry.lookup("rloo") is None
+    assert registry.check_algorithm({"adv_estimator": "gae", "lam": 0.9}) is None  # verl's: nothing to parse
+
+
+@pytest.mark.parametrize(
+    "name, settings, label",
+    [
+        ("mc", {}, "mc"),
+        ("nstep", {"n_step": 5}, "nstep5"),
+        ("gae_ext", {"lam": 0.9}, "gae0.9"),
+        ("gae_ext", {"lam": 1.0, "lam_critic": 0.8, "lam_actor": 0.8}, "gae0.8"),  # one λ: plain GAE(0.8)
+        ("gae_ext", {"lam": 0.9, "lam_critic": 1.0}, "gae_ext"),
+        ("gae", {"lam": 0.95}, "gae0.95"),
+    ],
+)
+def test_a_compare_label_names_the_numbers(name, settings, label):
+    """Two settings with the same label give the same raw advantage: gae_ext with one λ is GAE(λ)."""
+    entry = registry.get(name)
+    assert entry.column_label(entry.settings({"gamma": 0.9, **settings})) == label
 
 
 @pytest.mark.parametrize(

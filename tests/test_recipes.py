@@ -55,6 +55,5 @@ def test_recipe_composes_and_passes_verls_validation(recipe, assets, tmp_path):
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=use_critic)
     trace = TraceOptions.from_config(config)
     assert trace.enabled and trace.dir == str(tmp_path / recipe.stem.removeprefix("gsm8k_"))
-    if config.algorithm.adv_estimator != "gae":
-        registry.get(config.algorithm.adv_estimator).settings(config.algorithm)
+    registry.get(config.algorithm.adv_estimator).settings(config.algorithm)  # verl's gae included
 

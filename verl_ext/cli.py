@@ -449,9 +449,12 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def study_arguments(parser: argparse.ArgumentParser) -> None:
-    from verl_ext.apps.study import DEFAULT_ESTIMATORS
+    from verl_ext.apps.learning import ESTIMATOR_OPTIONS
 
-    parser.add_argument("--estimators", default=",".join(DEFAULT_ESTIMATORS), metavar="E,E,…", help=f"default: {','.join(DEFAULT_ESTIMATORS)}")
+    parser.add_argument(
+        "--estimators", metavar="E,E,…",
+        help=f"default: {','.join(ESTIMATOR_OPTIONS)} and every other registered estimator (VERL_USE_EXTERNAL_MODULES)",
+    )  # fmt: skip
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 … N-1 per estimator (default 3)")
     parser.add_argument("--steps", type=int, default=STUDY_STEPS, help=f"PPO steps per run (default {STUDY_STEPS})")
     parser.add_argument("--test-freq", type=int, default=10, metavar="F", help="validate every F steps (default 10)")
@@ -466,9 +469,9 @@ def study_arguments(parser: argparse.ArgumentParser) -> None:
 
 def study(args: argparse.Namespace) -> int:
     """Run every estimator with every seed on the CPU task through verl's real trainer; compare them."""
-    from verl_ext.apps.study import StudySettings, parse_estimators, run_study
+    from verl_ext.apps.study import StudySettings, run_study, study_estimators
 
-    estimators = parse_estimators(args.estimators)
+    estimators = study_estimators(args.estimators)
     for name, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--test-freq", args.test_freq), ("--jobs", args.jobs)):
         if value < 1:
             raise UsageError(f"{name} must be an integer >= 1, got {value}")

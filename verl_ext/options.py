@@ -82,7 +82,8 @@ WHITEN_ADVANTAGES = Option(
 )
 
 #: Every option verl-ext's built-in estimators read. Declared in configs/verl_ext_trainer.yaml with
-#: these defaults; registered estimators may declare more.
+#: these defaults (tests/integration/test_verl_seam.py holds it to them); registered estimators may
+#: declare more.
 ALGORITHM_OPTIONS = (N_STEP, LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA, WHITEN_ADVANTAGES)
 ALGORITHM_KEYS = {option.key: option.default for option in ALGORITHM_OPTIONS}
 
@@ -135,20 +136,13 @@ def nonfinite_mode(config: Mapping[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- trace options
 
-#: Keys of the ``verl_ext.trace`` node, with defaults.
-TRACE_KEYS = {
-    "dir": None,
-    "every": 1,
-    "max_samples_per_step": None,
-    "on_error": "warn",
-    "queue_size": 2,
-    "update": True,
-}
-
-
 @dataclass(frozen=True)
 class TraceOptions:
-    """Where and how often the per-token trace is written; ``dir=None`` means off."""
+    """Where and how often the per-token trace is written; ``dir=None`` means off.
+
+    The fields are the keys of the ``verl_ext.trace`` node and their defaults (:data:`TRACE_KEYS`);
+    configs/verl_ext_trainer.yaml declares the same (tests/integration/test_verl_seam.py holds it to them).
+    """
 
     dir: str | None = None
     every: int = 1
@@ -194,3 +188,7 @@ class TraceOptions:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: Keys of the ``verl_ext.trace`` node, with defaults.
+TRACE_KEYS = TraceOptions().as_dict()

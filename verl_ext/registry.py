@@ -13,11 +13,16 @@ critic), registered once with what the rest of verl-ext needs to know about it::
 
 Everything else reads the registry: option validation on the driver, the seam in verl's
 ``compute_advantage`` (both trainers), the critic rule, the trace's run record, the checker's
-recomputation, the CLI's descriptions. ``config`` is a plain dict: the run's ``algorithm`` settings,
-``gamma`` and ``lam`` as verl passed them, and the estimator's declared options parsed and defaulted.
-verl's own estimators (``gae``, ``grpo``, …) stay in verl's registry and are not listed here.
+recomputation, ``compare``'s columns, the study's runs, the CLI's descriptions. ``config`` is a plain
+dict: the run's ``algorithm`` settings, ``gamma`` and ``lam`` as verl passed them, and the
+estimator's declared options parsed and defaulted.
 
-The four built-in estimators are registered at the bottom of this module, the same way.
+The four built-in estimators are registered at the bottom of this module, the same way. Below them,
+the verl estimators verl-ext understands (``gae``, ``grpo``) are described by entries of the same
+kind (:func:`describe_verl_estimator`): verl computes them and owns their names, so they are never
+put into verl's registry; the entry says what verl-ext knows of them (how to recompute them from a
+trace, whether they need the critic, whether verl whitens them). Ask the entry
+(:func:`lookup`), never the name.
 """
 
 from __future__ import annotations
@@ -56,17 +61,30 @@ class Estimator:
       (inf: the whole response), which sizes the checker's float32 tolerance;
     * ``returns_minus_values(settings)``: True when advantage_raw = returns − values exactly, which
       the checker then verifies elementwise (otherwise it recomputes the advantage with ``fn``);
-    * ``uses_lam``: whether ``algorithm.lam`` matters (shown in descriptions).
+    * ``uses_lam``: whether ``algorithm.lam`` matters (shown in descriptions);
+    * ``compared_at(n, lambdas) -> settings``: the columns ``verl-ext compare`` gives it, one per
+      dict of ``algorithm`` settings (the run's γ is added), from compare's n (of the n-step
+      estimator) and λs; by default one column at its options' defaults;
+    * ``label(settings)``: the name of its column at those settings (two settings that give different
+      numbers get different labels); by default its name;
+    * ``computed_by_verl``: one of verl's own estimators, which verl computes and verl-ext only
+      describes (``fn`` None: verl-ext cannot recompute it from a trace); ``verl_whitens`` says
+      whether verl whitens its advantages (None: verl-ext cannot tell), where verl-ext's own
+      estimators follow ``algorithm.whiten_advantages``.
     """
 
     name: str
-    fn: EstimatorFn
+    fn: EstimatorFn | None
     needs_critic: bool = True
     options: tuple[Option, ...] = ()
     formula: str = ""
     horizon: Callable[[Settings], tuple[float, float]] | None = None
     returns_minus_values: Callable[[Settings], bool] | None = None
     uses_lam: bool = True
+    compared_at: Callable[[int, tuple[float, ...]], tuple[dict[str, Any], ...]] | None = None
+    label: Callable[[Settings], str] | None = None
+    computed_by_verl: bool = False
+    verl_whitens: bool | None = None
 
     @property
     def module(self) -> str:
@@ -74,8 +92,14 @@ class Estimator:
         return self.fn.__module__
 
     @property
+    def recomputable(self) -> bool:
+        """verl-ext can recompute its returns and raw advantages from a trace's rewards and values."""
+        return self.fn is not None
+
+    @property
     def all_options(self) -> tuple[Option, ...]:
-        return (*self.options, WHITEN_ADVANTAGES)
+        """The ``algorithm`` keys it reads; verl's own estimators ignore ``whiten_advantages``."""
+        return self.options if self.computed_by_verl else (*self.options, WHITEN_ADVANTAGES)
 
     def settings(self, algorithm: Any, gamma: float | None = None, lam: float | None = None) -> dict[str, Any]:
         """The ``config`` ``fn`` receives: the algorithm's settings with γ, λ and this estimator's
@@ -87,6 +111,8 @@ class Estimator:
             settings[option.key] = option.read(settings)
             if option.required and settings[option.key] is None:
                 raise ValueError(f"algorithm.adv_estimator={self.name} needs algorithm.{option.key} ({option.help})")
+        if self.computed_by_verl:
+            settings["whiten_advantages"] = self.verl_whitens
         return settings
 
     def describe(self, settings: Settings) -> str:
@@ -103,6 +129,12 @@ class Estimator:
     def is_returns_minus_values(self, settings: Settings) -> bool:
         return bool(self.returns_minus_values and self.returns_minus_values(settings))
 
+    def column_label(self, settings: Settings) -> str:
+        return self.label(settings) if self.label else self.name
+
+    def compared_settings(self, n: int, lambdas: tuple[float, ...]) -> tuple[dict[str, Any], ...]:
+        return self.compared_at(n, lambdas) if self.compared_at else ({},)
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -115,6 +147,9 @@ class Estimate:
 
 
 _ESTIMATORS: dict[str, Estimator] = {}
+#: verl's own estimators that verl-ext describes; apart, so that registering one of their names is
+#: refused by verl (which owns them), as for any other name verl holds.
+_VERL_ESTIMATORS: dict[str, Estimator] = {}
 _LISTENERS: list[Callable[[Estimator], None]] = []
 
 
@@ -127,9 +162,12 @@ def register_estimator(
     horizon: Callable[[Settings], tuple[float, float]] | None = None,
     returns_minus_values: Callable[[Settings], bool] | None = None,
     uses_lam: bool = True,
+    compared_at: Callable[[int, tuple[float, ...]], tuple[dict[str, Any], ...]] | None = None,
+    label: Callable[[Settings], str] | None = None,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Register ``fn(rewards, values, response_mask, *, gamma, lam, config) -> (returns, advantage_raw)``
-    under ``name`` for ``algorithm.adv_estimator`` (see the module docstring). Returns ``fn`` unchanged.
+    under ``name`` for ``algorithm.adv_estimator`` (see the module docstring and :class:`Estimator`
+    for the keywords). Returns ``fn`` unchanged.
 
     Registering the same function again is a no-op; another function under a taken name is a
     ValueError. Works before or after verl's ``core_algos`` is imported.
@@ -151,7 +189,7 @@ def register_estimator(
         doc = (fn.__doc__ or "").strip().split("\n\n")[0]
         estimator = Estimator(
             name, fn, needs_critic, tuple(options), formula or " ".join(doc.split()), horizon,
-            returns_minus_values, uses_lam,
+            returns_minus_values, uses_lam, compared_at, label,
         )  # fmt: skip
         _ESTIMATORS[name] = estimator
         try:
@@ -165,20 +203,54 @@ def register_estimator(
     return decorator
 
 
+def name_of(adv_estimator: Any) -> str:
+    """The estimator's name from ``algorithm.adv_estimator``: verl passes a plain string or an
+    ``AdvantageEstimator`` enum member."""
+    return str(getattr(adv_estimator, "value", adv_estimator))
+
+
+def lookup(name: str) -> Estimator | None:
+    """The entry for ``name``: a verl-ext estimator, or one of verl's that verl-ext describes; None
+    for a name verl-ext knows nothing about."""
+    return _ESTIMATORS.get(name) or _VERL_ESTIMATORS.get(name)
+
+
 def get(name: str) -> Estimator:
-    """The estimator registered under ``name``; ValueError listing the registered names otherwise."""
-    try:
-        return _ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"{name!r} is not a verl-ext estimator; registered: {', '.join(names())}") from None
+    """The entry for ``name`` (:func:`lookup`); ValueError listing the known names otherwise."""
+    estimator = lookup(name)
+    if estimator is None:
+        known = ", ".join((*names(), *_VERL_ESTIMATORS))
+        raise ValueError(f"{name!r} is not an estimator verl-ext knows; known: {known}")
+    return estimator
 
 
 def names() -> tuple[str, ...]:
+    """verl-ext's own estimators: the ones it computes and registers into verl."""
     return tuple(_ESTIMATORS)
 
 
 def all_estimators() -> tuple[Estimator, ...]:
+    """verl-ext's own estimators, in registration order (built-ins first)."""
     return tuple(_ESTIMATORS.values())
+
+
+def describe_verl_estimator(
+    name: str,
+    fn: EstimatorFn | None = None,
+    *,
+    needs_critic: bool,
+    verl_whitens: bool | None = None,
+    formula: str = "",
+    horizon: Callable[[Settings], tuple[float, float]] | None = None,
+    returns_minus_values: Callable[[Settings], bool] | None = None,
+    label: Callable[[Settings], str] | None = None,
+) -> None:
+    """Describe verl's own estimator ``name`` (verl computes it; nothing is registered into verl):
+    ``fn`` recomputes it from a trace like a registered estimator's (None: it cannot be), the rest as
+    in :class:`Estimator`."""
+    _VERL_ESTIMATORS[name] = Estimator(
+        name, fn, needs_critic, (), formula, horizon, returns_minus_values, label=label, computed_by_verl=True, verl_whitens=verl_whitens,
+    )  # fmt: skip
 
 
 def on_register(listener: Callable[[Estimator], None]) -> None:
@@ -217,7 +289,7 @@ def check_algorithm(algorithm: Any) -> dict[str, Any] | None:
     for verl's own ones.
     """
     settings = algorithm_settings(algorithm)
-    name = str(getattr(settings.get("adv_estimator"), "value", settings.get("adv_estimator")))
+    name = name_of(settings.get("adv_estimator"))
     chosen = _ESTIMATORS.get(name)
     known = {option.key: option for option in (*ALGORITHM_OPTIONS, *(o for e in all_estimators() for o in e.options))}
     read = {option.key for option in chosen.all_options} if chosen else set()
@@ -270,6 +342,8 @@ def td0(rewards, values, response_mask, *, gamma, lam, config):
     horizon=lambda s: (float(s["n_step"]),) * 2,
     returns_minus_values=lambda s: True,
     uses_lam=False,
+    compared_at=lambda n, lambdas: ({"n_step": n},),
+    label=lambda s: f"nstep{s['n_step']}",
 )
 def nstep(rewards, values, response_mask, *, gamma, lam, config):
     return estimators.nstep(rewards, values, response_mask, gamma, config["n_step"])
@@ -297,6 +371,9 @@ def _gae_ext_horizon(settings: Settings) -> tuple[float, float]:
     formula="returns = GAE(γ, λ_critic) + V(s_t);  advantage = GAE(γ, λ_actor), λ_actor optionally 1 − 1/(α·L)",
     horizon=_gae_ext_horizon,
     returns_minus_values=lambda s: _gae_lambdas(s)[0] == _gae_lambdas(s)[1],
+    compared_at=lambda n, lambdas: tuple({"lam": lam} for lam in lambdas),
+    # one λ is plain GAE(λ), the column of that λ; decoupled or length-adaptive λs are gae_ext's own
+    label=lambda s: f"gae{_gae_lambdas(s)[1]:g}" if _gae_lambdas(s)[0] == _gae_lambdas(s)[1] else "gae_ext",
 )
 def gae_ext(rewards, values, response_mask, *, gamma, lam, config):
     lam_critic, lam_actor = _gae_lambdas({**config, "lam": lam})
@@ -305,3 +382,26 @@ def gae_ext(rewards, values, response_mask, *, gamma, lam, config):
     elif lam_actor == lam_critic:
         return estimators.gae(rewards, values, response_mask, gamma, lam_actor)
     return estimators.gae_decoupled(rewards, values, response_mask, gamma, lam_critic, lam_actor)
+
+
+# --------------------------------------------------------------------------- verl's estimators, described
+
+
+def _verl_gae(rewards, values, response_mask, *, gamma, lam, config):
+    return estimators.gae(rewards, values, response_mask, gamma, lam)
+
+
+describe_verl_estimator(
+    "gae",
+    _verl_gae,
+    needs_critic=True,
+    verl_whitens=True,  # verl's GAE always whitens
+    formula="returns = GAE(γ, λ) + V(s_t);  advantage = GAE(γ, λ) = Σ_l (γλ)^l δ_{t+l}",
+    horizon=lambda s: (_discount_horizon(s["gamma"] * s["lam"]),) * 2,
+    returns_minus_values=lambda s: True,
+    label=lambda s: f"gae{s['lam']:g}",
+)
+# not recomputable: its advantages come from group statistics the trace does not hold
+describe_verl_estimator(
+    "grpo", needs_critic=False, formula="advantage = (score − its prompt group's mean) / (the group's std + ε), on every token"
+)

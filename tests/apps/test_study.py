@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
+from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 from verl_ext.apps.study import COLUMNS
+from verl_ext.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +88,62 @@ def test_argparse_errors_are_one_line_too():
                             capture_output=True, text=True, env={**os.environ})  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "argument --steps: invalid int value: 'two'" in result.stderr
+
+
+# --------------------------------------------------------------------------- which estimators, with which recipe
+
+USER_MODULE = '''
+import verl_ext
+from verl_ext.options import Option, positive_int
+
+
+@verl_ext.register_estimator("{prefix}_critic")
+def with_critic(rewards, values, response_mask, *, gamma, lam, config):
+    return rewards + values, rewards
+
+
+@verl_ext.register_estimator("{prefix}_free", needs_critic=False)
+def critic_free(rewards, values, response_mask, *, gamma, lam, config):
+    return rewards, rewards
+
+
+@verl_ext.register_estimator("{prefix}_needs_k", options=(Option("k", positive_int, required=True),))
+def needs_k(rewards, values, response_mask, *, gamma, lam, config):
+    return rewards, rewards
+'''
+
+
+@pytest.fixture
+def user_module(isolated_registry, tmp_path, monkeypatch):
+    """A user's module of three estimators, named in VERL_USE_EXTERNAL_MODULES as the README says."""
+    name = f"study_user_estimators_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(USER_MODULE.format(prefix="mine"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", name)
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_the_study_runs_the_recipes_then_every_registered_estimator_the_default_recipe_can_run(user_module):
+    from verl_ext.apps.study import critics, recipe, study_estimators
+
+    assert study_estimators() == ("mc", "td0", "nstep", "gae_ext", "gae", "grpo", "mine_critic", "mine_free")
+    assert study_estimators("mine_free, mc") == ("mine_free", "mc")
+    # the default recipe: no options of its own; the critic as its registry entry says
+    assert recipe("mine_critic") == recipe("mine_free") == [] and recipe("nstep") == ["algorithm.n_step=3"]
+    assert critics("mine_critic", control=True) == ("pretrained", "fresh") and critics("mine_free", control=True) == ("none",)
+    assert critics("grpo", control=True) == ("none",) and critics("gae", control=False) == ("pretrained",)
+    with pytest.raises(UsageError, match="estimator mine_needs_k cannot run with the default recipe .*needs algorithm.k"):
+        study_estimators("mc,mine_needs_k")
+    with pytest.raises(UsageError, match="unknown estimator rloo: the study has a recipe for mc, td0, nstep, gae_ext, gae, grpo"):
+        study_estimators("rloo")
+
+
+def test_the_summary_lists_the_default_recipe_of_a_studied_estimator():
+    from verl_ext.apps.study import RunResult, StudySettings, summary_markdown
+
+    rows = [{"estimator": "mine", "critic": "none", "seed": 0, "step": 0, "val_acc": 0.5, "score": 0.5,
+             "critic_explained_var": None, "ev_after_verdict": None, "verdict_share": 0.1}]  # fmt: skip
+    text = summary_markdown([RunResult("mine", "none", 0, 1.0, rows)], StudySettings(1, 1, 0.8))
+    assert ("Options: mc (none); td0 (none); nstep n_step=3; gae_ext lam_critic=1.0 lam_actor=0.95; gae lam=0.95; "
+            "grpo (none); mine (none).") in text  # fmt: skip

@@ -9,6 +9,7 @@ import pytest
 
 import tests.reference as ref
 from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
+from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 from verl_ext.errors import UsageError
 from verl_ext.inspect import compare
 
@@ -133,3 +134,45 @@ def test_var_within_group_is_the_mean_variance_of_the_groups_of_two_or_more_resp
     alone = np.array([f"u{s}" for s in samples], dtype=object)
     table, notes = estimator_statistics({"x": values}, alone, samples)
     assert table.column("var_within_group")[0].as_py() is None and "no prompt has two responses" in notes[0]
+
+
+# --------------------------------------------------------------------------- a user's estimator
+
+
+def register_user_estimators(registry):
+    """``scaled_reward`` (an option with a default) and ``needs_k`` (an option without one)."""
+    from verl_ext.options import Option, number, positive_int
+
+    @registry.register_estimator("scaled_reward", options=(Option("scale", number, default=1.0),))
+    def scaled_reward(rewards, values, response_mask, *, gamma, lam, config):
+        returns = config["scale"] * rewards
+        return returns, returns - values
+
+    @registry.register_estimator("needs_k", options=(Option("k", positive_int, required=True),))
+    def needs_k(rewards, values, response_mask, *, gamma, lam, config):
+        raise AssertionError("compare has no k to give it")
+
+
+def test_a_registered_estimator_is_compared_at_its_defaults(traced, isolated_registry):
+    register_user_estimators(isolated_registry)
+    path, batch = traced
+    result = compare(path, step=4, sample=1)
+    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "scaled_reward", "gae0.7")
+    assert any(note.startswith("needs_k is not compared: ") and "needs algorithm.k" in note for note in result.notes)
+    mask = batch.mask.numpy() != 0
+    expected = batch.rewards.double().numpy() - batch.values.double().numpy()  # scale 1: r_t − V(s_t)
+    positions = np.flatnonzero(mask[1])
+    np.testing.assert_allclose(result.table.to_pandas()["scaled_reward"], expected[1, positions], rtol=1e-10, atol=1e-12)
+    statistics = result.statistics.to_pandas().set_index("estimator")
+    assert statistics.at["scaled_reward", "mean_abs"] == pytest.approx(np.abs(expected[mask]).mean(), rel=1e-10)
+
+
+def test_a_run_of_a_registered_estimator_is_compared_at_the_runs_settings(traced, isolated_registry, tmp_path):
+    register_user_estimators(isolated_registry)
+    _, batch = traced
+    path = write_trace(tmp_path / "user", algorithm("scaled_reward", gamma=GAMMA, scale=3.0), {2: batch})
+    result = compare(path, step=2, sample=0)
+    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "scaled_reward")  # one column, the run's
+    mask = batch.mask.numpy() != 0
+    expected = 3.0 * batch.rewards.double().numpy() - batch.values.double().numpy()
+    np.testing.assert_allclose(result.table.to_pandas()["scaled_reward"], expected[0, np.flatnonzero(mask[0])], rtol=1e-10, atol=1e-12)

@@ -49,7 +49,10 @@ def test_estimators_are_in_verls_registry():
 
     for name in ESTIMATOR_NAMES:
         assert core_algos.get_adv_estimator_fn(name) is REGISTERED_IN_VERL[name]
+    # verl's own estimators that verl-ext describes stay verl's, never registered a second time
     assert core_algos.get_adv_estimator_fn("gae") is core_algos.compute_gae_advantage_return
+    assert core_algos.get_adv_estimator_fn("grpo") is core_algos.compute_grpo_outcome_advantage
+    assert set(REGISTERED_IN_VERL) == set(ESTIMATOR_NAMES)
 
 
 @pytest.mark.parametrize("name", ESTIMATOR_NAMES)

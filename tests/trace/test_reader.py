@@ -246,3 +246,24 @@ def test_a_version_1_trace_stays_readable(tmp_path):
         {k: v for k, v in row.items() if k != "rollout_log_prob"} for row in reference_rows(capture)
     ]
     assert trace.prompts(1)["eos"].null_count == trace.prompts(1).num_rows
+
+
+def test_the_columns_a_version_1_file_lacks_are_the_ones_version_2_added():
+    """Each column says the version it appeared in: version 2 added rollout_log_prob and the end flags
+    (READABLE_SCHEMA_VERSIONS' note); format 3 changed the layout, no column."""
+    from verl_ext.trace.schema import added_after
+
+    assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"}
+    assert added_after(2) == added_after(3) == frozenset()
+
+
+def test_the_v1_trainer_is_read_back_under_its_own_field_names():
+    """The TransferQueue fields of verl's V1 trainer (verl.trainer.ppo.v1), each with the column it fills."""
+    from verl_ext.trace.schema import V1_COLUMNS
+
+    assert {column.v1_key: column.name for column in V1_COLUMNS} == {
+        "uid": "uid", "prompts": "prompt_token_ids", "responses": "token_id", "response_mask": "mask",
+        "rm_scores": "score", "token_level_rewards": "reward", "values": "value", "advantages": "advantage",
+        "returns": "return", "old_log_probs": "old_log_prob", "ref_log_prob": "ref_log_prob",
+        "rollout_log_probs": "rollout_log_prob",
+    }  # fmt: skip

@@ -27,8 +27,10 @@ Outputs, rewritten after every run:
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -40,10 +42,7 @@ from pathlib import Path
 from verl_ext.apps.learning import ESTIMATOR_OPTIONS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, VAL_SAMPLES, read_metrics, validation_accuracy
 from verl_ext.errors import UsageError
 
-DEFAULT_ESTIMATORS = ("mc", "td0", "nstep", "gae_ext", "gae", "grpo")
 COLUMNS = ("estimator", "critic", "seed", "step", "val_acc", "score", "critic_explained_var", "ev_after_verdict", "verdict_share")
-#: Estimators of the study that train without a critic.
-CRITIC_FREE = ("grpo",)
 
 
 @dataclass(frozen=True)
@@ -64,15 +63,66 @@ class RunResult:
     reused: bool = False
 
 
-def parse_estimators(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in ESTIMATOR_OPTIONS]
+def study_estimators(text: str | None = None) -> tuple[str, ...]:
+    """The estimators to study: those named in ``text`` (``mc,td0,…``); by default the ones with a
+    recipe of their own (:data:`~verl_ext.apps.learning.ESTIMATOR_OPTIONS`), then every other
+    registered estimator that the default recipe can run.
+
+    The default recipe, for an estimator without one of its own: no option set (its options at their
+    defaults, γ = 1, λ = verl's 1.0), the same task, batches, seeds and steps, the pretrained critic
+    when its registry entry needs a critic. A user's estimator is known once its module is imported:
+    the study imports the modules of ``VERL_USE_EXTERNAL_MODULES``, as verl does in every run (which
+    inherits the variable). UsageError for a name it cannot run.
+    """
+    from verl_ext import registry
+
+    for module in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","):
+        if module.strip():
+            importlib.import_module(module.strip())
+    if text is None:
+        others = [e.name for e in registry.all_estimators() if e.name not in ESTIMATOR_OPTIONS and not _default_recipe_fails(e.name)]
+        return (*ESTIMATOR_OPTIONS, *others)
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if registry.lookup(name) is None]
     if not names or unknown:
         raise UsageError(
             f"unknown estimator {', '.join(unknown) or repr(text)}: the study has a recipe for "
-            f"{', '.join(ESTIMATOR_OPTIONS)}"
+            f"{', '.join(ESTIMATOR_OPTIONS)} and runs any other registered estimator with the default recipe"
         )
-    return tuple(dict.fromkeys(names))
+    for name in names:
+        if name not in ESTIMATOR_OPTIONS and _default_recipe_fails(name):
+            raise UsageError(
+                f"estimator {name} cannot run with the default recipe ({_default_recipe_fails(name)}); "
+                "give it a recipe in verl_ext.apps.learning.ESTIMATOR_OPTIONS"
+            )
+    return names
+
+
+def _default_recipe_fails(name: str) -> str | None:
+    """Why estimator ``name`` cannot run without options of its own (one it requires); None if it can."""
+    from verl_ext import registry
+
+    try:
+        registry.get(name).settings({})
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def critics(estimator: str, control: bool) -> tuple[str, ...]:
+    """The critics ``estimator`` runs with: none when its registry entry needs none, else the
+    pretrained one (and, with ``control``, a fresh one)."""
+    from verl_ext import registry
+
+    if not registry.get(estimator).needs_critic:
+        return ("none",)
+    return ("pretrained", "fresh") if control else ("pretrained",)
+
+
+def recipe(estimator: str) -> list[str]:
+    """The options ``estimator`` runs with: its own recipe, else none (the default recipe), as
+    :func:`verl_ext.apps.learning.learning_overrides` applies them."""
+    return ESTIMATOR_OPTIONS.get(estimator, [])
 
 
 def run_study(
@@ -83,12 +133,7 @@ def run_study(
     Each run trains on one thread (:mod:`verl_ext.apps.learning`): on a 2-core machine two jobs
     finish the study in little more than half the time of one.
     """
-    runs = [
-        (estimator, critic, seed)
-        for estimator in estimators
-        for critic in (("none",) if estimator in CRITIC_FREE else ("pretrained", "fresh") if control else ("pretrained",))
-        for seed in range(seeds)
-    ]
+    runs = [(estimator, critic, seed) for estimator in estimators for critic in critics(estimator, control) for seed in range(seeds)]
     results: list[RunResult] = []
     started = time.monotonic()
     print(
@@ -225,7 +270,7 @@ def summary_markdown(results: list[RunResult], settings: StudySettings) -> str:
         f"{settings.steps} PPO steps per run, {PROMPTS_PER_STEP} prompts × {SAMPLES_PER_PROMPT} responses per step; "
         f"held-out accuracy from verl's validation (60 prompts × {VAL_SAMPLES} samples at temperature 1) "
         f"every {settings.test_freq} steps. Options: "
-        + "; ".join(f"{name} {' '.join(_option(o) for o in opts) or '(none)'}" for name, opts in ESTIMATOR_OPTIONS.items())
+        + "; ".join(f"{name} {' '.join(_option(o) for o in recipe(name)) or '(none)'}" for name in _recipe_names(results))
         + ".",
         "",
         f"| estimator | critic | runs | held-out acc before | after | steps to ≥ {settings.threshold:g} | critic explained var (last 10 steps) | EV after the verdict (last 10 steps) | verdict share of Σ\\|A\\| | s per run |",
@@ -240,6 +285,11 @@ def summary_markdown(results: list[RunResult], settings: StudySettings) -> str:
     if failed:
         lines += ["", f"Failed runs: {', '.join(failed)}."]
     return "\n".join(lines) + "\n"
+
+
+def _recipe_names(results: list[RunResult]) -> tuple[str, ...]:
+    """The estimators whose options the summary lists: every one with a recipe, then the others studied."""
+    return tuple(dict.fromkeys((*ESTIMATOR_OPTIONS, *(r.estimator for r in results))))
 
 
 def learning_curves(results: list[RunResult]):

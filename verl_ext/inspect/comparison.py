@@ -2,9 +2,10 @@
 
 Nothing is retrained: every estimator of :mod:`verl_ext.registry` runs on the step's ``reward`` and
 ``value`` columns (float64, the code path of training), so the differences are the estimators'
-alone. Compared: ``mc``, ``td0``, ``nstep<n>``, ``gae<λ>`` for a few λ, and the run's own estimator
-(under its own label when it is none of those). All numbers are raw advantages (before whitening),
-on valid tokens:
+alone. Compared: every registered estimator at the settings its entry asks for (``mc``, ``td0``,
+``nstep<n>``, ``gae<λ>`` for a few λ, then a user's estimator under its name at its options'
+defaults), and the run's own estimator at the run's settings (under its own label when it is none of
+those). All numbers are raw advantages (before whitening), on valid tokens:
 
 * the per-token table of one sample, one column per estimator;
 * per estimator: ``var_batch`` (variance over every valid token of the step), ``var_within_group``
@@ -49,36 +50,25 @@ class Comparison:
 
 
 def estimator_columns(algorithm: RecordedAlgorithm, n: int, lambdas: tuple[float, ...]) -> tuple[dict, list[str]]:
-    """label -> (registered estimator, settings); and notes on what could not be compared."""
+    """label -> (registered estimator, settings), every estimator of the registry at the settings its
+    entry asks for (``compared_at``, at the run's γ), then the run's own estimator at the run's
+    settings (in place of the column of the same label); and notes on what could not be compared."""
     from verl_ext import registry
 
-    gamma = algorithm.gamma
-    columns = {
-        "mc": (registry.get("mc"), {"gamma": gamma}),
-        "td0": (registry.get("td0"), {"gamma": gamma}),
-        f"nstep{n}": (registry.get("nstep"), {"gamma": gamma, "n_step": n}),
-        **{f"gae{lam:g}": (registry.get("gae_ext"), {"gamma": gamma, "lam": lam}) for lam in lambdas},
-    }
-    columns = {label: (estimator, estimator.settings(settings)) for label, (estimator, settings) in columns.items()}
-    notes = []
+    columns, notes = {}, []
+    for estimator in registry.all_estimators():
+        for asked in estimator.compared_settings(n, lambdas):
+            try:
+                settings = estimator.settings({**asked, "gamma": algorithm.gamma})
+            except ValueError as exc:  # an option without a default, which compare cannot choose
+                notes.append(f"{estimator.name} is not compared: {exc}")
+                continue
+            columns[estimator.column_label(settings)] = (estimator, settings)
     if algorithm.recomputable:
-        label = _run_label(algorithm)
-        if label not in columns:
-            columns[label] = (algorithm.estimator, algorithm.settings)
+        columns[algorithm.estimator.column_label(algorithm.settings)] = (algorithm.estimator, algorithm.settings)
     else:
         notes.append(f"the run's own estimator is not compared: {algorithm.why_not}")
     return columns, notes
-
-
-def _run_label(algorithm: RecordedAlgorithm) -> str:
-    settings = algorithm.settings
-    if algorithm.name in ("mc", "td0"):
-        return algorithm.name
-    if algorithm.name == "nstep":
-        return f"nstep{settings['n_step']}"
-    if algorithm.name in ("gae", "gae_ext") and algorithm.returns_minus_values:
-        return f"gae{settings['lam'] if settings.get('lam_actor') is None else settings['lam_actor']:g}"
-    return algorithm.name
 
 
 def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tuple[float, ...] = DEFAULT_LAMBDAS, tokenizer=None) -> Comparison:

@@ -5,9 +5,9 @@
   token_index), masked interior positions included) back to verl's padded rows, in dense row groups,
   so that the estimators (which skip masked positions themselves) can recompute a step without ever
   holding the whole padded batch;
-* :class:`RecordedAlgorithm`: the run's estimator and settings, from ``_run.json``, resolved in
-  :mod:`verl_ext.registry` (verl's ``gae`` is verl-ext's ``gae_ext`` with one λ, always whitened;
-  other verl estimators build advantages from group statistics the trace does not hold);
+* :class:`RecordedAlgorithm`: the run's estimator and settings, from ``_run.json``, resolved by its
+  entry in :mod:`verl_ext.registry` (verl's own estimators too: ``gae`` is recomputed, always
+  whitened; ``grpo`` and the others build advantages from group statistics the trace does not hold);
 * :func:`as_trace`: every inspection function takes an open trace or a path to one.
 """
 
@@ -68,13 +68,11 @@ class RecordedAlgorithm:
         for key in ("gamma", "lam"):
             if not isinstance(algorithm.get(key, 1.0), (int, float)):
                 raise TraceError(f"run record: algorithm.{key} is {algorithm.get(key)!r}, expected a number")
-        if name == "gae":  # verl's GAE: one λ, advantages always whitened
-            estimator = registry.get("gae_ext")
-            settings = estimator.settings({"gamma": gamma, "lam": algorithm.get("lam", 1.0), "whiten_advantages": True})
-            return cls(name, float(gamma), estimator, settings, None, True, **kl)
-        if name not in registry.names() and algorithm.get("estimator_module"):
+        estimator = registry.lookup(name)
+        if estimator is None and algorithm.get("estimator_module"):
             _import_quietly(algorithm["estimator_module"])  # a user's estimator, registered on import
-        if name not in registry.names():
+            estimator = registry.lookup(name)
+        if estimator is None or not estimator.recomputable:
             module = algorithm.get("estimator_module")
             why = (
                 f"estimator {name!r} is not registered in this process (its module {module!r} did not import)"
@@ -82,7 +80,6 @@ class RecordedAlgorithm:
                 else f"verl's {name!r} estimator: its advantages come from statistics the trace does not hold"
             )
             return cls(name, float(gamma), None, None, why, None, **kl)
-        estimator = registry.get(name)
         try:
             settings = estimator.settings(algorithm)
         except ValueError as exc:
@@ -99,10 +96,8 @@ class RecordedAlgorithm:
         return self.estimator is not None and self.estimator.is_returns_minus_values(self.settings)
 
     def describe_estimator(self) -> str:
-        """``nstep(γ=0.99, n_step=3)``; verl's gae as ``gae(γ=…, λ=…)``; the bare name otherwise."""
-        if self.estimator is None:
-            return self.name
-        return self.name + self.estimator.describe(self.settings).removeprefix(self.estimator.name)
+        """``nstep(γ=0.99, n_step=3)``, ``gae(γ=1, λ=0.95)``; the bare name when not recomputable."""
+        return self.name if self.estimator is None else self.estimator.describe(self.settings)
 
     def describe(self) -> str:
         """One line: the estimator and the settings the identities depend on."""

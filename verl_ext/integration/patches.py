@@ -11,15 +11,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from enum import Enum
 from typing import Any, Callable
 
 logger = logging.getLogger("verl_ext")
-
-
-def estimator_name(adv_estimator: Any) -> str:
-    """verl passes a plain string or an ``AdvantageEstimator`` enum member."""
-    return adv_estimator.value if isinstance(adv_estimator, Enum) else str(adv_estimator)
 
 
 # --------------------------------------------------------------------------- advantages
@@ -59,13 +53,13 @@ def wrap_compute_advantage(original: Callable) -> Callable:
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         arguments = call.arguments
-        data, name = arguments["data"], estimator_name(arguments["adv_estimator"])
+        data, name = arguments["data"], registry.name_of(arguments["adv_estimator"])
         if name in registry.names():
             result = compute_registered_advantage(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
-            trace_hook.after_advantage(data, name, advantage_raw=result.advantage_raw)
+            trace_hook.after_advantage(data, advantage_raw=result.advantage_raw)
         else:
             data = original(*args, **kwargs)
-            trace_hook.after_advantage(data, name, advantage_raw=None)
+            trace_hook.after_advantage(data, advantage_raw=None)
         nonfinite_hook.after_advantage(data)  # after the capture: a traced step is kept when this raises
         return data
 

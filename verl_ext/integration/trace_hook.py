@@ -39,6 +39,9 @@ class _Session:
     kind: str  # "legacy" or "v1"
     writer: Any
     options: TraceOptions
+    #: verl computed the advantage with an estimator whose raw advantage is returns − values (verl's
+    #: GAE), so the trace can have the raw advantage that verl does not keep
+    raw_is_returns_minus_values: bool = False
     pending: dict = field(default_factory=dict)  # what earlier hooks of this step left for the capture
 
     @property
@@ -63,8 +66,10 @@ def session(trainer: Any, kind: str) -> Iterator[None]:
 
     record = run_record(trainer.config, kind, options)
     _say_where_a_cluster_writes(options.dir, record.node)
+    estimator, settings = _run_estimator(trainer.config.algorithm)
+    raw_from_returns = estimator is not None and estimator.is_returns_minus_values(settings)
     with TraceWriter(options, record) as writer:  # never hides fit()'s error
-        _active = _Session(trainer, kind, writer, options)
+        _active = _Session(trainer, kind, writer, options, raw_from_returns)
         try:
             yield
         finally:
@@ -109,12 +114,13 @@ def record_kl(data: Any, beta: float, kl_penalty: str) -> None:
     _active.pending.update(kl=kld * batch["response_mask"], kl_coef=float(beta))
 
 
-def after_advantage(data: Any, estimator: str, advantage_raw: torch.Tensor | None) -> None:
+def after_advantage(data: Any, advantage_raw: torch.Tensor | None) -> None:
+    """``advantage_raw``: what verl-ext's estimator computed; None when verl computed the advantage."""
     if _active is None or not _active.traces_current_step():
         return
     batch = data.batch
-    if advantage_raw is None and estimator == "gae":
-        advantage_raw = batch["returns"] - batch["values"]  # verl's GAE: returns = raw advantage + values
+    if advantage_raw is None and _active.raw_is_returns_minus_values:
+        advantage_raw = batch["returns"] - batch["values"]
     if _active.kind == "v1":
         _active.pending["advantage_raw"] = advantage_raw  # captured once V1 has stored its results
         return
@@ -131,10 +137,9 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
         return batch_meta
     import transfer_queue as tq
 
-    wanted = [
-        "uid", "prompts", "responses", "response_mask", "rm_scores", "token_level_rewards",
-        "values", "advantages", "returns", "old_log_probs", "ref_log_prob", "rollout_log_probs",
-    ]  # fmt: skip
+    from verl_ext.trace.schema import V1_COLUMNS
+
+    wanted = [column.v1_key for column in V1_COLUMNS]
     if not trainer.config.algorithm.use_kl_in_reward:
         wanted.remove("token_level_rewards")  # V1 stores rewards only when they differ from the scores
     if batch_meta.fields is not None:
@@ -142,8 +147,8 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
     stored = tq.kv_batch_get(keys=batch_meta.keys, partition_id=batch_meta.partition_id, select_fields=wanted)
     uid = stored.pop("uid").tolist()
     prompts = stored.pop("prompts")
-    tensors = {name: _padded(value) for name, value in stored.items()}
-    tensors["token_level_scores"] = tensors.pop("rm_scores")
+    # under verl's batch keys, which the capture reads (the scores are rm_scores in V1)
+    tensors = {column.verl_key: _padded(stored[column.v1_key]) for column in V1_COLUMNS if column.v1_key in stored.keys()}
     tensors.setdefault("token_level_rewards", tensors["token_level_scores"])
     tensors["prompts"] = _padded(prompts)  # right-padded here, unlike the legacy batch
     prompt_lengths = prompts.offsets().diff()
@@ -248,19 +253,19 @@ def run_record(config: Any, kind: str, options: TraceOptions):
 
     import verl_ext
     from verl_ext import registry
-    from verl_ext.integration.patches import estimator_name
     from verl_ext.trace.schema import RunRecord
 
     algorithm = config.algorithm
-    name = estimator_name(algorithm.adv_estimator)
+    name = registry.name_of(algorithm.adv_estimator)
     settings: dict[str, Any] = {"adv_estimator": name, "gamma": float(algorithm.gamma), "lam": float(algorithm.lam)}
-    if name in registry.names():
-        estimator = registry.get(name)
-        parsed = estimator.settings(algorithm)
-        settings |= {option.key: parsed[option.key] for option in estimator.all_options}
-        settings["estimator_module"] = estimator.module
+    estimator, parsed = _run_estimator(algorithm)
+    if estimator is None:
+        settings["whiten_advantages"] = None  # a verl estimator verl-ext knows nothing about
     else:
-        settings["whiten_advantages"] = True if name == "gae" else None  # verl's GAE always whitens
+        settings |= {option.key: parsed[option.key] for option in estimator.all_options}
+        settings["whiten_advantages"] = parsed["whiten_advantages"]
+        if not estimator.computed_by_verl:
+            settings["estimator_module"] = estimator.module  # what the checker imports to recompute it
     model = config.actor_rollout_ref.model
     return RunRecord(
         verl_ext_version=verl_ext.__version__,
@@ -282,6 +287,15 @@ def run_record(config: Any, kind: str, options: TraceOptions):
         host=socket.gethostname(),
         node=_ray_node(),
     )
+
+
+def _run_estimator(algorithm: Any):
+    """The registry's entry for the run's estimator and its settings; (None, None) for an estimator
+    verl-ext knows nothing about."""
+    from verl_ext import registry
+
+    estimator = registry.lookup(registry.name_of(algorithm.adv_estimator))
+    return (None, None) if estimator is None else (estimator, estimator.settings(algorithm))
 
 
 def update_settings(config: Any) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from verl_ext import registry
-from verl_ext.integration.patches import estimator_name
 from verl_ext.options import TraceOptions, nonfinite_mode
 
 
@@ -22,7 +21,7 @@ def known_estimator_names() -> set[str]:
 
 def critic_required(config: Any) -> bool:
     """True for a verl-ext estimator that needs the critic; an explicit ``critic.enable=False`` is an error."""
-    name = estimator_name(config.algorithm.adv_estimator)
+    name = registry.name_of(config.algorithm.adv_estimator)
     if name not in registry.names() or not registry.get(name).needs_critic:
         return False
     enable = (config.get("critic") or {}).get("enable", None)
@@ -40,7 +39,7 @@ def check_config(config: Any) -> None:
     """Estimator name, estimator options, trace options and verl_ext.nonfinite; raises ValueError naming
     key and value."""
     algorithm = config.get("algorithm") or {}
-    name = estimator_name(algorithm.get("adv_estimator"))
+    name = registry.name_of(algorithm.get("adv_estimator"))
     valid = known_estimator_names()
     if name not in valid:
         raise ValueError(

@@ -36,6 +36,7 @@ from verl_ext.trace.schema import (
     RunRecord,
     StepEntry,
     UpdateEntry,
+    added_after,
     layout_of,
 )
 
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
     import pandas
     import polars
 
-#: Columns added in schema version 2: read as null from a version-1 file.
-NEW_IN_VERSION_2 = frozenset({"rollout_log_prob", "response_length", "eos", "truncated"})
 
 
 def open_trace(path: str, *, filesystem=None) -> "Trace":
@@ -252,7 +251,7 @@ class Trace:
                 raise TraceError(f"{self.path}/{relative}: schema version {version.decode()} is not supported")
             expected = [name for name in schema.names if stores_step or name != "step"]
             missing = [name for name in expected if name not in parquet.schema_arrow.names]
-            absent = set(missing) & NEW_IN_VERSION_2 if version in (None, b"1") else set()
+            absent = set(missing) & added_after(int(version.decode()) if version is not None else 1)  # null in an older file
             if set(missing) - absent:
                 raise TraceError(f"{self.path}/{relative} lacks column(s) {', '.join(n for n in missing if n not in absent)}")
             if stores_step:

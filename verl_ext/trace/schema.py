@@ -160,7 +160,8 @@ def update_file(kind: str, step: int) -> str:
 
 @dataclass(frozen=True)
 class Column:
-    """One column of a trace table: its type, meaning, and the verl batch tensor it comes from."""
+    """One column of a trace table: its type, meaning, the verl batch tensor it comes from, and the
+    schema version it appeared in."""
 
     name: str
     type: pa.DataType
@@ -169,6 +170,15 @@ class Column:
     #: verl-ext computes it (raw advantage, kl) or it is not a per-token tensor.
     verl_key: str | None = None
     nullable: bool = True
+    #: The schema version that added the column: a file of an older version lacks it, and the reader
+    #: gives it as null.
+    since: int = 1
+    #: The field of the V1 trainer's TransferQueue the column is read from; by default ``verl_key``.
+    v1_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.v1_key is None:
+            object.__setattr__(self, "v1_key", self.verl_key)
 
     @property
     def field(self) -> pa.Field:
@@ -178,7 +188,7 @@ class Column:
 #: The token table's float columns: float32, null where the run has no such tensor (no critic:
 #: value; no reference policy: ref_log_prob; KL not in the reward: kl; …).
 FLOAT_COLUMNS = (
-    Column("score", pa.float32(), "task score s_t of token t (an outcome score sits on the last valid token)", "token_level_scores"),
+    Column("score", pa.float32(), "task score s_t of token t (an outcome score sits on the last valid token)", "token_level_scores", v1_key="rm_scores"),
     Column("reward", pa.float32(), "r_t = s_t − β·kl_t with KL in the reward, else s_t", "token_level_rewards"),
     Column("value", pa.float32(), "V(s_t): the critic's value of the state before token t", "values"),
     Column("return", pa.float32(), "the critic's regression target for V(s_t)", "returns"),
@@ -187,7 +197,7 @@ FLOAT_COLUMNS = (
     Column("old_log_prob", pa.float32(), "log π_old(y_t | s_t), the policy that generated the step", "old_log_probs"),
     Column("ref_log_prob", pa.float32(), "log π_ref(y_t | s_t) of the reference policy", "ref_log_prob"),
     Column("kl", pa.float32(), "kld_t = kl_penalty(old_log_prob, ref_log_prob), before β (KL in the reward only)"),
-    Column("rollout_log_prob", pa.float32(), "log-prob of y_t the rollout engine reported (train/inference mismatch: − old_log_prob)", "rollout_log_probs"),
+    Column("rollout_log_prob", pa.float32(), "log-prob of y_t the rollout engine reported (train/inference mismatch: − old_log_prob)", "rollout_log_probs", since=2),
 )  # fmt: skip
 FLOAT_COLUMN_NAMES = tuple(column.name for column in FLOAT_COLUMNS)
 
@@ -198,7 +208,7 @@ STEP_COLUMN = Column("step", pa.int64(), "the training step (verl's global_steps
 TOKEN_COLUMNS = (
     STEP_COLUMN,
     Column("sample", pa.int32(), "row of the sample in the trainer's batch", nullable=False),
-    Column("uid", pa.string(), "verl's prompt id: the samples of one prompt share it"),
+    Column("uid", pa.string(), "verl's prompt id: the samples of one prompt share it", v1_key="uid"),
     Column("token_index", pa.int32(), "t, the position in the response (0 = first response token)", nullable=False),
     Column("token_id", pa.int32(), "y_t, the response token", "responses"),
     Column("mask", pa.bool_(), "true on trainable tokens (response_mask)", "response_mask", nullable=False),
@@ -213,9 +223,9 @@ PROMPT_COLUMNS = (
     Column("sample", pa.int32(), "row of the sample in the trainer's batch", nullable=False),
     Column("uid", pa.string(), "verl's prompt id"),
     Column("prompt_token_ids", pa.list_(pa.int32()), "the prompt's token ids, without padding", "prompts"),
-    Column("response_length", pa.int32(), "L: last valid response position + 1 (0 without a valid token)"),
-    Column("eos", pa.bool_(), "the last valid token is an EOS token of the tokenizer"),
-    Column("truncated", pa.bool_(), "cut at max_response_length: the last valid token is at the last position and is not EOS"),
+    Column("response_length", pa.int32(), "L: last valid response position + 1 (0 without a valid token)", since=2),
+    Column("eos", pa.bool_(), "the last valid token is an EOS token of the tokenizer", since=2),
+    Column("truncated", pa.bool_(), "cut at max_response_length: the last valid token is at the last position and is not EOS", since=2),
 )
 PROMPT_SCHEMA = pa.schema([c.field for c in PROMPT_COLUMNS], metadata=_VERSION)
 
@@ -253,6 +263,16 @@ CRITIC_UPDATE_COLUMNS = (
     Column("vf_clipped", pa.bool_(), "the clipped square is the larger one (counted in critic/vf_clipfrac)"),
 )
 UPDATE_COLUMNS = {"actor": ACTOR_UPDATE_COLUMNS, "critic": CRITIC_UPDATE_COLUMNS}
+
+
+def added_after(version: int) -> frozenset[str]:
+    """Names of the token and prompt columns a file of schema ``version`` lacks (they appeared later).
+    The update tables appeared in version 2 with all their columns."""
+    return frozenset(column.name for column in (*TOKEN_COLUMNS, *PROMPT_COLUMNS) if column.since > version)
+
+
+#: The columns the V1 trainer's batch is read back with from TransferQueue (the prompts included).
+V1_COLUMNS = tuple(column for column in (*TOKEN_COLUMNS, *PROMPT_COLUMNS) if column.v1_key)
 #: Update tables, as stored and as every reader sees them.
 UPDATE_SCHEMAS = {kind: pa.schema([c.field for c in columns], metadata=_VERSION) for kind, columns in UPDATE_COLUMNS.items()}
 #: Footer key of an update file: its UpdateEntry as JSON.

@@ -21,7 +21,7 @@ import numpy as np
 
 from verl_ext.tasks.arith.assets import EOS, special_token_id, token_id
 from verl_ext.tasks.arith.task import VERDICT_MARK, verdict_index
-from verl_ext.inspect.comparison import DEFAULT_N, estimator_columns
+from verl_ext.inspect.comparison import DEFAULT_LAMBDAS, DEFAULT_N, estimator_columns
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData
 
@@ -68,17 +68,22 @@ def verdict_credit(trace, step: int) -> VerdictCredit:
     )
 
 
-def verdict_share_by_estimator(trace, step: int, labels: tuple[str, ...] = SIDE_BY_SIDE) -> dict[str, float]:
-    """label -> the verdict tokens' share of the step's Σ|raw advantage| under that estimator
-    (labels of :func:`verl_ext.inspect.comparison.estimator_columns`: ``mc``, ``td0``, ``gae0.95``, …),
-    re-estimated from the recorded rewards and values."""
+def verdict_share_by_estimator(
+    trace, step: int, labels: tuple[str, ...] | None = SIDE_BY_SIDE, lambdas: tuple[float, ...] = DEFAULT_LAMBDAS
+) -> dict[str, float]:
+    """label -> the verdict tokens' share of the step's Σ|raw advantage| under that estimator,
+    re-estimated from the recorded rewards and values, for ``labels`` among the columns of
+    :func:`verl_ext.inspect.comparison.estimator_columns` at ``lambdas`` (``mc``, ``td0``,
+    ``gae0.95``, a user's estimator by its name, …; None: all of them)."""
     algorithm = RecordedAlgorithm.from_record(trace.record)
-    lambdas = tuple(float(label[3:]) for label in labels if label.startswith("gae"))
     columns, _ = estimator_columns(algorithm, DEFAULT_N, lambdas)
+    unknown = [label for label in labels or () if label not in columns]
+    if unknown:
+        raise ValueError(f"no estimator column {', '.join(unknown)} at λ = {lambdas}; columns: {', '.join(columns)}")
     data = StepData.read(trace, step, ("reward", "value"))
     at_verdict = _verdict_index_per_token(trace, step, data) == _token_index(data)
     shares = {}
-    for label in labels:
+    for label in columns if labels is None else labels:
         estimator, settings = columns[label]
         magnitude = np.abs(data.estimate(estimator, settings)[1])
         shares[label] = float(magnitude[at_verdict].sum() / magnitude.sum()) if magnitude.sum() > 0 else float("nan")

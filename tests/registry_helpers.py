@@ -1,0 +1,16 @@
+"""A registry of this test's own: estimators a test registers are gone after it (the registry is
+process-global, and other tests list its names)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch):
+    """verl_ext.registry with copies of its tables and no listeners (nothing reaches verl's registry)."""
+    from verl_ext import registry
+
+    monkeypatch.setattr(registry, "_ESTIMATORS", dict(registry._ESTIMATORS))
+    monkeypatch.setattr(registry, "_LISTENERS", [])
+    return registry
