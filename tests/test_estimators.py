@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tests.reference as ref
+from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 from verl_ext import estimators as E
 from verl_ext import kernels, registry
 
@@ -415,6 +416,14 @@ def test_verls_estimators_are_described_not_registered():
     assert grpo.settings({"whiten_advantages": True})["whiten_advantages"] is None  # verl-ext cannot tell
     assert registry.lookup("rloo") is None
     assert registry.check_algorithm({"adv_estimator": "gae", "lam": 0.9}) is None  # verl's: nothing to parse
+
+
+def test_a_name_of_verl_means_verls_estimator_even_where_a_function_took_it(isolated_registry):
+    """Without the plugin (a checker's process) nothing refuses register_estimator("gae"); a trace of
+    gae is still verl's gae, as verl refuses the name to anyone else in a run."""
+    isolated_registry.register_estimator("gae")(lambda *a, **k: None)
+    assert isolated_registry.lookup("gae").computed_by_verl
+    assert isolated_registry.get("gae").fn is not None and isolated_registry.get("gae").verl_whitens
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -220,21 +219,16 @@ def _headless_matplotlib(what: str) -> None:
 def plot(args: argparse.Namespace) -> int:
     """PNG figures of a trace in an output directory."""
     _headless_matplotlib("plot")
-    from verl_ext.inspect.plots import PlotNote, save_plots
-    from verl_ext.inspect.table import decoder_for
+    from verl_ext.inspect.plots import save_plots_with_notes
 
     trace = _open_run(args.run)
-    decoder = decoder_for(trace, args.tokenizer)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PlotNote)
-        try:
-            paths = save_plots(trace, args.out, args.step, args.sample, decoder, _progress(args, "plot: scanning steps"))
-        except OSError as error:
-            raise UsageError(f"cannot write the figures to {args.out}: {error.strerror or error}") from None
-    notes = [str(w.message) for w in caught if issubclass(w.category, PlotNote)]
-    if not decoder.available:
-        notes.insert(0, f"{decoder.problem}; the heatmap shows token ids")
-    for message in dict.fromkeys(notes):  # each distinct note once
+    try:
+        paths, notes = save_plots_with_notes(
+            trace, args.out, args.step, args.sample, args.tokenizer, _progress(args, "plot: scanning steps")
+        )
+    except OSError as error:
+        raise UsageError(f"cannot write the figures to {args.out}: {error.strerror or error}") from None
+    for message in notes:
         print(f"note: {message}", file=sys.stderr)
     _emit("\n".join(map(str, paths)))
     return 0

@@ -13,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-
 # --------------------------------------------------------------------------- value parsers
 
 
@@ -82,7 +81,7 @@ WHITEN_ADVANTAGES = Option(
 )
 
 #: Every option verl-ext's built-in estimators read. Declared in configs/verl_ext_trainer.yaml with
-#: these defaults (tests/integration/test_verl_seam.py holds it to them); registered estimators may
+#: these defaults (tests/test_options.py holds it to them); registered estimators may
 #: declare more.
 ALGORITHM_OPTIONS = (N_STEP, LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA, WHITEN_ADVANTAGES)
 ALGORITHM_KEYS = {option.key: option.default for option in ALGORITHM_OPTIONS}
@@ -141,7 +140,7 @@ class TraceOptions:
     """Where and how often the per-token trace is written; ``dir=None`` means off.
 
     The fields are the keys of the ``verl_ext.trace`` node and their defaults (:data:`TRACE_KEYS`);
-    configs/verl_ext_trainer.yaml declares the same (tests/integration/test_verl_seam.py holds it to them).
+    configs/verl_ext_trainer.yaml declares the same (tests/test_options.py holds it to them).
     """
 
     dir: str | None = None

@@ -210,9 +210,11 @@ def name_of(adv_estimator: Any) -> str:
 
 
 def lookup(name: str) -> Estimator | None:
-    """The entry for ``name``: a verl-ext estimator, or one of verl's that verl-ext describes; None
-    for a name verl-ext knows nothing about."""
-    return _ESTIMATORS.get(name) or _VERL_ESTIMATORS.get(name)
+    """The entry for ``name``: one of verl's that verl-ext describes, or a verl-ext estimator; None
+    for a name verl-ext knows nothing about. verl's description wins: in a run, verl refuses to let
+    anyone else take its names, so a trace of ``gae`` is verl's gae even where a process without the
+    plugin registered a function under that name."""
+    return _VERL_ESTIMATORS.get(name) or _ESTIMATORS.get(name)
 
 
 def get(name: str) -> Estimator:

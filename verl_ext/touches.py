@@ -18,7 +18,6 @@ from __future__ import annotations
 from verl_ext.patching import Touch
 
 
-
 def declared_verl_range() -> str:
     """The verl versions verl-ext accepts, as a PEP 440 specifier: the ``verl`` requirement of
     setup.cfg, the one place it is written (read from the installed package's metadata, or from

@@ -139,6 +139,14 @@ def test_the_study_runs_the_recipes_then_every_registered_estimator_the_default_
         study_estimators("rloo")
 
 
+def test_a_module_that_does_not_import_is_a_usage_error(monkeypatch):
+    from verl_ext.apps.study import study_estimators
+
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "no_such_estimator_module")
+    with pytest.raises(UsageError, match="cannot import no_such_estimator_module \\(VERL_USE_EXTERNAL_MODULES\\)"):
+        study_estimators()
+
+
 def test_the_summary_lists_the_default_recipe_of_a_studied_estimator():
     from verl_ext.apps.study import RunResult, StudySettings, summary_markdown
 

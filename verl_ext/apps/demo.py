@@ -83,25 +83,27 @@ def _show(trace, step: int, sample: int) -> None:
     from verl_ext.inspect.stepdata import RecordedAlgorithm
     from verl_ext.inspect.table import decoder_for, sample_view
 
-    view = sample_view(trace, step, sample, decoder_for(trace))
+    decoder = decoder_for(trace)
+    view = sample_view(trace, step, sample, decoder)
+    if not decoder.available:
+        print(f"note: {decoder.problem}; tokens are shown as ids", file=sys.stderr)
     print("\n".join(view.header(RecordedAlgorithm.from_record(trace.record))) + "\n")
     print(render(view.table, "text"), flush=True)
 
 
 def _plot(trace, directory: Path, sample: int) -> None:
-    """What ``verl-ext plot TRACE --out DIRECTORY --sample SAMPLE`` writes and prints (notes included)."""
-    import warnings
+    """What ``verl-ext plot TRACE --out DIRECTORY --sample SAMPLE`` writes and prints; without
+    matplotlib a note instead (the rest of the demo does not need it)."""
+    try:
+        import matplotlib
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from verl_ext.inspect.plots import PlotNote, save_plots
-    from verl_ext.inspect.table import decoder_for
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PlotNote)
-        paths = save_plots(trace, directory, None, sample, decoder_for(trace))
-    for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, PlotNote)):
+        matplotlib.use("Agg")
+        from verl_ext.inspect.plots import save_plots_with_notes
+    except ImportError:
+        print("note: the plots need matplotlib: pip install 'verl-ext[plot]'", file=sys.stderr)
+        return
+    paths, notes = save_plots_with_notes(trace, directory, None, sample)
+    for message in notes:
         print(f"note: {message}", file=sys.stderr)
     print("\n".join(map(str, paths)), flush=True)
 
@@ -160,9 +162,9 @@ def _print_credit(trace, every: int = 10) -> int:
 def _print_side_by_side(trace, step: int, sample: int) -> None:
     """The verdict's share of Σ|raw A| under mc, GAE(0.95) and td0 on ``step`` (re-estimated from its
     recorded rewards and values), and ``sample`` token by token under each."""
-    from verl_ext.tasks.arith.credit import SIDE_BY_SIDE, verdict_positions, verdict_share_by_estimator
     from verl_ext.inspect.comparison import compare
     from verl_ext.inspect.render import render
+    from verl_ext.tasks.arith.credit import SIDE_BY_SIDE, verdict_positions, verdict_share_by_estimator
 
     late = trace.steps[-10:]
     shares = {late_step: verdict_share_by_estimator(trace, late_step) for late_step in late}

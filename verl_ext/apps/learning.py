@@ -68,8 +68,8 @@ def learning_overrides(
     micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
     (``data.train_batch_size`` and ``actor_rollout_ref.rollout.n`` in ``extra``), so that changing
     those alone gives a valid run."""
-    from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides, override_key
+    from verl_ext.tasks.arith.assets import build_assets
 
     given = {override_key(o): o.split("=", 1)[1] for o in extra if "=" in o}
     prompts = _positive_int(given, "data.train_batch_size", PROMPTS_PER_STEP)

@@ -39,7 +39,14 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_ext.apps.learning import ESTIMATOR_OPTIONS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, VAL_SAMPLES, read_metrics, validation_accuracy
+from verl_ext.apps.learning import (
+    ESTIMATOR_OPTIONS,
+    PROMPTS_PER_STEP,
+    SAMPLES_PER_PROMPT,
+    VAL_SAMPLES,
+    read_metrics,
+    validation_accuracy,
+)
 from verl_ext.errors import UsageError
 
 COLUMNS = ("estimator", "critic", "seed", "step", "val_acc", "score", "critic_explained_var", "ev_after_verdict", "verdict_share")
@@ -76,9 +83,11 @@ def study_estimators(text: str | None = None) -> tuple[str, ...]:
     """
     from verl_ext import registry
 
-    for module in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","):
-        if module.strip():
-            importlib.import_module(module.strip())
+    for module in filter(None, (m.strip() for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","))):
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise UsageError(f"cannot import {module} (VERL_USE_EXTERNAL_MODULES): {error}") from None
     if text is None:
         others = [e.name for e in registry.all_estimators() if e.name not in ESTIMATOR_OPTIONS and not _default_recipe_fails(e.name)]
         return (*ESTIMATOR_OPTIONS, *others)
@@ -90,9 +99,10 @@ def study_estimators(text: str | None = None) -> tuple[str, ...]:
             f"{', '.join(ESTIMATOR_OPTIONS)} and runs any other registered estimator with the default recipe"
         )
     for name in names:
-        if name not in ESTIMATOR_OPTIONS and _default_recipe_fails(name):
+        problem = None if name in ESTIMATOR_OPTIONS else _default_recipe_fails(name)
+        if problem:
             raise UsageError(
-                f"estimator {name} cannot run with the default recipe ({_default_recipe_fails(name)}); "
+                f"estimator {name} cannot run with the default recipe ({problem}); "
                 "give it a recipe in verl_ext.apps.learning.ESTIMATOR_OPTIONS"
             )
     return names

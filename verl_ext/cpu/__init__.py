@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import os
 
+from verl_ext.touches import CPU_VERL as SUPPORTED_VERL_VERSION
+
 #: The switch. Any of 1/true/yes (case-insensitive) turns the backend on.
 ENV_SWITCH = "VERL_EXT_CPU"
-from verl_ext.touches import CPU_VERL as SUPPORTED_VERL_VERSION
 PLATFORM_NAME = "cpu"
 ROLLOUT_NAME = "hf"
 

@@ -22,15 +22,14 @@ from verl_ext.cpu import CPU_PROCESS_ENV, ENV_SWITCH, ROLLOUT_NAME
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-#: Prompts are "<|user|>请问a+b=c？<|assistant|>" (at most 11 tokens).
-PROMPT_LENGTH = 16
 METRICS_FILE = "metrics.jsonl"
 
 
 class RunAssets(Protocol):
     """What a CPU run needs from a task: a model directory (weights and tokenizer), verl's
-    RLHFDataset parquet files and a reward function verl loads by path."""
+    RLHFDataset parquet files, a reward function verl loads by path, and the longest prompt."""
 
+    max_prompt_length: int
     model_dir: Path
     train_file: Path
     val_file: Path
@@ -73,11 +72,11 @@ def cpu_overrides(
     micro_batch = train_batch_size * rollout_n  # one micro-batch per step: fewest forward passes
     overrides = [
         f"algorithm.adv_estimator={estimator}",
-        # data: the generated arithmetic prompts
+        # data: the task's generated prompts
         f"data.train_files={assets.train_file}",
         f"data.val_files={assets.val_file}",
         f"data.train_batch_size={train_batch_size}",
-        f"data.max_prompt_length={PROMPT_LENGTH}",
+        f"data.max_prompt_length={assets.max_prompt_length}",
         f"data.max_response_length={response_length}",
         "data.dataloader_num_workers=0",  # no loader subprocesses on a 2-core machine
         f"data.seed={seed}",
@@ -114,7 +113,7 @@ def cpu_overrides(
         *_fp32("critic.fsdp"),
         f"critic.ppo_micro_batch_size_per_gpu={micro_batch}",
         "critic.optim.lr=1e-3",
-        # reward: the rule-based arithmetic reward, one reward-loop worker
+        # reward: the task's rule-based reward, one reward-loop worker
         f"reward.custom_reward_function.path={assets.reward_file}",
         f"reward.custom_reward_function.name={assets.reward_name}",
         "reward.num_workers=1",

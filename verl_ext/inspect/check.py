@@ -16,11 +16,11 @@ import pyarrow as pa
 
 from verl_ext.inspect import update
 from verl_ext.inspect.identities import IDENTITIES, RUN, TOKEN, UPDATE, Identity
-from verl_ext.inspect.results import IdentityResult, Location, StepResult, Violation, aggregate
+from verl_ext.inspect.results import IdentityResult, StepResult, aggregate
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.tokens import QUANTITIES, RunScope, TokenStep
 
-__all__ = ["IDENTITIES", "check_trace", "CheckReport", "IdentityResult", "Location", "StepResult", "Violation"]
+__all__ = ["check_trace", "CheckReport"]
 
 
 # --------------------------------------------------------------------------- the check
@@ -80,7 +80,10 @@ class CheckReport:
 
     def definition(self, identity: str) -> Identity:
         """The record of one of the report's identities (its section, what a violation counts)."""
-        return next(record for record in IDENTITIES if record.name == identity)
+        for record in IDENTITIES:
+            if record.name == identity:
+                return record
+        raise KeyError(f"{identity!r} is not a check identity")
 
     def to_arrow(self) -> pa.Table:
         """One row per (identity, step): status, counts, max abs error, first violation."""

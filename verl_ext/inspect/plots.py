@@ -430,6 +430,21 @@ def save_plots(
     return [out / name for name in built]
 
 
+def save_plots_with_notes(
+    trace, out_dir, step: int | None = None, sample: int = 0, tokenizer=None, progress: Progress | None = None
+) -> tuple[list[Path], list[str]]:
+    """:func:`save_plots`, and what a person should know about the figures (the :class:`PlotNote`
+    warnings, and a tokenizer that could not be loaded), each note once: (paths, notes)."""
+    decoder = decoder_for(trace, tokenizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlotNote)
+        paths = save_plots(trace, out_dir, step, sample, decoder, progress)
+    notes = [str(w.message) for w in caught if issubclass(w.category, PlotNote)]
+    if not decoder.available:
+        notes.insert(0, f"{decoder.problem}; the heatmap shows token ids")
+    return paths, list(dict.fromkeys(notes))
+
+
 # ---------------------------------------------------------------------- helpers
 
 

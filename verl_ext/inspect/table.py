@@ -35,6 +35,7 @@ from verl_ext.errors import UsageError, one_line
 from verl_ext.inspect.stepdata import RecordedAlgorithm, as_trace
 from verl_ext.trace.reader import listing
 
+
 @dataclass(frozen=True)
 class SampleView:
     """One sample of one step: its token table and decoded prompt and response."""

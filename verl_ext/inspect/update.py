@@ -116,6 +116,10 @@ class UpdateStep:
 
         return named
 
+    def log_ratio(self) -> np.ndarray:
+        """log_prob − old_log_prob clamped to ±20, as verl clamps it before exp (core_algos.py)."""
+        return np.clip(self.actor["log_prob"] - self.actor["old_log_prob"], -20.0, 20.0)
+
     def weighted_advantage(self) -> np.ndarray:
         """A·w: the advantage times the rollout weight verl multiplies into the loss term (1 without)."""
         weight = self.actor.get("is_weight")
@@ -202,7 +206,7 @@ def ratio(u: UpdateStep) -> Finding:
         return unavailable
     actor = u.actor
     recorded, advantage = actor["ratio"], actor["advantage"]
-    delta = np.clip(actor["log_prob"] - actor["old_log_prob"], -20.0, 20.0)
+    delta = u.log_ratio()
     findings = [compare(recorded, np.exp(delta), RATIO(recorded, delta), u.where(actor, "ratio"))]
     if u.loss_mode != "vanilla":
         return combine(findings, note=f"loss mode {u.loss_mode!r}: against the log-probs only (its loss is not vanilla PPO's)")
@@ -233,7 +237,7 @@ def pg_loss(u: UpdateStep) -> Finding:
         return Finding("skipped", note=f"loss mode {u.loss_mode!r}: only vanilla PPO's formula is checked")
     actor, low, high, c = u.actor, u.low, u.high, u.c
     advantage = actor["advantage"]
-    exact = np.exp(np.clip(actor["log_prob"] - actor["old_log_prob"], -20.0, 20.0))
+    exact = np.exp(u.log_ratio())
     l1 = np.maximum(-advantage * exact, -advantage * np.clip(exact, 1 - low, 1 + high))
     term = np.where(advantage < 0, np.minimum(l1, -advantage * c), l1)
     if actor.get("is_weight") is not None:
@@ -288,17 +292,19 @@ def update_metrics(u: UpdateStep) -> Finding:
         term = table["pg_loss"] if kind == "actor" else table["vf_loss"]
         largest = max(max((m.get("batch_num_tokens") or 0 for m in record.minibatches), default=0), 1)
         loss = (0.5 if kind == "critic" else 1.0) * _aggregate(table, term, record.minibatches, mode, settings.get("loss_scale_factor"))
-        values = {metrics[0]: (loss, AGGREGATE(largest, float(np.nanmax(np.abs(term))) if len(term) else 0.0))}
+        loss_key, clipfrac_key, *more = metrics
+        values = {loss_key: (loss, AGGREGATE(largest, float(np.nanmax(np.abs(term))) if len(term) else 0.0))}
         if kind == "actor":
+            clipfrac_lower_key, ppo_kl_key = more
             codes = table["clip"]
-            values[metrics[1]] = (_metric_mean(table, (codes == CLIP_LOW) | (codes == CLIP_HIGH), kind), ATOL)
-            values[metrics[2]] = (_metric_mean(table, codes == CLIP_DUAL, kind), ATOL)
+            values[clipfrac_key] = (_metric_mean(table, (codes == CLIP_LOW) | (codes == CLIP_HIGH), kind), ATOL)
+            values[clipfrac_lower_key] = (_metric_mean(table, codes == CLIP_DUAL, kind), ATOL)
             if u.loss_mode == "vanilla":  # verl's ppo_kl: the micro-batch mean of −clamp(Δlog-prob) = −log ratio
                 log_ratio = np.log(table["ratio"])
                 bound = AGGREGATE(largest, float(np.nanmax(np.abs(log_ratio))) if len(log_ratio) else 0.0)
-                values[metrics[3]] = (_metric_mean(table, -log_ratio, kind), bound)
+                values[ppo_kl_key] = (_metric_mean(table, -log_ratio, kind), bound)
         else:
-            values[metrics[1]] = (_metric_mean(table, table["vf_clipped"], kind), ATOL)
+            values[clipfrac_key] = (_metric_mean(table, table["vf_clipped"], kind), ATOL)
         for name, (value, tolerance) in values.items():
             if name in record.logged:
                 names.append(name)

@@ -31,6 +31,9 @@ import torch
 
 from verl_ext.trace.schema import CLIP_CODES, CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
+#: code -> name, to index with a column of codes
+_CLIP_NAMES = np.array(CLIP_CODES, dtype=object)
+
 #: (B,) int64 tensor in the batch: the sample's row in the trainer's batch (the token table's ``sample``).
 ROW_KEY = "verl_ext_row"
 #: Non-tensor values :func:`tagged_make_iterator` puts on each mini-batch.
@@ -144,7 +147,7 @@ def _report(kind: str, data, mask: torch.Tensor, columns: dict[str, torch.Tensor
         if tensor is None:
             continue
         values = tensor[row, token].cpu()
-        report_columns[name] = np.array(CLIP_CODES, dtype=object)[values.numpy()] if name == "clip" else values.numpy().astype(
+        report_columns[name] = _CLIP_NAMES[values.numpy()] if name == "clip" else values.numpy().astype(
             np.bool_ if tensor.dtype == torch.bool else np.float32
         )
     epoch, minibatch = int(tu.get(data, EPOCH_KEY, 0)), int(tu.get(data, MINIBATCH_KEY, 0))

@@ -64,10 +64,10 @@ import pyarrow as pa
 from verl_ext.errors import TraceError
 
 SCHEMA_VERSION = 3
-#: Schema versions this code reads. Version 1 (verl-ext 0.1) has no update tables, no
-#: rollout_log_prob column and no per-sample end flags: those read as null. Versions 1 and 2 name
-#: a step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+#: Schema versions this code reads: every one so far. A column missing from an older file (its
+#: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
+#: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
+READABLE_SCHEMA_VERSIONS = tuple(range(1, SCHEMA_VERSION + 1))
 
 RUN_RECORD = "_run.json"
 PROMPTS_DIR = "_prompts"

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from verl_ext.errors import UsageError
-from verl_ext.trace.schema import CLIP_CODES
+from verl_ext.trace.schema import CLIP_CODES, FLOAT_COLUMN_NAMES
 
 #: Token rows a page holds by default (about 30 MB): see the module docstring.
 DEFAULT_MAX_TOKENS = 200_000
@@ -143,8 +143,9 @@ def inline_json(data) -> str:
 
 def render_page(data: dict, title: str) -> str:
     """The HTML page: the viewer's style and script inline, ``data`` inline as JSON (with the clip
-    codes, so that the script names the update table's ``clip`` values as the schema does)."""
-    data = {**data, "clip_codes": list(CLIP_CODES)}
+    codes and the token table's float columns, so that the script names the update table's ``clip``
+    values and lists a token's numbers as the schema does)."""
+    data = {**data, "clip_codes": list(CLIP_CODES), "float_columns": list(FLOAT_COLUMN_NAMES)}
     nonce = secrets.token_urlsafe(18)
     connect = "'self'" if data.get("mode") == "served" else "'none'"  # a file page fetches nothing at all
     policy = f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; connect-src {connect}; img-src data:; base-uri 'none'; form-action 'none'"

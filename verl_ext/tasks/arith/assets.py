@@ -89,6 +89,8 @@ class CpuAssets:
     critic_dir: Path
     value_pretraining_report: Path
     reward_name: str = "compute_score"
+    #: Prompts are "<|user|>请问a+b=c？<|assistant|>" (at most 11 tokens).
+    max_prompt_length: int = 16
 
 
 def default_cache_dir() -> Path:

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verl_ext.tasks.arith.assets import EOS, special_token_id, token_id
-from verl_ext.tasks.arith.task import VERDICT_MARK, verdict_index
 from verl_ext.inspect.comparison import DEFAULT_LAMBDAS, DEFAULT_N, estimator_columns
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData
+from verl_ext.tasks.arith.assets import EOS, special_token_id, token_id
+from verl_ext.tasks.arith.task import VERDICT_MARK, verdict_index
 
 #: The estimators the demo sets side by side: λ = 0 (td0), the GAE in between, λ = 1 (mc).
 SIDE_BY_SIDE = ("mc", "gae0.95", "td0")

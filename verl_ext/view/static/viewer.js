@@ -16,9 +16,7 @@
     clipped: (s) => s.clipped,
     nonfinite: (s) => s.nonfinite,
   };
-  // Token-table columns, in the order the details panel lists them.
-  const COLUMNS = ["score", "reward", "kl", "value", "return", "advantage_raw", "advantage",
-    "old_log_prob", "ref_log_prob", "rollout_log_prob"];
+  const COLUMNS = DATA.float_columns;  // verl_ext.trace.schema's float columns: the details panel lists them
   const UPDATE_COLUMNS = ["minibatch", "log_prob", "ratio", "clip", "pg_loss", "entropy", "is_weight",
     "vpred", "vpred_clipped", "vf_loss", "vf_clipped"];
   // What a token can be coloured by. kind: column (token table), delta (td0's re-estimate), update
