@@ -1,16 +1,28 @@
-"""Fixtures shared by the whole test tree."""
+"""Fixtures shared by the whole test tree, and how the suite is spread over pytest-xdist workers."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
-from unittest import mock
 
-import pytest
+# One BLAS/OpenMP thread per process, set before numpy and torch are first imported (below) and
+# inherited by every interpreter the tests start. The suite runs as many processes as there are
+# cores (the xdist workers, verl's Ray workers, the runs' fresh interpreters); a second thread per
+# process then only contends for a core, and OpenBLAS/OpenMP threads that wait for a busy core spin:
+# on a busy 2-core machine a float64 np.convolve of 20k took 0.1 s with one thread and 0.6-35 s
+# with two. The tests assert the same things at any thread count. Set a variable to override.
+for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
 
-from tests.cpu import helpers
-from verl_ext import cli
+import fcntl  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.cpu import helpers  # noqa: E402
+from tests.cpu.helpers import RAY_GROUP  # noqa: E402
+from verl_ext import cli  # noqa: E402
 
 
 @pytest.fixture
@@ -33,8 +45,17 @@ def run_cli(capsys):
 CPU_TESTS = tuple(Path(__file__).parent / name for name in ("cpu", "tasks", "apps"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it appends them to the test ids)
 def pytest_collection_modifyitems(config, items):
-    """On a host with a CUDA GPU the CPU backend refuses to activate: skip its tests there."""
+    """On a host with a CUDA GPU the CPU backend refuses to activate: skip its tests there.
+
+    For pytest-xdist (``--dist loadgroup``, set in setup.cfg): a worker runs each group whole, so
+    a module's fixtures (a verl run read by all of the module's tests) run once. A test without
+    its own ``xdist_group`` mark is in its file's group. The tests marked ``xdist_group(RAY_GROUP)``
+    start a Ray cluster and run one after the other on one worker: a second cluster beside one
+    would race for the same ``/tmp/ray``, and ``ray.init()`` joins the cluster whose address a
+    ``ray.cluster_utils.Cluster`` wrote there (tests/e2e/test_multinode.py). That group is the
+    longest chain of the suite, so it goes first; the other groups keep their order."""
     import torch
 
     if torch.cuda.is_available():
@@ -42,6 +63,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if any(directory in Path(item.fspath).parents for directory in CPU_TESTS):
                 item.add_marker(skip)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != RAY_GROUP)  # stable
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core this process may use, at most 4 (the suite has a few long
+    groups; more workers would each import verl for little gain)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +87,15 @@ def assets_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def assets(assets_dir):
+    """The built assets. Under a lock beside the cache: when it is empty, one xdist worker builds
+    while the other waits, instead of both building (the cache publishes atomically either way, but
+    tests/tasks/test_assets.py asserts that no build is in progress once the assets are there)."""
     from verl_ext.tasks.arith.assets import build_assets
 
-    return build_assets(assets_dir)
+    assets_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(assets_dir.with_name(assets_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_assets(assets_dir)
 
 
 @pytest.fixture(scope="session")
