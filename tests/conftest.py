@@ -45,17 +45,8 @@ def run_cli(capsys):
 CPU_TESTS = tuple(Path(__file__).parent / name for name in ("cpu", "tasks", "apps"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it appends them to the test ids)
 def pytest_collection_modifyitems(config, items):
-    """On a host with a CUDA GPU the CPU backend refuses to activate: skip its tests there.
-
-    For pytest-xdist (``--dist loadgroup``, set in setup.cfg): a worker runs each group whole, so
-    a module's fixtures (a verl run read by all of the module's tests) run once. A test without
-    its own ``xdist_group`` mark is in its file's group. The tests marked ``xdist_group(RAY_GROUP)``
-    start a Ray cluster and run one after the other on one worker: a second cluster beside one
-    would race for the same ``/tmp/ray``, and ``ray.init()`` joins the cluster whose address a
-    ``ray.cluster_utils.Cluster`` wrote there (tests/e2e/test_multinode.py). That group is the
-    longest chain of the suite, so it goes first; the other groups keep their order."""
+    """On a host with a CUDA GPU the CPU backend refuses to activate: skip its tests there."""
     import torch
 
     if torch.cuda.is_available():
@@ -63,10 +54,44 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if any(directory in Path(item.fspath).parents for directory in CPU_TESTS):
                 item.add_marker(skip)
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != RAY_GROUP)  # stable
+    # The Ray group is the longest chain of the suite (see xdist_group): it starts first.
+    items.sort(key=lambda item: xdist_group(item) != RAY_GROUP)  # stable: the rest keep their order
+
+
+# --------------------------------------------------------------------------- the xdist workers (setup.cfg: -n auto)
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The group of ``item``: a pytest-xdist worker runs each group whole, so that a module's
+    fixtures (a verl run that all of the module's tests read) run once. A test's group is its
+    ``xdist_group`` mark, else its file.
+
+    The tests marked ``xdist_group(RAY_GROUP)`` start a Ray cluster; in one group they run one
+    after the other: a second cluster beside one would share ``/tmp/ray``, and a plain
+    ``ray.init()`` joins the cluster whose address ``ray.cluster_utils.Cluster`` wrote there
+    (tests/e2e/test_multinode.py)."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return item.nodeid.split("::")[0]
+    return str(mark.args[0] if mark.args else mark.kwargs["name"])
+
+
+@pytest.hookimpl(tryfirst=True)  # before the worker sends its collection to the controller
+def pytest_collection_finish(session):
+    """``--dist loadgroup`` keeps the tests whose ids end in the same ``@group`` on one worker.
+    pytest-xdist 3.8 appends that suffix to ``item._nodeid``, which pytest 9.2 no longer reads
+    (it keeps the id in ``item._id``), so each test would be a group of its own: the suffix is
+    written here, on each worker, for every test, the unmarked ones with their file's group."""
+    if not getattr(session.config.option, "loadgroup", False):  # not a worker of --dist loadgroup
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in session.items:
+        suffix = f"@{xdist_group(item)}"
+        if not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
+        if not item.nodeid.endswith(suffix):
+            raise pytest.UsageError(f"cannot group {item.nodeid} for pytest-xdist; run with -n 0")
 
 
 def pytest_xdist_auto_num_workers(config):
