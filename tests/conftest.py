@@ -84,12 +84,16 @@ def pytest_collection_finish(session):
     written here, on each worker, for every test, the unmarked ones with their file's group."""
     if not getattr(session.config.option, "loadgroup", False):  # not a worker of --dist loadgroup
         return
-    from _pytest.nodeid import NodeId
-
     for item in session.items:
         suffix = f"@{xdist_group(item)}"
-        if not item.nodeid.endswith(suffix):
+        if item.nodeid.endswith(suffix):
+            continue
+        if hasattr(item, "_id"):  # pytest >= 9.2
+            from _pytest.nodeid import NodeId
+
             item._id = NodeId.parse(item.nodeid + suffix)
+        else:
+            item._nodeid = item.nodeid + suffix
         if not item.nodeid.endswith(suffix):
             raise pytest.UsageError(f"cannot group {item.nodeid} for pytest-xdist; run with -n 0")
 
