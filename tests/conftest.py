@@ -100,7 +100,10 @@ def pytest_collection_finish(session):
 
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per core this process may use, at most 4 (the suite has a few long
-    groups; more workers would each import verl for little gain)."""
+    groups; more workers would each import verl for little gain). $PYTEST_XDIST_AUTO_NUM_WORKERS
+    still decides when set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 

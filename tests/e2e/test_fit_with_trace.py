@@ -80,32 +80,17 @@ def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int 
     return out
 
 
-def fit_group(estimator: str):
-    """One pytest-xdist group per estimator: its run and the tests that read it stay on one worker,
-    and the estimators' runs spread over the workers."""
-    return pytest.mark.xdist_group(f"fit_with_trace-{estimator}")
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``runs(estimator)``: that estimator's run, made when a test first asks for it and then kept for
-    the module, so that its tests and the planted-error tests (which edit a copy of mc's trace) read
-    one run."""
-    made: dict[str, Path] = {}
-
-    def get(estimator: str) -> Path:
-        if estimator not in made:
-            rollout_n = 4 if estimator == "grpo" else 1
-            made[estimator] = scenario(tmp_path_factory, estimator, SCENARIO_OVERRIDES[estimator], rollout_n)
-        return made[estimator]
-
-    return get
+def fit_group(run: str):
+    """One pytest-xdist group per verl run of this module (an estimator's, the planted errors' one):
+    the run and the tests that read it stay on one worker, and the runs spread over the workers."""
+    return pytest.mark.xdist_group(f"fit_with_trace-{run}")
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=fit_group(name)) for name in SCENARIO_OVERRIDES])
-def finished_run(request, runs):
+def finished_run(request, tmp_path_factory):
     estimator = request.param
-    out = runs(estimator)
+    rollout_n = 4 if estimator == "grpo" else 1
+    out = scenario(tmp_path_factory, estimator, SCENARIO_OVERRIDES[estimator], rollout_n)
     return estimator, out, read_batches(out)
 
 
@@ -326,10 +311,8 @@ def test_update_reproduces_verls_logged_metrics(finished_run):
 
 
 @pytest.fixture(scope="module")
-def mc_trace(runs):
-    """The trace of mc's run (two steps, clean: test_check_passes); each planted-error test edits a
-    copy of its step 1."""
-    return runs("mc") / "trace"
+def one_step_run(tmp_path_factory):
+    return scenario(tmp_path_factory, "mc", [], steps=1) / "trace"
 
 
 PLANTS = {  # column of an update table -> the identity that must catch a change of it
@@ -351,9 +334,9 @@ PLANTS = {  # column of an update table -> the identity that must catch a change
 }
 
 
-@fit_group("mc")  # on the worker that made mc's run
+@fit_group("planted")  # one_step_run, once
 @pytest.mark.parametrize("plant", PLANTS, ids=lambda p: f"{p[0]}.{p[1]}")
-def test_a_planted_error_in_each_update_column_is_caught(mc_trace, tmp_path, plant):
+def test_a_planted_error_in_each_update_column_is_caught(one_step_run, tmp_path, plant):
     import shutil
 
     import pyarrow as pa
@@ -364,7 +347,7 @@ def test_a_planted_error_in_each_update_column_is_caught(mc_trace, tmp_path, pla
 
     kind, column = plant
     trace = tmp_path / "trace"
-    shutil.copytree(mc_trace, trace)
+    shutil.copytree(one_step_run, trace)
     path = trace / update_file(kind, 1)
     table = pq.read_table(path)
     values = table[column].to_pylist()
