@@ -29,7 +29,7 @@ for version in "${versions[@]}"; do
     fi
     if ! { "$venv/bin/python" -m pip install --quiet --upgrade pip &&
            { "$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install --quiet "$TORCH_SPEC"; } &&
-           "$venv/bin/python" -m pip install --quiet "verl==$version" "${extras[@]}" pytest hypothesis &&
+           "$venv/bin/python" -m pip install --quiet "verl==$version" "${extras[@]}" pytest pytest-xdist hypothesis &&
            "$venv/bin/python" -m pip install --quiet --no-deps -e .; } > "$venv/install.log" 2>&1; then
         summary+=("verl $version: INSTALL FAILED (see $venv/install.log)")
         continue

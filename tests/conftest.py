@@ -1,16 +1,28 @@
-"""Fixtures shared by the whole test tree."""
+"""Fixtures shared by the whole test tree, and how the suite is spread over pytest-xdist workers."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
-from unittest import mock
 
-import pytest
+# One BLAS/OpenMP thread per process, set before numpy and torch are first imported (below) and
+# inherited by every interpreter the tests start. The suite runs as many processes as there are
+# cores (the xdist workers, verl's Ray workers, the runs' fresh interpreters); a second thread per
+# process then only contends for a core, and OpenBLAS/OpenMP threads that wait for a busy core spin:
+# on a busy 2-core machine a float64 np.convolve of 20k took 0.1 s with one thread and 0.6-35 s
+# with two. The tests assert the same things at any thread count. Set a variable to override.
+for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
 
-from tests.cpu import helpers
-from verl_ext import cli
+import fcntl  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.cpu import helpers  # noqa: E402
+from tests.cpu.helpers import RAY_GROUP  # noqa: E402
+from verl_ext import cli  # noqa: E402
 
 
 @pytest.fixture
@@ -42,6 +54,57 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if any(directory in Path(item.fspath).parents for directory in CPU_TESTS):
                 item.add_marker(skip)
+    # The Ray group is the longest chain of the suite (see xdist_group): it starts first.
+    items.sort(key=lambda item: xdist_group(item) != RAY_GROUP)  # stable: the rest keep their order
+
+
+# --------------------------------------------------------------------------- the xdist workers (setup.cfg: -n auto)
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The group of ``item``: a pytest-xdist worker runs each group whole, so that a module's
+    fixtures (a verl run that all of the module's tests read) run once. A test's group is its
+    ``xdist_group`` mark, else its file.
+
+    The tests marked ``xdist_group(RAY_GROUP)`` start a Ray cluster; in one group they run one
+    after the other: a second cluster beside one would share ``/tmp/ray``, and a plain
+    ``ray.init()`` joins the cluster whose address ``ray.cluster_utils.Cluster`` wrote there
+    (tests/e2e/test_multinode.py)."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return item.nodeid.split("::")[0]
+    return str(mark.args[0] if mark.args else mark.kwargs["name"])
+
+
+@pytest.hookimpl(tryfirst=True)  # before the worker sends its collection to the controller
+def pytest_collection_finish(session):
+    """``--dist loadgroup`` keeps the tests whose ids end in the same ``@group`` on one worker.
+    pytest-xdist 3.8 appends that suffix to ``item._nodeid``, which pytest 9.2 no longer reads
+    (it keeps the id in ``item._id``), so each test would be a group of its own: the suffix is
+    written here, on each worker, for every test, the unmarked ones with their file's group."""
+    if not getattr(session.config.option, "loadgroup", False):  # not a worker of --dist loadgroup
+        return
+    for item in session.items:
+        suffix = f"@{xdist_group(item)}"
+        if item.nodeid.endswith(suffix):
+            continue
+        if hasattr(item, "_id"):  # pytest >= 9.2
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(item.nodeid + suffix)
+        else:
+            item._nodeid = item.nodeid + suffix
+        if not item.nodeid.endswith(suffix):
+            raise pytest.UsageError(f"cannot group {item.nodeid} for pytest-xdist; run with -n 0")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core this process may use, at most 4 (the suite has a few long
+    groups; more workers would each import verl for little gain). $PYTEST_XDIST_AUTO_NUM_WORKERS
+    still decides when set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +119,15 @@ def assets_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def assets(assets_dir):
+    """The built assets. Under a lock beside the cache: when it is empty, one xdist worker builds
+    while the other waits, instead of both building (the cache publishes atomically either way, but
+    tests/tasks/test_assets.py asserts that no build is in progress once the assets are there)."""
     from verl_ext.tasks.arith.assets import build_assets
 
-    return build_assets(assets_dir)
+    assets_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(assets_dir.with_name(assets_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_assets(assets_dir)
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("gsm8k_*.sh") if p.name != "gsm8k_common.sh")
 
 
-@pytest.fixture(scope="module")
-def assets():
-    from verl_ext.tasks.arith.assets import build_assets
-
-    return build_assets()  # the cache the other tests share
-
-
 def recipe_overrides(recipe: Path, assets, trace_root: Path) -> list[str]:
     env = {
         **os.environ,

@@ -11,6 +11,10 @@ import pytest
 SCENARIOS = Path(__file__).with_name("scenarios.py")
 CONFIGS = Path(__file__).resolve().parents[2] / "verl_ext" / "configs"
 
+#: The ``xdist_group`` of the tests that start a Ray cluster: they run one after the other on one
+#: pytest-xdist worker (why: tests/conftest.py, ``pytest_collection_modifyitems``).
+RAY_GROUP = "ray"
+
 
 def run(command: list[str], env: dict[str, str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     """Run ``command`` (its output is kept in ``cwd/output.log``); on failure show the end of it."""

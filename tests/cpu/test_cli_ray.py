@@ -7,10 +7,14 @@ import os
 import sys
 from pathlib import Path
 
-from tests.cpu.helpers import run
+import pytest
+
+from tests.cpu.helpers import RAY_GROUP, run
 from verl_ext.tasks.arith.assets import DATA_SOURCE
 from verl_ext.apps.learning import read_metrics
 from verl_ext.cpu.overrides import cpu_overrides
+
+pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
 

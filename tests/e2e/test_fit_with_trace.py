@@ -80,7 +80,13 @@ def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int 
     return out
 
 
-@pytest.fixture(scope="module", params=list(SCENARIO_OVERRIDES))
+def fit_group(run: str):
+    """One pytest-xdist group per verl run of this module (an estimator's, the planted errors' one):
+    the run and the tests that read it stay on one worker, and the runs spread over the workers."""
+    return pytest.mark.xdist_group(f"fit_with_trace-{run}")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=fit_group(name)) for name in SCENARIO_OVERRIDES])
 def finished_run(request, tmp_path_factory):
     estimator = request.param
     rollout_n = 4 if estimator == "grpo" else 1
@@ -328,6 +334,7 @@ PLANTS = {  # column of an update table -> the identity that must catch a change
 }
 
 
+@fit_group("planted")  # one_step_run, once
 @pytest.mark.parametrize("plant", PLANTS, ids=lambda p: f"{p[0]}.{p[1]}")
 def test_a_planted_error_in_each_update_column_is_caught(one_step_run, tmp_path, plant):
     import shutil

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.cpu.helpers import RAY_GROUP
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +37,7 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def multinode_run(cluster, tmp_path_factory):
-    from verl_ext.tasks.arith.assets import build_assets
+def multinode_run(cluster, tmp_path_factory, assets):
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
     from tests.cpu.helpers import main_ppo_with_verl_ext_config
@@ -45,7 +47,7 @@ def multinode_run(cluster, tmp_path_factory):
     probes = out / "probes"
     probes.mkdir()
     overrides = merge_overrides(
-        cpu_overrides(build_assets(), out, steps=2, estimator="mc", ray_address=ray_cluster.address),
+        cpu_overrides(assets, out, steps=2, estimator="mc", ray_address=ray_cluster.address),
         [
             f"verl_ext.trace.dir={out / 'trace'}",
             "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=tests.e2e.activation_probe",

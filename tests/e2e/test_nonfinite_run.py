@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.cpu.helpers import CONFIGS, SCENARIOS, read_batches
+from tests.cpu.helpers import CONFIGS, RAY_GROUP, SCENARIOS, read_batches
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(
-    __import__("torch").cuda.is_available(), reason="verl-ext's CPU backend refuses to run on a host with a CUDA GPU"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="verl-ext's CPU backend refuses to run on a host with a CUDA GPU"
+    ),
+    pytest.mark.usefixtures("assets"),  # built once, under the suite's lock (tests/conftest.py)
+]
 
 
 def run_with_nan(out: Path, mode: str) -> subprocess.CompletedProcess:
@@ -100,6 +103,7 @@ def run_v1_with_nan(out: Path, mode: str, steps: int) -> subprocess.CompletedPro
     return result
 
 
+@pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
 def test_v1_raise_stops_the_run_with_that_line_before_the_update(tmp_path):
     out = tmp_path / "v1"
     result = run_v1_with_nan(out, "raise", steps=2)

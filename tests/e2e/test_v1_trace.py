@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cpu.helpers import RAY_GROUP
+
+pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
-def v1_run(tmp_path_factory):
-    from verl_ext.tasks.arith.assets import build_assets
+def v1_run(tmp_path_factory, assets):
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
     from tests.cpu.helpers import main_ppo_with_verl_ext_config
@@ -27,7 +30,7 @@ def v1_run(tmp_path_factory):
     capture.mkdir()
     user = user_module_env(out)
     overrides = merge_overrides(
-        cpu_overrides(build_assets(), out, steps=2, estimator="td_half", use_v1=True),
+        cpu_overrides(assets, out, steps=2, estimator="td_half", use_v1=True),
         [
             "algorithm.use_kl_in_reward=True",
             "algorithm.kl_ctrl.kl_coef=0.05",

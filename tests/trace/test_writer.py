@@ -176,9 +176,12 @@ def test_failed_write_warns_and_training_goes_on(hooked_url):
 
 
 def test_failed_write_raises_at_the_next_submit(hooked_url):
-    fail, gate = fail_writes_to("step-2/part-0.parquet"), Gate("step-3/part-0.parquet")
+    # step 2's write waits at its own gate until step 3 is submitted: on a busy machine the
+    # writer thread could otherwise fail step 2 before submit(3), which would then raise
+    held, fail, gate = Gate("step-2/part-0.parquet"), fail_writes_to("step-2/part-0.parquet"), Gate("step-3/part-0.parquet")
 
     def hook(path):
+        held(path)
         fail(path)
         gate(path)
 
@@ -187,6 +190,7 @@ def test_failed_write_raises_at_the_next_submit(hooked_url):
     writer.submit(make_capture(1))
     writer.submit(make_capture(2))
     writer.submit(make_capture(3))
+    held.open()
     assert gate.reached.wait(10)  # step 2 has failed: the thread is at step 3 now
     with pytest.raises(TraceError, match=r"writing step 2 of the trace to .* failed: disk full") as error:
         writer.submit(make_capture(4))
