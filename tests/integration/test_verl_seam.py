@@ -217,7 +217,7 @@ PROBE = (
     "loaded = 'verl_ext.integration.plugin' in sys.modules; "
     "from verl.trainer.ppo import core_algos; "
     "print(loaded, sorted(set(core_algos.ADV_ESTIMATOR_REGISTRY) & {'mc', 'td0', 'nstep', 'gae_ext'}), "
-    "sorted(m for m in sys.modules if m.split('.')[:2] in (['verl_ext', 'cpu'], ['verl_ext', 'tasks'], ['verl_ext', 'apps']))))"
+    "sorted(m for m in sys.modules if m.split('.')[:2] in (['verl_ext', 'cpu'], ['verl_ext', 'tasks'], ['verl_ext', 'apps'])))"
 )
 
 
