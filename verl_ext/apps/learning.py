@@ -51,6 +51,12 @@ ESTIMATOR_OPTIONS: dict[str, list[str]] = {
 }
 
 
+def recipe(estimator: str) -> list[str]:
+    """The options ``estimator`` runs with: its own (:data:`ESTIMATOR_OPTIONS`), else none (the
+    default recipe: its options at their defaults)."""
+    return ESTIMATOR_OPTIONS.get(estimator, [])
+
+
 def learning_overrides(
     output_dir: str | os.PathLike,
     estimator: str,
@@ -87,7 +93,7 @@ def learning_overrides(
         use_ray=False,
         seed=seed,
     )
-    recipe = [
+    settings = [
         "actor_rollout_ref.actor.optim.lr=3e-4",
         "actor_rollout_ref.actor.optim.lr_warmup_steps=5",  # Adam's first steps are large: ramp up
         "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",  # then decay, to 0.1 at the last step
@@ -106,8 +112,8 @@ def learning_overrides(
         "trainer.logger=[console,file]",
     ]
     if pretrained_critic:  # else the warm start with a fresh value head, at cpu_overrides' lr 1e-3
-        recipe += [f"critic.model.path={assets.critic_dir}", f"critic.optim.lr={CRITIC_LR}"]
-    return merge_overrides(base, recipe, ESTIMATOR_OPTIONS.get(estimator, []), list(extra))
+        settings += [f"critic.model.path={assets.critic_dir}", f"critic.optim.lr={CRITIC_LR}"]
+    return merge_overrides(base, settings, recipe(estimator), list(extra))
 
 
 def _positive_int(given: dict[str, str], key: str, default: int) -> int:

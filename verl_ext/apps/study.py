@@ -45,6 +45,7 @@ from verl_ext.apps.learning import (
     SAMPLES_PER_PROMPT,
     VAL_SAMPLES,
     read_metrics,
+    recipe,
     validation_accuracy,
 )
 from verl_ext.errors import UsageError
@@ -127,12 +128,6 @@ def critics(estimator: str, control: bool) -> tuple[str, ...]:
     if not registry.get(estimator).needs_critic:
         return ("none",)
     return ("pretrained", "fresh") if control else ("pretrained",)
-
-
-def recipe(estimator: str) -> list[str]:
-    """The options ``estimator`` runs with: its own recipe, else none (the default recipe), as
-    :func:`verl_ext.apps.learning.learning_overrides` applies them."""
-    return ESTIMATOR_OPTIONS.get(estimator, [])
 
 
 def run_study(

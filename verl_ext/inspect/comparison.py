@@ -122,11 +122,21 @@ def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tupl
 
 
 def step_estimates(
-    data: StepData, algorithm: RecordedAlgorithm, n: int = DEFAULT_N, lambdas: tuple[float, ...] = DEFAULT_LAMBDAS
+    data: StepData,
+    algorithm: RecordedAlgorithm,
+    n: int = DEFAULT_N,
+    lambdas: tuple[float, ...] = DEFAULT_LAMBDAS,
+    labels: tuple[str, ...] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """label -> raw advantage (float64) at the valid tokens of ``data`` (which holds ``reward`` and
-    ``value``), one entry per estimator of :func:`estimator_columns`; and notes on what was left out."""
+    ``value``), one entry per estimator of :func:`estimator_columns`, or per one of ``labels`` in
+    that order (ValueError for a label that is not a column); and notes on what was left out."""
     columns, notes = estimator_columns(algorithm, n, tuple(lambdas))
+    if labels is not None:
+        unknown = [label for label in labels if label not in columns]
+        if unknown:
+            raise ValueError(f"no estimator column {', '.join(unknown)} at λ = {lambdas}; columns: {', '.join(columns)}")
+        columns = {label: columns[label] for label in labels}
     return {label: data.estimate(estimator, settings)[1] for label, (estimator, settings) in columns.items()}, notes
 
 

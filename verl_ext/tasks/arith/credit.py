@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verl_ext.inspect.comparison import DEFAULT_LAMBDAS, DEFAULT_N, estimator_columns
+from verl_ext.inspect.comparison import DEFAULT_LAMBDAS, DEFAULT_N, step_estimates
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData
 from verl_ext.tasks.arith.assets import EOS, special_token_id, token_id
@@ -73,19 +73,14 @@ def verdict_share_by_estimator(
 ) -> dict[str, float]:
     """label -> the verdict tokens' share of the step's Σ|raw advantage| under that estimator,
     re-estimated from the recorded rewards and values, for ``labels`` among the columns of
-    :func:`verl_ext.inspect.comparison.estimator_columns` at ``lambdas`` (``mc``, ``td0``,
+    :func:`verl_ext.inspect.comparison.step_estimates` at ``lambdas`` (``mc``, ``td0``,
     ``gae0.95``, a user's estimator by its name, …; None: all of them)."""
-    algorithm = RecordedAlgorithm.from_record(trace.record)
-    columns, _ = estimator_columns(algorithm, DEFAULT_N, lambdas)
-    unknown = [label for label in labels or () if label not in columns]
-    if unknown:
-        raise ValueError(f"no estimator column {', '.join(unknown)} at λ = {lambdas}; columns: {', '.join(columns)}")
     data = StepData.read(trace, step, ("reward", "value"))
+    estimates, _ = step_estimates(data, RecordedAlgorithm.from_record(trace.record), DEFAULT_N, lambdas, labels)
     at_verdict = _verdict_index_per_token(trace, step, data) == _token_index(data)
     shares = {}
-    for label in columns if labels is None else labels:
-        estimator, settings = columns[label]
-        magnitude = np.abs(data.estimate(estimator, settings)[1])
+    for label, raw in estimates.items():
+        magnitude = np.abs(raw)
         shares[label] = float(magnitude[at_verdict].sum() / magnitude.sum()) if magnitude.sum() > 0 else float("nan")
     return shares
 
