@@ -13,7 +13,6 @@ import os
 for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
-import fcntl  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -119,15 +118,10 @@ def assets_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def assets(assets_dir):
-    """The built assets. Under a lock beside the cache: when it is empty, one xdist worker builds
-    while the other waits, instead of both building (the cache publishes atomically either way, but
-    tests/tasks/test_assets.py asserts that no build is in progress once the assets are there)."""
+    """The built assets (when the cache is empty, one xdist worker builds while the other waits)."""
     from verl_ext.tasks.arith.assets import build_assets
 
-    assets_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(assets_dir.with_name(assets_dir.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return build_assets(assets_dir)
+    return build_assets(assets_dir)
 
 
 @pytest.fixture(scope="session")

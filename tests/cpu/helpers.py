@@ -32,6 +32,22 @@ def main_ppo_with_verl_ext_config(overrides: list[str], env: dict[str, str], cwd
     return run([*command, *overrides], env, cwd, timeout=600)
 
 
+def assert_trained(metrics: dict[int, dict], steps: int) -> None:
+    """verl's metrics (``read_metrics``) of a run that validated first, then trained ``steps`` steps
+    with a critic: values, losses and both gradients at every step."""
+    import math
+
+    from verl_ext.tasks.arith.assets import DATA_SOURCE
+
+    assert sorted(metrics) == list(range(steps + 1))  # step 0: validation before training
+    assert f"val-core/{DATA_SOURCE}/acc/mean@1" in metrics[0]  # the reward's acc, validated once per prompt
+    for step in range(1, steps + 1):
+        data = metrics[step]
+        assert math.isfinite(data["critic/values/mean"]) and math.isfinite(data["critic/vf_loss"])
+        assert data["actor/grad_norm"] > 0 and data["critic/grad_norm"] > 0
+        assert 0.0 <= data["critic/score/mean"] <= 1.0
+
+
 def read_batches(output_dir: Path) -> dict:
     """What the in-process scenario recorded: ``{"steps": {step: tensors}, "gamma": .., "lam": ..}``."""
     import torch

@@ -7,7 +7,7 @@ process-global). Usage::
     python tests/cpu/scenarios.py hf-server OUTPUT_DIR
 
 Each writes its results under OUTPUT_DIR for the test to assert on: ``batches.pt`` (the batch the
-trainer used at each step, see ``BatchRecorder``) and verl's ``metrics.jsonl``, or ``server.json``.
+trainer used at each step, see ``BatchRecorder``, and how often the agent loop was built and run) and verl's ``metrics.jsonl``, or ``server.json``.
 """
 
 from __future__ import annotations
@@ -37,14 +37,29 @@ def in_process(args: argparse.Namespace, extra: list[str]):
         train_batch_size=args.batch_size,
         use_ray=False,
     )
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    agent_loops = {"built": 0, "runs": 0}  # how often verl's single-turn agent loop is built and run
+    build, run = SingleTurnAgentLoop.__init__, SingleTurnAgentLoop.run
+
+    def counted_build(self, *a, **kw):
+        agent_loops["built"] += 1
+        build(self, *a, **kw)
+
+    async def counted_run(self, *a, **kw):
+        agent_loops["runs"] += 1
+        return await run(self, *a, **kw)
+
+    SingleTurnAgentLoop.__init__, SingleTurnAgentLoop.run = counted_build, counted_run
     recorder = BatchRecorder()
     trainer = run_in_process(
         merge_overrides(overrides, extra), on_batch=recorder, config_dir=args.config_dir, config_name=args.config_name
     )
     torch.save(
-        {"steps": recorder.steps, "gamma": trainer.config.algorithm.gamma, "lam": trainer.config.algorithm.lam},
+        {"steps": recorder.steps, "gamma": trainer.config.algorithm.gamma, "lam": trainer.config.algorithm.lam,
+         "agent_loops": agent_loops},
         args.output_dir / "batches.pt",
-    )
+    )  # fmt: skip
 
 
 def hf_server(output_dir: Path):

@@ -124,3 +124,25 @@ def test_the_vectorised_bootstrap_gives_verls_numbers_and_leaves_the_rng_where_v
     votes = [{"val": 1.0, "pred": "a"}, {"val": 0.0, "pred": "b"}]
     assert fast(votes, 2, [lambda sample: len(sample)], n_bootstrap=10) == [(2.0, 0.0)]
     assert fast([0.5, 1.0], 2, [np.mean], n_bootstrap=10) == verls([0.5, 1.0], 2, [np.mean], n_bootstrap=10)
+
+
+def test_a_micro_batch_is_marked_as_on_the_cpu_so_that_verls_move_is_a_no_op():
+    """forward_step's first line is ``micro_batch.to(get_device_id())``; with the CPU backend's wrapper
+    the micro-batch it receives is the one given, marked as on the CPU (every entry is), so that move
+    returns it unchanged instead of rebuilding each response's non-tensor data."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from verl_ext.cpu.patches import micro_batch_marked_on_cpu
+
+    tokens = torch.arange(12).reshape(4, 3)
+    batch = tu.get_tensordict({"input_ids": tokens, "uid": ["a", "b", "c", "d"], "extra_info": [{"index": i} for i in range(4)]})
+    assert batch.device is None and batch.to(torch.device("cpu")) is not batch  # verl's micro-batch: moved by copying
+    received = []
+    forward_step = micro_batch_marked_on_cpu(lambda self, micro_batch, loss_function, forward_only: received.append(micro_batch) or "out")
+    assert forward_step(None, batch, "loss", True) == "out"
+    (seen,) = received
+    assert seen is batch and seen.device == torch.device("cpu")
+    assert seen.to(torch.device("cpu")) is seen  # transformer_impl.py:1552 is now a no-op
+    assert torch.equal(seen["input_ids"], tokens) and seen["uid"] == ["a", "b", "c", "d"]
+    assert [item["index"] for item in seen["extra_info"]] == [0, 1, 2, 3]

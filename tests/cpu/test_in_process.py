@@ -42,6 +42,13 @@ def test_each_step_reports_the_batch_it_trained_on(gae_run):
     assert sorted(read_metrics(gae_run)) == [0, 1, 2]  # 0: validation before training
 
 
+def test_one_agent_loop_serves_every_sample(gae_run):
+    """The in-process agent-loop worker builds verl's single-turn agent loop once (verl: once per
+    sample, through hydra) and runs it for every response, validation's included."""
+    validation, training = 60, 2 * 8  # the held-out prompts once, then 2 steps of 8 prompts x 1 sample
+    assert read_batches(gae_run)["agent_loops"] == {"built": 1, "runs": validation + training}
+
+
 def test_scores_sit_on_the_last_valid_token(gae_run):
     for record in read_batches(gae_run)["steps"].values():
         mask, scores = record["response_mask"], record["token_level_scores"]

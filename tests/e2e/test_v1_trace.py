@@ -1,5 +1,6 @@
-"""verl 0.9's default V1 trainer, through the real CLI on Ray, with the README's example of a user's
-estimator (loaded in every process through VERL_USE_EXTERNAL_MODULES): the trace equals what the
+"""verl 0.9's default V1 trainer, through the real CLI on Ray, with verl's own ppo_trainer.yaml and the
+README's example of a user's estimator (loaded in every process through VERL_USE_EXTERNAL_MODULES, as
+the README runs it): the plugin switches the critic on and the run trains; the trace equals what the
 actor update read from TransferQueue (captured by tests/e2e/v1_capture.py), its update tables cover
 every trained token once per epoch and reproduce verl's logged metrics, and it passes the checker."""
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a tim
 def v1_run(tmp_path_factory, assets):
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
-    from tests.cpu.helpers import main_ppo_with_verl_ext_config
+    from tests.cpu.helpers import run
     from tests.e2e.test_fit_with_trace import UPDATE_OVERRIDES, user_module_env
 
     out = tmp_path_factory.mktemp("v1")
@@ -34,15 +35,24 @@ def v1_run(tmp_path_factory, assets):
         [
             "algorithm.use_kl_in_reward=True",
             "algorithm.kl_ctrl.kl_coef=0.05",
-            f"verl_ext.trace.dir={out / 'trace'}",
+            f"+verl_ext.trace.dir={out / 'trace'}",  # verl's own config has no verl_ext node
             *UPDATE_OVERRIDES,
             "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
             f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
             f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
         ],
     )
-    main_ppo_with_verl_ext_config(overrides, {**os.environ, **cpu_environment(out), **user}, out)
+    run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], {**os.environ, **cpu_environment(out), **user}, out, timeout=600)
     return out
+
+
+def test_verls_own_config_and_a_users_estimator_train_with_the_critic(v1_run):
+    from verl_ext.apps.learning import read_metrics
+
+    from tests.cpu.helpers import assert_trained
+
+    assert_trained(read_metrics(v1_run), 2)  # critic values and critic updates at every step
+    assert "(TaskRunnerV1 pid=" in (v1_run / "output.log").read_text()
 
 
 def test_v1_run_record(v1_run):

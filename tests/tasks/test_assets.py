@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import fcntl
+import time
+
 import pandas as pd
 import pytest
 from transformers import AutoConfig, AutoTokenizer
@@ -25,6 +29,24 @@ def test_build_is_idempotent(assets, assets_dir):
     assert (assets.critic_dir / weights).stat().st_mtime == (again.critic_dir / weights).stat().st_mtime
     assert assets.value_pretraining_report.stat().st_mtime == again.value_pretraining_report.stat().st_mtime
     assert not [p for p in assets_dir.iterdir() if p.name.startswith(".building-")]
+
+
+def test_a_second_caller_waits_for_the_build_in_progress_and_reuses_it(tmp_path):
+    """While another process holds the build lock, build_assets waits; once that build is published
+    it returns the published directory without building (a build would take a minute and leave a
+    staging directory)."""
+    spec = AssetSpec(seed=7)
+    target = tmp_path / spec.key()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with open(tmp_path / f".{spec.key()}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the other builder
+            waiting = pool.submit(build_assets, tmp_path, spec)
+            time.sleep(0.5)
+            assert not waiting.done()
+            target.mkdir()
+            (target / "spec.json").write_text("{}")  # the other builder publishes
+        assert waiting.result(timeout=10).root == target
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([spec.key(), f".{spec.key()}.lock"])
 
 
 def test_a_different_spec_gets_its_own_directory(assets_dir):

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -39,10 +40,7 @@ def run_demo(args: argparse.Namespace) -> int:
     trace_dir = output / "trace"
 
     _say("1/5 the task, the warm-started policy and its pretrained critic")
-    _describe_task()
-
-    _say(f"2/5 training: {args.steps} PPO steps of `{args.estimator}` with verl's real trainer (in process, CPU)")
-    status = _train(args, output)
+    status = _train(args, output, before=_describe_task)
     if status != 0:
         print(f"\n[demo] the trainer failed (exit {status}); its full output is in {output / 'train.log'}")
         return status
@@ -132,7 +130,11 @@ def _describe_task() -> None:
     )
 
 
-def _train(args: argparse.Namespace, output: Path) -> int:
+def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -> int:
+    """Start the trainer, run ``before`` (which builds the assets), then follow the training.
+
+    The trainer spends its first seconds importing verl; on a first run that overlaps the asset
+    build here, and its own ``build_assets()`` then waits for this one (the build holds a lock)."""
     from verl_ext.apps.progress import follow
 
     command = [
@@ -141,7 +143,13 @@ def _train(args: argparse.Namespace, output: Path) -> int:
         "--test-freq", str(args.steps), "--trace", "--", *args.overrides,
     ]  # fmt: skip
     with subprocess.Popen(command, cwd=output, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trainer:
-        follow(trainer.stdout, output / "train.log", args.steps, every=10)
+        try:
+            before()
+            _say(f"2/5 training: {args.steps} PPO steps of `{args.estimator}` with verl's real trainer (in process, CPU)")
+            follow(trainer.stdout, output / "train.log", args.steps, every=10)
+        except BaseException:
+            trainer.kill()  # else it would build the assets itself, or train on without anyone reading
+            raise
     return trainer.returncode
 
 

@@ -20,11 +20,13 @@
 * the reward function is :mod:`verl_ext.tasks.arith.reward` (a source file verl loads by path).
 
 The build is idempotent and safe to race: a finished build is a directory named after the hash of
-its spec, published with an atomic rename.
+its spec, published with an atomic rename; a second process that asks while the first builds waits
+for it (a lock file beside the cache) and then reads the cache.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -104,20 +106,28 @@ def build_assets(cache_dir: str | os.PathLike | None = None, spec: AssetSpec = A
     target = root / spec.key()
     if not (target / "spec.json").exists():
         root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-        staging.chmod(0o755)  # mkdtemp makes it private; the published assets are plain files
-        try:
-            train, val = _write_prompts(staging, spec)
-            _write_model_and_tokenizer(staging, spec, train, val)
-            (staging / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
-            try:
-                staging.rename(target)
-            except OSError:
-                if not (target / "spec.json").exists():  # not a concurrent builder winning the race
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with open(root / f".{spec.key()}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits for the first build instead of building too
+            if not (target / "spec.json").exists():
+                _build(target, spec)
     return _paths(target)
+
+
+def _build(target: Path, spec: AssetSpec) -> None:
+    """Build into a staging directory beside ``target``, then publish it with an atomic rename."""
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the published assets are plain files
+    try:
+        train, val = _write_prompts(staging, spec)
+        _write_model_and_tokenizer(staging, spec, train, val)
+        (staging / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "spec.json").exists():  # not another builder (without the lock) winning the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _paths(target: Path) -> CpuAssets:
