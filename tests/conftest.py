@@ -13,6 +13,11 @@ import os
 for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
+from verl_ext.cpu import CPU_PROCESS_ENV  # noqa: E402 (imports neither numpy nor torch)
+
+# The CPU backend's Ray settings also for the clusters the tests start themselves (test_multinode).
+os.environ.update({name: value for name, value in CPU_PROCESS_ENV.items() if name.startswith("RAY_")})
+
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402

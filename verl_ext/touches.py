@@ -242,6 +242,13 @@ CPU_TOUCHES = (
         versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessAgentLoopManager._init_agent_loop_workers",
     ),
     Touch(
+        "override", "verl.experimental.agent_loop", "AgentLoopWorker._run_agent_loop", "cpu",
+        why="private method: the in-process agent-loop worker builds a SingleTurnAgentLoop once and runs it for every "
+        "sample, where verl builds one per sample through hydra.utils.instantiate (agent_loop.py:683, ~3 ms each); "
+        "other agent loops are still built per sample",
+        versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessAgentLoopWorker._run_agent_loop",
+    ),
+    Touch(
         "override", "verl.workers.rollout.replica", "RolloutReplica.launch_servers", "cpu",
         why="the hf rollout's replica starts one HF-generate server (a named Ray actor, or on the in-process "
         "actor loop) where verl's replicas start vLLM/SGLang servers",

@@ -170,6 +170,10 @@ class InProcessAgentLoopWorker(AgentLoopWorker):
     serves them all; any other agent loop is still built per sample, as verl does.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reusable_agent_loops: dict[str, SingleTurnAgentLoop] = {}
+
     async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
         # verl's method (agent_loop.py:661-695) with the agent loop from _agent_loop
         with rollout_trace_attr(
@@ -184,9 +188,8 @@ class InProcessAgentLoopWorker(AgentLoopWorker):
             return await self._agent_loop_postprocess(output, trajectory["validate"], **kwargs)
 
     def _agent_loop(self, agent_name: str):
-        reusable = self.__dict__.setdefault("_reusable_agent_loops", {})
-        if agent_name in reusable:
-            return reusable[agent_name]
+        if agent_name in self._reusable_agent_loops:
+            return self._reusable_agent_loops[agent_name]
         if agent_name not in _agent_loop_registry:
             raise ValueError(f"Agent loop {agent_name} not registered, registered agent loops: {_agent_loop_registry.keys()}")
         agent_loop = hydra.utils.instantiate(
@@ -201,7 +204,7 @@ class InProcessAgentLoopWorker(AgentLoopWorker):
             tools=ToolListWrap(self.tools),
         )
         if type(agent_loop) is SingleTurnAgentLoop:
-            reusable[agent_name] = agent_loop
+            self._reusable_agent_loops[agent_name] = agent_loop
         return agent_loop
 
 
