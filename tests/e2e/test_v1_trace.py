@@ -1,14 +1,16 @@
-"""verl 0.9's default V1 trainer, through the real CLI on Ray, with verl's own ppo_trainer.yaml and the
+"""recipes/cpu_demo.sh with verl 0.9's default V1 trainer (``V1=1``), verl's own ppo_trainer.yaml and the
 README's example of a user's estimator (loaded in every process through VERL_USE_EXTERNAL_MODULES, as
-the README runs it): the plugin switches the critic on and the run trains; the trace equals what the
-actor update read from TransferQueue (captured by tests/e2e/v1_capture.py), its update tables cover
-every trained token once per epoch and reproduce verl's logged metrics, and it passes the checker."""
+the README runs it), on a local Ray cluster: the recipe reports progress and trains, the plugin
+switches the critic on; the trace equals what the actor update read from TransferQueue (captured by
+tests/e2e/v1_capture.py), its update tables cover every trained token once per epoch and reproduce
+verl's logged metrics, and it passes the checker. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +21,12 @@ from tests.cpu.helpers import RAY_GROUP
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def v1_run(tmp_path_factory, assets):
-    from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
+STEPS = 2
 
+
+@pytest.fixture(scope="module")
+def v1_run(tmp_path_factory, assets_dir, assets):
     from tests.cpu.helpers import run
     from tests.e2e.test_fit_with_trace import UPDATE_OVERRIDES, user_module_env
 
@@ -30,20 +34,28 @@ def v1_run(tmp_path_factory, assets):
     capture = out / "captured"
     capture.mkdir()
     user = user_module_env(out)
-    overrides = merge_overrides(
-        cpu_overrides(assets, out, steps=2, estimator="td_half", use_v1=True),
-        [
-            "algorithm.use_kl_in_reward=True",
-            "algorithm.kl_ctrl.kl_coef=0.05",
-            f"+verl_ext.trace.dir={out / 'trace'}",  # verl's own config has no verl_ext node
-            *UPDATE_OVERRIDES,
-            "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
-            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
-            f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
-        ],
-    )
-    run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], {**os.environ, **cpu_environment(out), **user}, out, timeout=600)
+    overrides = [
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_ctrl.kl_coef=0.05",
+        f"+verl_ext.trace.dir={out / 'trace'}",  # verl's own config has no verl_ext node
+        *UPDATE_OVERRIDES,
+        "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
+    ]
+    env = {
+        **os.environ, **user, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
+        "V1": "1", "ESTIMATOR": "td_half", "STEPS": str(STEPS),
+    }  # fmt: skip
+    run(["bash", str(RECIPE), *overrides], env, out, timeout=600)  # its output: out/output.log
     return out
+
+
+def test_the_recipe_reports_progress_and_where_its_outputs_are(v1_run):
+    progress = (v1_run / "output.log").read_text()
+    assert f"[step {STEPS}/{STEPS}]" in progress and str(v1_run) in progress
+    log = (v1_run / "train.log").read_text()  # verl's full output
+    assert "(TaskRunnerV1 pid=" in log and "hf-generate/replica-0" in log  # V1 trainer, hf rollout
 
 
 def test_verls_own_config_and_a_users_estimator_train_with_the_critic(v1_run):
@@ -51,8 +63,7 @@ def test_verls_own_config_and_a_users_estimator_train_with_the_critic(v1_run):
 
     from tests.cpu.helpers import assert_trained
 
-    assert_trained(read_metrics(v1_run), 2)  # critic values and critic updates at every step
-    assert "(TaskRunnerV1 pid=" in (v1_run / "output.log").read_text()
+    assert_trained(read_metrics(v1_run), STEPS)  # critic values and critic updates at every step
 
 
 def test_v1_run_record(v1_run):
