@@ -25,7 +25,7 @@ from unittest import mock  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.cpu import helpers  # noqa: E402
-from tests.cpu.helpers import RAY_GROUP  # noqa: E402
+from tests.cpu.helpers import BOTH_CORES_GROUP, RAY_GROUP  # noqa: E402
 from verl_ext import cli  # noqa: E402
 
 
@@ -58,8 +58,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if any(directory in Path(item.fspath).parents for directory in CPU_TESTS):
                 item.add_marker(skip)
-    # The Ray group is the longest chain of the suite (see xdist_group): it starts first.
-    items.sort(key=lambda item: xdist_group(item) != RAY_GROUP)  # stable: the rest keep their order
+    # The Ray group is the longest chain of the suite (see xdist_group): it starts first. The group
+    # that runs two trainers at once starts last: beside it any other test runs slowly (beside the
+    # first Ray run, that run took twice as long), and when it runs at the end, alone or nearly, it
+    # uses the cores the other worker leaves.
+    order = {RAY_GROUP: 0, BOTH_CORES_GROUP: 2}
+    items.sort(key=lambda item: order.get(xdist_group(item), 1))  # stable: the rest keep their order
 
 
 # --------------------------------------------------------------------------- the xdist workers (setup.cfg: -n auto)

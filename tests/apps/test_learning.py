@@ -13,7 +13,10 @@ import pandas as pd
 import pytest
 
 import tests.reference as ref
+from tests.cpu.helpers import BOTH_CORES_GROUP
 from verl_ext.apps.learning import read_metrics
+
+pytestmark = pytest.mark.xdist_group(BOTH_CORES_GROUP)  # two trainers at once: last (tests/conftest.py)
 
 STEPS = 25
 

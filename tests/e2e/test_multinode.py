@@ -50,6 +50,7 @@ def multinode_run(cluster, tmp_path_factory, assets):
         cpu_overrides(assets, out, steps=2, estimator="mc", ray_address=ray_cluster.address),
         [
             f"verl_ext.trace.dir={out / 'trace'}",
+            "trainer.val_before_train=False",  # nothing here reads a validation
             "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=tests.e2e.activation_probe",
             f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_PROBE_DIR='{probes}'",
             f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",

@@ -94,7 +94,11 @@ def run_v1_with_nan(out: Path, mode: str, steps: int) -> subprocess.CompletedPro
     }
     overrides = merge_overrides(
         cpu_overrides(build_assets(), out, steps=steps, estimator="mc", use_v1=True),
-        [f"verl_ext.nonfinite={mode}", *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in probe.items())],
+        [
+            f"verl_ext.nonfinite={mode}",
+            "trainer.val_before_train=False",  # nothing here reads a validation
+            *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in probe.items()),
+        ],
     )
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIGS}", "--config-name=verl_ext_trainer", *overrides]
     env = {**os.environ, **cpu_environment(out), **probe}
