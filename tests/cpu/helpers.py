@@ -52,7 +52,8 @@ def assert_trained(metrics: dict[int, dict], steps: int) -> None:
 
 
 def read_batches(output_dir: Path) -> dict:
-    """What the in-process scenario recorded: ``{"steps": {step: tensors}, "gamma": .., "lam": ..}``."""
+    """What the in-process scenario recorded: ``{"steps": {step: tensors}, "gamma": .., "lam": ..,
+    "agent_loops": {"built": .., "runs": ..}}``."""
     import torch
 
     return torch.load(output_dir / "batches.pt", weights_only=False)

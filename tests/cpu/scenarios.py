@@ -7,7 +7,8 @@ process-global). Usage::
     python tests/cpu/scenarios.py hf-server OUTPUT_DIR
 
 Each writes its results under OUTPUT_DIR for the test to assert on: ``batches.pt`` (the batch the
-trainer used at each step, see ``BatchRecorder``, and how often the agent loop was built and run) and verl's ``metrics.jsonl``, or ``server.json``.
+trainer used at each step, see ``BatchRecorder``, and how often the agent loop was built and run)
+and verl's ``metrics.jsonl``, or ``server.json``.
 """
 
 from __future__ import annotations
