@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -150,7 +153,8 @@ def test_the_command_serves_prints_the_url_and_stops_on_ctrl_c(view_trace):
         port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         connection.request("GET", "/api/step?step=2")
-        assert connection.getresponse().status == 200
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())  # read whole: leaving early is the next test's case
         connection.close()
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
@@ -158,6 +162,35 @@ def test_the_command_serves_prints_the_url_and_stops_on_ctrl_c(view_trace):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def _leave(port: int, request: bytes) -> None:
+    """A client that sends ``request`` (maybe nothing) and resets the connection at once (SO_LINGER 0)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.sendall(request)
+
+
+def test_a_client_that_goes_away_is_silent(view_trace, capfd, caplog):
+    """A closed tab or ``curl | head``: the server's read or write meets a reset connection. One debug
+    line each, nothing on stderr (socketserver printed a traceback of ~20 lines per client), and the
+    server goes on answering. A reset before the request is sent fails the server's read every time."""
+    instance = start(view_trace)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="verl_ext.view.server"):
+            for _ in range(10):
+                _leave(instance.port, b"")
+                _leave(instance.port, f"GET /api/step?step=2 HTTP/1.1\r\nHost: 127.0.0.1:{instance.port}\r\n\r\n".encode())
+            deadline = time.monotonic() + 30
+            while len(caplog.records) < 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status, _, body = get(instance, "/api/step?step=2")
+        went_away = [r for r in caplog.records if "went away" in r.getMessage()]
+        assert len(went_away) >= 10 and len(went_away) == len(caplog.records), [r.getMessage() for r in caplog.records]
+        assert status == 200 and json.loads(body)
+    finally:
+        stop(instance)
+    assert capfd.readouterr().err == ""
 
 
 def test_a_port_in_use_and_a_bad_start_are_one_line(view_trace, run_cli):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import json
+import logging
 import socket
 import sys
 import threading
@@ -38,6 +39,7 @@ DEFAULT_PORT = 8765
 #: Steps kept in memory (the one shown, and the one before).
 CACHED_STEPS = 2
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+_log = logging.getLogger(__name__)
 
 
 class NotFound(Exception):
@@ -263,9 +265,22 @@ def _error(message: str) -> bytes:
     return json.dumps({"error": message}, ensure_ascii=False).encode()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that leaves before its answer is written (a closed tab, ``curl … | head``) is
+        normal for a server a browser talks to: one debug line, not socketserver's traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError):  # BrokenPipeError, ConnectionResetError, ConnectionAbortedError
+            _log.debug("client %s went away: %s", client_address, error)
+            return
+        super().handle_error(request, client_address)
+
+
 def _bind(host: str, port: int, view: ViewServer) -> ThreadingHTTPServer:
     handler = type("Handler", (_Handler,), {"view": view})
-    server_class = type("Server", (ThreadingHTTPServer,), {"daemon_threads": True, "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+    server_class = type("Server", (_Server,), {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
     try:
         return server_class((host, port), handler)
     except OSError as error:
