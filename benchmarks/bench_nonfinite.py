@@ -72,6 +72,7 @@ def main() -> None:
     from verl.trainer.ppo import ray_trainer
 
     from verl_ext import nonfinite
+    from verl_ext.integration.nonfinite_hook import QUANTITIES
 
     data = step_batch()
     valid = int(data.batch["response_mask"].sum())
@@ -98,9 +99,9 @@ def main() -> None:
             flush=True,
         )
 
-    quantities = {name: data.batch[name] for name in nonfinite.QUANTITIES if name in data.batch.keys()}
+    quantities = {name: data.batch[name] for name in QUANTITIES if name in data.batch.keys()}
     mask = data.batch["response_mask"]
-    checked = len({t.data_ptr() for n, t in quantities.items() if n in nonfinite.CHECKED})
+    checked = len({t.data_ptr() for n, t in quantities.items() if n not in nonfinite.CAUSE_ONLY})
     finite_ms = median_ms(lambda: nonfinite.find(quantities, mask), args.repeats)
     finite_cpu = median_ms(lambda: nonfinite.find(quantities, mask), args.repeats, clock=time.thread_time)
     mib = checked * ROWS * LENGTH * 4 >> 20

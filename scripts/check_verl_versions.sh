@@ -2,17 +2,21 @@
 # Which verl releases verl-ext's estimators and seam work with (not part of CI: it installs
 # one virtual environment per verl version under .venvs/, about 1 GB each).
 #
-#   scripts/check_verl_versions.sh [VERSION ...]     default: 0.6.1 0.7.1 0.8.0 0.9.1
+#   scripts/check_verl_versions.sh [VERSION ...]     default: the verl of constraints.txt
 #
-# Each venv gets torch ($TORCH_SPEC), verl==VERSION with what its PPO path imports, and this
+# A release outside setup.cfg's verl requirement (0.6.1, 0.7.1 and 0.8.0 were tried this way) is
+# checked by naming it; see the README's "Supported verl versions" for how one is accepted.
+# Each venv gets torch ($TORCH_SPEC, default the Makefile's), verl==VERSION with what its PPO path
+# imports (TransferQueue as setup.cfg's verl-runtime extra pins it), and this
 # package without dependencies; then the estimator and seam tests run against that verl.
 # Tests that need a newer verl (V1 trainer, entry-point plugins) skip themselves with a reason.
 # Prints one line per version and writes the full log to .venvs/verl-VERSION/tests.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+TORCH_SPEC=${TORCH_SPEC:-$(sed -n 's/^TORCH_SPEC ?= //p' Makefile)}
+TRANSFER_QUEUE=$(grep -io '^ *transferqueue[=<>!~].*' setup.cfg | tr -d ' ')
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(0.6.1 0.7.1 0.8.0 0.9.1)
+[ ${#versions[@]} -gt 0 ] || versions=("$(sed -n 's/^verl==//p' constraints.txt)")
 summary=()
 for version in "${versions[@]}"; do
     venv=.venvs/verl-$version
@@ -21,7 +25,7 @@ for version in "${versions[@]}"; do
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     extras=(cachetools uvicorn fastapi)
     if [[ $version == 0.9.* ]]; then
-        extras+=(TransferQueue==0.1.11)
+        extras+=("$TRANSFER_QUEUE")
     else
         # the libraries of their release time: verl < 0.9 imports classes transformers 5 removed,
         # and pins numpy < 2, which pyarrow >= 22 no longer supports

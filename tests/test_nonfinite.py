@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from verl_ext import nonfinite
+from verl_ext.integration.nonfinite_hook import QUANTITIES
 from verl_ext.nonfinite import find
 
 NAN, INF = float("nan"), float("inf")
@@ -37,7 +38,7 @@ def test_a_finite_step_is_no_finding():
 
 def test_non_finite_numbers_at_masked_positions_are_no_finding():
     tensors, mask = step_tensors()
-    for name in nonfinite.QUANTITIES:
+    for name in QUANTITIES:
         tensors[name] = tensors[name].clone()
         tensors[name][mask == 0] = NAN
     tensors["values"][1, 5] = INF

@@ -9,8 +9,6 @@ through its entry point, or through ``VERL_USE_EXTERNAL_MODULES=verl_ext``, whic
 
 from __future__ import annotations
 
-import os
-
 __version__ = "0.2.0"
 
 __all__ = ["__version__", "register_estimator"]
@@ -24,7 +22,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-if "verl_ext" in (module.strip() for module in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")):
+from verl_ext.options import EXTERNAL_MODULES as _EXTERNAL_MODULES  # noqa: E402 - after the public names
+from verl_ext.options import external_modules as _external_modules  # noqa: E402
+
+if "verl_ext" in _external_modules():
     from verl_ext.integration.plugin import activate_loudly
 
-    activate_loudly("VERL_USE_EXTERNAL_MODULES")
+    activate_loudly(_EXTERNAL_MODULES)

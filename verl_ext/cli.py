@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from verl_ext.errors import UsageError
+from verl_ext.options import import_external_modules
 
 FORMATS = ("text", "csv", "markdown")
 
@@ -418,13 +419,10 @@ def doctor(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- demo
 
 
-DEMO_STEPS = 40
-STUDY_STEPS = 40
-
-
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.apps.learning import STEPS
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"), help="default: outputs/demo")
-    parser.add_argument("--steps", type=_count(1), default=DEMO_STEPS, help=f"training steps (default {DEMO_STEPS})")
+    parser.add_argument("--steps", type=_count(1), default=STEPS, help=f"training steps (default {STEPS})")
     parser.add_argument("--estimator", default="mc", help="algorithm.adv_estimator (default mc)")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
     parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a verdict and a score below 1)")
@@ -443,15 +441,15 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def study_arguments(parser: argparse.ArgumentParser) -> None:
-    from verl_ext.apps.learning import ESTIMATOR_OPTIONS
+    from verl_ext.apps.learning import ESTIMATOR_OPTIONS, STEPS, TEST_FREQ
 
     parser.add_argument(
         "--estimators", metavar="E,E,…",
         help=f"default: {','.join(ESTIMATOR_OPTIONS)} and every other registered estimator (VERL_USE_EXTERNAL_MODULES)",
     )  # fmt: skip
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 … N-1 per estimator (default 3)")
-    parser.add_argument("--steps", type=int, default=STUDY_STEPS, help=f"PPO steps per run (default {STUDY_STEPS})")
-    parser.add_argument("--test-freq", type=int, default=10, metavar="F", help="validate every F steps (default 10)")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"PPO steps per run (default {STEPS})")
+    parser.add_argument("--test-freq", type=int, default=TEST_FREQ, metavar="F", help=f"validate every F steps (default {TEST_FREQ})")
     parser.add_argument("--threshold", type=float, default=0.8, help="held-out accuracy for 'steps to threshold' (default 0.8)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at a time (default: 2, or 1 on one core)")
     parser.add_argument(
@@ -524,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = COMMANDS[args.command][1]
     try:
+        import_external_modules()  # a user's estimators, as in the run: check, compare and the view recompute them
         return int(command(args))
     except UsageError as exc:
         print(f"verl-ext {args.command}: {exc}", file=sys.stderr)

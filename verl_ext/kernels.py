@@ -255,6 +255,10 @@ def scaled(x: torch.Tensor, shift: float, scale: float) -> torch.Tensor:
     return out
 
 
+#: The ε of verl's ``masked_whiten`` (verl.utils.torch_functional), in σ and in the mean's count.
+WHITEN_EPS = 1e-8
+
+
 def inverse_std(m2: float, count: int) -> float:
-    """1 / sqrt(σ² + 1e-8) with σ² the unbiased variance m2 / (n − 1)."""
-    return 1.0 / math.sqrt(m2 / (count - 1) + 1e-8)
+    """1 / sqrt(σ² + ε) with σ² the unbiased variance m2 / (n − 1), ε = WHITEN_EPS."""
+    return 1.0 / math.sqrt(m2 / (count - 1) + WHITEN_EPS)

@@ -18,39 +18,32 @@ masked position or a sum that overflowed (then :func:`find` returns None). No ve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-#: What each quantity is computed from, in the order a cause is looked for (verl's batch keys).
-#: Rewards are the scores minus β·KL(old_log_probs ‖ ref_log_prob) when the KL is in the reward;
-#: returns and advantages both come from the rewards and the values (verl's GRPO: the rewards alone).
+#: What each computed quantity is computed from, in the order a cause is looked for (verl's batch
+#: keys). Rewards are the scores minus β·KL(old_log_probs ‖ ref_log_prob) when the KL is in the
+#: reward; returns and advantages both come from the rewards and the values (verl's GRPO: the rewards
+#: alone). Every other quantity comes straight from verl's workers or its reward.
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "advantages": ("token_level_rewards", "values"),
     "returns": ("token_level_rewards", "values"),
     "token_level_rewards": ("token_level_scores", "old_log_probs", "ref_log_prob"),
-    "values": (),
-    "old_log_probs": (),
-    "ref_log_prob": (),
-    "rollout_log_probs": (),
-    "token_level_scores": (),
 }
+#: Read only to name a cause: a non-finite score on a valid token makes the reward there non-finite too.
+CAUSE_ONLY = ("token_level_scores",)
 
-#: Quantities the check reads on every step, most downstream first (the order of reporting). The
-#: scores are read only to name a cause: a non-finite score on a valid token makes the reward there
-#: non-finite too.
-CHECKED = (
-    "advantages",
-    "returns",
-    "token_level_rewards",
-    "values",
-    "old_log_probs",
-    "ref_log_prob",
-    "rollout_log_probs",
-)
 
-#: Every quantity :func:`find` reads, most downstream first.
-QUANTITIES = (*CHECKED, "token_level_scores")
+def reporting_order(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` most downstream first: the computed quantities (:data:`UPSTREAM`'s order), then the
+    others as given, :data:`CAUSE_ONLY` last."""
+    names = tuple(names)
+    return (
+        *(name for name in UPSTREAM if name in names),
+        *(name for name in names if name not in UPSTREAM and name not in CAUSE_ONLY),
+        *(name for name in CAUSE_ONLY if name in names),
+    )
 
 
 class NonFiniteError(FloatingPointError):
@@ -75,16 +68,16 @@ class Spot:
 
 @dataclass(frozen=True)
 class Finding:
-    """The non-finite quantities of one step (:data:`QUANTITIES` order) and the number of valid tokens."""
+    """The non-finite quantities of one step (:func:`reporting_order`) and the number of valid tokens."""
 
     spots: dict[str, Spot]
     valid_tokens: int
 
     @property
     def reported(self) -> Spot:
-        """The most downstream non-finite quantity (one of :data:`CHECKED`: :func:`find` reports no
-        finding for a non-finite score alone)."""
-        return next(self.spots[name] for name in QUANTITIES if name in self.spots)
+        """The most downstream non-finite quantity (:func:`find` reports no finding for a non-finite
+        :data:`CAUSE_ONLY` quantity alone)."""
+        return next(iter(self.spots.values()))
 
     def cause(self, quantity: str | None = None) -> tuple[Spot, ...]:
         """The chain from ``quantity`` (default: :attr:`reported`) to the first non-finite quantity
@@ -127,16 +120,16 @@ class Finding:
 
 def find(quantities: Mapping[str, torch.Tensor | None], response_mask: torch.Tensor) -> Finding | None:
     """The non-finite numbers on valid tokens of ``quantities`` ({verl batch key: (B, T) tensor or
-    None}; keys outside :data:`QUANTITIES`, None, non-float tensors and tensors of another shape are
-    ignored), or None when there is none. Fast when there is none (module docstring)."""
+    None}; None, non-float tensors and tensors of another shape are ignored; every other one is
+    checked but :data:`CAUSE_ONLY`), or None when there is none. Fast when there is none (module docstring)."""
     tensors = {
         name: quantities[name]
-        for name in QUANTITIES
+        for name in reporting_order(quantities)
         if isinstance(quantities.get(name), torch.Tensor)
         and quantities[name].is_floating_point()
         and quantities[name].shape == response_mask.shape
     }
-    if all_finite([tensor for name, tensor in tensors.items() if name in CHECKED]):
+    if all_finite([tensor for name, tensor in tensors.items() if name not in CAUSE_ONLY]):
         return None
     valid = response_mask != 0
     spots = {}
@@ -147,7 +140,7 @@ def find(quantities: Mapping[str, torch.Tensor | None], response_mask: torch.Ten
             first = int(bad.view(-1).nonzero()[0])  # row-major: the first sample, then its first token
             row, token = divmod(first, tensor.shape[1])
             spots[name] = Spot(name, count, row, token, float(tensor[row, token]))
-    if not any(name in CHECKED for name in spots):
+    if all(name in CAUSE_ONLY for name in spots):
         return None  # a non-finite number at a masked position, or a sum that overflowed
     return Finding(spots, int(valid.sum()))
 

@@ -10,6 +10,7 @@ read from an OmegaConf ``DictConfig``, a plain dict or one of verl's typed confi
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
@@ -191,3 +192,35 @@ class TraceOptions:
 
 #: Keys of the ``verl_ext.trace`` node, with defaults.
 TRACE_KEYS = TraceOptions().as_dict()
+
+
+# --------------------------------------------------------------------------- environment variables
+
+#: The CPU backend's switch (:mod:`verl_ext.cpu`): any of 1/true/yes, case-insensitive, turns it on.
+CPU_SWITCH = "VERL_EXT_CPU"
+#: verl's list of modules to import in every process of a run (a user's estimators, plugins).
+EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
+
+
+def cpu_requested() -> bool:
+    """True when ``VERL_EXT_CPU`` asks for the CPU backend."""
+    return os.environ.get(CPU_SWITCH, "").strip().lower() in ("1", "true", "yes")
+
+
+def external_modules() -> tuple[str, ...]:
+    """The modules ``VERL_USE_EXTERNAL_MODULES`` names (comma-separated), in order."""
+    return tuple(filter(None, (module.strip() for module in os.environ.get(EXTERNAL_MODULES, "").split(","))))
+
+
+def import_external_modules() -> None:
+    """Import the modules ``VERL_USE_EXTERNAL_MODULES`` names, as verl does in every process of a run,
+    so that a user's estimators are registered where a trace is read too. UsageError when one fails."""
+    import importlib
+
+    from verl_ext.errors import UsageError
+
+    for module in external_modules():
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise UsageError(f"cannot import {module} ({EXTERNAL_MODULES}): {error}") from None

@@ -46,9 +46,9 @@ SUPPORTED_VERL = declared_verl_range()
 PLUGIN_VERSIONS = SUPPORTED_VERL
 #: The V1 trainer (verl.trainer.ppo.v1) exists from verl 0.9.0 on.
 V1_VERSIONS = ">=0.9.0," + SUPPORTED_VERL
-#: The CPU backend's patches target this verl's code exactly.
-CPU_VERL = "0.9.1"
-CPU_VERSIONS = f"=={CPU_VERL}"
+#: The CPU backend's patches target the code of exactly the verl CI tests (setup.cfg's pin): a release
+#: added there runs the CPU tests, which recheck every CPU patch's target.
+CPU_VERSIONS = SUPPORTED_VERL
 
 _PATCHES = "verl_ext.integration.patches"
 _CPU = "verl_ext.cpu.patches"

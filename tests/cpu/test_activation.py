@@ -42,7 +42,7 @@ def test_refuses_another_verl_version():
         "try:\n    verl_ext.cpu.activate()\nexcept RuntimeError as e:\n    print(e)"
     )
     completed = python(code)
-    assert "supports verl 0.9.1 only" in completed.stdout and "verl 0.9.0 is installed" in completed.stdout
+    assert "supports verl==0.9.1 only" in completed.stdout and "verl 0.9.0 is installed" in completed.stdout
 
 
 def test_refuses_a_host_with_a_gpu():

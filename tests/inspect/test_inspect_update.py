@@ -32,6 +32,7 @@ from tests.inspect.inspect_helpers import algorithm, random_batch, write_trace
 from verl_ext.inspect.check import check_trace
 from verl_ext.inspect.summary import summarize
 from verl_ext.trace.capture import UpdateCapture
+from verl_ext.trace.reader import open_trace
 
 ADVANTAGES = [[1.0, -1.0, 0.5], [-0.5, 2.0, -2.0]]
 RATIOS = {(0, 0): 1.0, (0, 1): 1.5, (1, 0): 0.5, (1, 1): 3.5}  # (epoch, sample) -> ratio
@@ -172,6 +173,38 @@ def test_summary_reports_clip_fractions_and_the_correlation(tmp_path):
     # last epoch: Δlog-prob = ln 0.5 on sample 0 (A = 1, −1, 0.5), ln 3.5 on sample 1 (A = −0.5, 2, −2)
     change = np.array([math.log(0.5)] * 3 + [math.log(3.5)] * 3)
     assert row["adv_dlogp_corr"] == pytest.approx(np.corrcoef(np.array(ADVANTAGES).ravel(), change)[0, 1])
+
+
+def test_the_ppo_picture_of_a_run_is_drawn_at_the_step_that_clipped_most(tmp_path):
+    """Where the lr has decayed, the last step's ratios sit at 1: save_plots draws the picture at the
+    step with the most clipped rows (the worked example's step 2 here; steps 1 and 3 clip nothing)
+    and says which."""
+    import warnings
+
+    from verl_ext.inspect import plots
+
+    batch = random_batch(1, B=2, T=3, interior=False)
+    batch.mask[:] = 1
+
+    def updates(step: int, clipping: bool) -> list:
+        parts = {"actor": [actor_part(e, s) for e in (0, 1) for s in (0, 1)], "critic": [critic_part(e, s) for e in (0, 1) for s in (0, 1)]}
+        if not clipping:
+            for part_ in parts["actor"]:
+                part_["columns"]["clip"] = np.array(["none"] * 3, object)
+        return [UpdateCapture(step, kind, parts[kind], LOGGED[kind]) for kind in ("critic", "actor")]
+
+    path = write_trace(tmp_path / "t", algorithm("grpo"), {1: batch, 2: batch, 3: batch},
+                       updates={1: updates(1, False), 2: updates(2, True), 3: updates(3, False)}, update_settings=SETTINGS)  # fmt: skip
+    clipped = sum(code != "none" for codes in CLIPS.values() for code in codes)
+    assert clipped > 0 and plots.most_clipped_step(open_trace(path)) == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", plots.PlotNote)
+        written = plots.save_plots(path, tmp_path / "plots")
+    assert [p.name for p in written if p.name.startswith("ratio")] == ["ratio_vs_advantage_step2.png"]
+    assert f"ratio_vs_advantage is drawn at step 2, the step with the most clipped update rows ({clipped} of 12)" in [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True):  # step 3 has no values: its value figure is left out with a note
+        written = plots.save_plots(path, tmp_path / "at3", step=3)  # a step asked for is the step drawn
+    assert [p.name for p in written if p.name.startswith("ratio")] == ["ratio_vs_advantage_step3.png"]
 
 
 def test_the_ppo_picture_draws_every_row_in_its_clip_colour(tmp_path):

@@ -95,3 +95,42 @@ def test_a_name_verl_already_uses_is_refused_with_both_names(example_module):
         "try:\n    verl_ext.register_estimator('grpo')(lambda *a, **k: None)\nexcept ValueError as e:\n    print(e)"
     )
     assert "verl refuses estimator name 'grpo'" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def gae_ext_trace(tmp_path_factory):
+    """A traced step of another estimator (gae_ext, γ = 0.9), on which td_half is re-estimated."""
+    from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
+
+    batch = by_definition(random_batch(3, B=4, T=12), "gae_ext", 0.9, lam=0.7)
+    return write_trace(tmp_path_factory.mktemp("user_trace"), algorithm("gae_ext", gamma=0.9, lam=0.7), {2: batch}), batch
+
+
+def test_the_cli_recomputes_the_users_estimator_named_in_verl_use_external_modules(example_module, gae_ext_trace):
+    """`VERL_USE_EXTERNAL_MODULES=my_estimators verl-ext compare`: the README's td_half is a column,
+    equal to GAE(γ, 0.5) by the direct sums; `check` of the same trace passes with the module loaded."""
+    import numpy as np
+
+    import tests.reference as ref
+
+    path, batch = gae_ext_trace
+    env = {"PYTHONPATH": str(example_module), "VERL_USE_EXTERNAL_MODULES": "my_estimators"}
+    result = run_python(f"from verl_ext import cli; raise SystemExit(cli.main(['compare', {str(path)!r}, '--step', '2', '--sample', '1', '--format', 'csv']))", env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, *rows = result.stdout.strip().splitlines()
+    assert "td_half" in header.split(","), header
+    column = header.split(",").index("td_half")
+    mask = batch.mask.numpy()
+    expected = ref.gae_advantages(batch.rewards.double().numpy(), batch.values.double().numpy(), mask, 0.9, 0.5)[1, np.flatnonzero(mask[1])]
+    np.testing.assert_allclose([float(row.split(",")[column]) for row in rows], expected, rtol=1e-6, atol=1e-7)
+    result = run_python(f"from verl_ext import cli; raise SystemExit(cli.main(['check', {str(path)!r}, '-q']))", env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", ["compare", "check", "view"])
+def test_a_module_that_cannot_be_imported_is_one_line_and_exit_2(gae_ext_trace, command):
+    path, _ = gae_ext_trace
+    argv = {"compare": ["--step", "2"], "check": [], "view": ["--out", "/dev/null"]}[command]
+    result = run_python(f"from verl_ext import cli; raise SystemExit(cli.main({[command, str(path), *argv]!r}))", {"VERL_USE_EXTERNAL_MODULES": "no_such_module"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"verl-ext {command}: cannot import no_such_module (VERL_USE_EXTERNAL_MODULES): No module named 'no_such_module'\n"

@@ -76,18 +76,3 @@ def test_the_verdict_token_follows_the_first_comma():
 def test_a_response_that_ends_after_the_comma_has_no_verdict():
     mark, eos = 33, 3
     assert verdict_index([34, 35, 12, mark, eos], mark, eos) is None  # "等于5，</s>": no verdict token
-
-
-def test_the_demo_credit_lines_work_without_a_critic(tmp_path, capsys):
-    """`verl-ext demo --estimator grpo`: a run without values has no critic column and nothing to
-    re-estimate from, and says so instead of failing after training."""
-    from tests.inspect.test_critic_diagnostics import critic_free_trace
-    from verl_ext.apps import demo
-    from verl_ext.tasks.arith.credit import critic_at_verdict
-    from verl_ext.trace.reader import open_trace
-
-    trace = open_trace(critic_free_trace(tmp_path))
-    assert critic_at_verdict(trace, 1) == (None, None)
-    assert demo._print_credit(trace) == 1
-    line = capsys.readouterr().out
-    assert line.startswith("  step   1") and "critic EV" not in line

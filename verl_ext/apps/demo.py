@@ -7,7 +7,7 @@
    of :mod:`verl_ext.apps.learning`, verl's ``RayPPOTrainer.fit()`` in a child process without Ray,
    the per-token trace on. verl validates on the held-out prompts before and after.
 3. The trace checked against the definitions.
-4. Where the credit lands (:mod:`verl_ext.tasks.arith.credit`): every 10 steps the verdict token's share
+4. Where the credit lands (:mod:`verl_ext.apps.credit`): every 10 steps the verdict token's share
    of Σ|A| and the critic's explained variance after the verdict; at the last step the share under
    mc, GAE(0.95) and td0 side by side, re-estimated from the recorded values; one response token
    by token, with its advantages under those estimators.
@@ -31,7 +31,6 @@ from typing import Callable
 def run_demo(args: argparse.Namespace) -> int:
     from verl_ext.inspect.check import check_trace
     from verl_ext.inspect.render import format_report
-    from verl_ext.tasks.arith.credit import critic_at_verdict
     from verl_ext.trace.reader import open_trace
     from verl_ext.view import write_page
 
@@ -51,15 +50,17 @@ def run_demo(args: argparse.Namespace) -> int:
     print(format_report(report), flush=True)
 
     _say("4/5 where the credit lands: the verdict token against the rest of the response")
-    last_step = _print_credit(trace)
-    sample = args.sample if args.sample is not None else _interesting_sample(trace, last_step)
-    if critic_at_verdict(trace, last_step) != (None, None):
-        _print_side_by_side(trace, last_step, sample)
+    credits = _print_credit(trace)
+    last_step = max(credits)
+    verdicts = credits[last_step].verdicts
+    sample = args.sample if args.sample is not None else _interesting_sample(trace, last_step, verdicts)
+    if credits[last_step].shares_by_estimator:
+        _print_side_by_side(trace, credits, sample)
     else:
         print("\n  (no critic in this run: nothing to re-estimate mc, GAE and td0 from)")
     print()
     _show(trace, last_step, sample)
-    _explain_verdict(trace, last_step, sample, args.estimator)
+    _explain_verdict(trace, last_step, sample, args.estimator, verdicts)
     _print_validation(output)
 
     _say("5/5 plots, and the run token by token in a browser")
@@ -153,29 +154,33 @@ def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -
     return trainer.returncode
 
 
-def _print_credit(trace, every: int = 10) -> int:
+def _print_credit(trace, every: int = 10, late: int = 10) -> dict:
     """Every ``every``-th step (and the first and last): the verdict's share of the trained-on
-    advantages and the critic's explained variance after the verdict."""
-    from verl_ext.tasks.arith.credit import critic_at_verdict, verdict_credit
+    advantages and the critic's explained variance after the verdict. Returns step -> StepCredit
+    of those steps and of the ``late`` last ones (with the side-by-side shares), each read once."""
+    from verl_ext.apps.credit import side_by_side, step_credit
 
-    steps = trace.steps
+    steps, credits = trace.steps, {}
     for step in steps:
-        if step % every == 0 or step in (steps[0], steps[-1]):
-            after, _ = critic_at_verdict(trace, step)
-            critic = f"   critic EV after the verdict {after:+.2f}" if after is not None else ""
-            print("  " + verdict_credit(trace, step).line() + critic)
-    return steps[-1]
+        shown = step % every == 0 or step in (steps[0], steps[-1])
+        if shown or step in steps[-late:]:
+            credits[step] = step_credit(trace, step, side_by_side() if step in steps[-late:] else ())
+        if shown:
+            print("  " + credits[step].line())
+    return credits
 
 
-def _print_side_by_side(trace, step: int, sample: int) -> None:
-    """The verdict's share of Σ|raw A| under mc, GAE(0.95) and td0 on ``step`` (re-estimated from its
-    recorded rewards and values), and ``sample`` token by token under each."""
+def _print_side_by_side(trace, credits: dict, sample: int) -> None:
+    """The verdict's share of Σ|raw A| under mc, GAE(0.95) and td0 on the last step and the late ones
+    of ``credits`` (re-estimated from their recorded rewards and values), and ``sample`` of the last
+    step token by token under each."""
+    from verl_ext.apps.credit import SIDE_BY_SIDE_LAMBDA, side_by_side
     from verl_ext.inspect.comparison import compare
     from verl_ext.inspect.render import render
-    from verl_ext.tasks.arith.credit import SIDE_BY_SIDE, verdict_positions, verdict_share_by_estimator
 
-    late = trace.steps[-10:]
-    shares = {late_step: verdict_share_by_estimator(trace, late_step) for late_step in late}
+    labels = side_by_side()
+    shares = {step: credit.shares_by_estimator for step, credit in credits.items() if credit.shares_by_estimator}
+    late, step = sorted(shares), max(shares)
     lengths = trace.read_step(step, ["sample", "mask"]).to_pandas().groupby("sample")["mask"].sum()
     print(
         f"\n  the verdict token's share of Σ|raw advantage|, re-estimated from the recorded rewards and values "
@@ -183,33 +188,28 @@ def _print_side_by_side(trace, step: int, sample: int) -> None:
     )
     for label, by_step in ((f"step {step}", shares[step]), (f"mean of steps {late[0]}-{late[-1]}", None)):
         if by_step is None:
-            by_step = {name: sum(shares[s][name] for s in late) / len(late) for name in SIDE_BY_SIDE}
+            by_step = {name: sum(shares[s][name] for s in late) / len(late) for name in labels}
         print(f"    {label:<22}" + "   ".join(f"{name} {share:.2f}" for name, share in by_step.items()))
     print("  mc gives every token G − V(s_t); td0 gives r_t + V(s_{t+1}) − V(s_t): with a critic that knows the")
     print("  outcome once the verdict is written, td0's credit sits on the verdict token itself.")
-    table = compare(trace, step, sample, lambdas=(0.95,)).table
-    columns = ["token_index", "token", "value", *SIDE_BY_SIDE]
-    verdict = verdict_positions(trace, step).get(sample)
+    table = compare(trace, step, sample, lambdas=(SIDE_BY_SIDE_LAMBDA,)).table
+    columns = ["token_index", "token", "value", *labels]
+    verdict = credits[step].verdicts.get(sample)
     where = f"its verdict is token {verdict}" if verdict is not None else "it has no verdict token"
     print(f"\n  sample {sample} of step {step} ({where}), raw advantages:\n")
     print(render(table.select(columns), "text", 3))
 
 
-def _interesting_sample(trace, step: int) -> int:
-    """A response of ``step`` with a verdict that is not fully right (its advantage shows the push
-    back), else 0."""
-    from verl_ext.tasks.arith.credit import verdict_positions
-
+def _interesting_sample(trace, step: int, verdicts: dict[int, int]) -> int:
+    """A response of ``step`` with a verdict (``verdicts``: sample -> its token_index) that is not
+    fully right (its advantage shows the push back), else 0."""
     scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()
-    verdicts = verdict_positions(trace, step)
     wrong = [sample for sample, score in scores.items() if sample in verdicts and score < 1.0]
     return int(wrong[0]) if wrong else 0
 
 
-def _explain_verdict(trace, step: int, sample: int, estimator: str) -> None:
-    from verl_ext.tasks.arith.credit import verdict_positions
-
-    index = verdict_positions(trace, step).get(sample)
+def _explain_verdict(trace, step: int, sample: int, estimator: str, verdicts: dict[int, int]) -> None:
+    index = verdicts.get(sample)
     if index is None:
         print("(this response has no verdict token)")
         return
@@ -230,13 +230,13 @@ def _explain_verdict(trace, step: int, sample: int, estimator: str) -> None:
 
 def _print_validation(output: Path) -> None:
     """Held-out accuracy before training (step 0) and after the last step (verl's validation metrics)."""
-    from verl_ext.apps.learning import read_metrics, validation_accuracy
+    from verl_ext.apps.learning import read_metrics, validation_accuracy, validation_setting
 
     by_step = validation_accuracy(read_metrics(output))
     if len(by_step) >= 2:
         first, last = min(by_step), max(by_step)
         print(
-            f"\nheld-out accuracy (verl's validation, 60 prompts x 8 samples at temperature 1): "
+            f"\nheld-out accuracy (verl's validation, {validation_setting()}): "
             f"{by_step[first]:.3f} before training, {by_step[last]:.3f} after step {last} "
             f"({100 * (by_step[last] - by_step[first]):+.1f} points)"
         )

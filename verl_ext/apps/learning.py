@@ -31,8 +31,12 @@ import random
 import sys
 from pathlib import Path
 
+STEPS = 40
+#: Validation every TEST_FREQ steps (and before training).
+TEST_FREQ = 10
 PROMPTS_PER_STEP = 32
 SAMPLES_PER_PROMPT = 4
+#: verl's validation: each held-out prompt of the task (its assets' ``val_problems``) sampled this often.
 VAL_SAMPLES = 8
 #: The pretrained critic's learning rate in RL: low enough to keep what pretraining built. Offline,
 #: 3e-4 learns the outcome, 1e-3 is noisy, ≥ 3e-3 collapses to a constant (issue 15); in RL (mc,
@@ -94,7 +98,7 @@ def learning_overrides(
         seed=seed,
     )
     settings = [
-        "actor_rollout_ref.actor.optim.lr=3e-4",
+        # the actor's lr: the CPU backend's 3e-4
         "actor_rollout_ref.actor.optim.lr_warmup_steps=5",  # Adam's first steps are large: ramp up
         "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",  # then decay, to 0.1 at the last step
         "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
@@ -109,7 +113,6 @@ def learning_overrides(
         f"actor_rollout_ref.rollout.val_kwargs.n={VAL_SAMPLES}",
         "trainer.val_before_train=True",
         f"trainer.test_freq={test_freq}",
-        "trainer.logger=[console,file]",
     ]
     if pretrained_critic:  # else the warm start with a fresh value head, at cpu_overrides' lr 1e-3
         settings += [f"critic.model.path={assets.critic_dir}", f"critic.optim.lr={CRITIC_LR}"]
@@ -166,6 +169,13 @@ def read_metrics(output_dir: Path) -> dict[int, dict]:
     return {record["step"]: record["data"] for record in map(json.loads, lines)}
 
 
+def validation_setting() -> str:
+    """How verl's validation samples, in words (for reports)."""
+    from verl_ext.tasks.arith.assets import AssetSpec
+
+    return f"{AssetSpec.val_problems} prompts × {VAL_SAMPLES} samples at temperature 1"
+
+
 def validation_accuracy(metrics: dict[int, dict]) -> dict[int, float]:
     """step -> verl's held-out ``val-core/<data_source>/acc/mean@<n>``, at the steps that validated."""
     return {
@@ -183,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--estimator", default="mc")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--test-freq", type=int, default=10, help="validate every N steps (and before training)")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--test-freq", type=int, default=TEST_FREQ, help="validate every N steps (and before training)")
     parser.add_argument("--trace", action="store_true", help="write the per-token trace to OUTPUT_DIR/trace")
     parser.add_argument(
         "--fresh-critic", action="store_true",

@@ -15,7 +15,7 @@ Outputs, rewritten after every run:
   ``pretrained``, ``fresh`` or ``none``; ``val_acc`` only at validation steps, step 0 being the
   validation before training; ``critic_explained_var`` (verl's) and ``ev_after_verdict`` (the
   critic against the Monte-Carlo return at the states after the verdict,
-  :func:`verl_ext.tasks.arith.credit.critic_at_verdict`) empty without a critic);
+  :func:`verl_ext.apps.credit.step_credit`) empty without a critic);
 * ``DIR/learning_curves.png``: held-out accuracy and training score, the mean over seeds with a
   min–max band, per estimator;
 * ``DIR/summary.md``: per estimator, the held-out accuracy before and after (mean ± std over seeds),
@@ -27,10 +27,8 @@ Outputs, rewritten after every run:
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -43,12 +41,13 @@ from verl_ext.apps.learning import (
     ESTIMATOR_OPTIONS,
     PROMPTS_PER_STEP,
     SAMPLES_PER_PROMPT,
-    VAL_SAMPLES,
     read_metrics,
     recipe,
     validation_accuracy,
+    validation_setting,
 )
 from verl_ext.errors import UsageError
+from verl_ext.options import import_external_modules
 
 COLUMNS = ("estimator", "critic", "seed", "step", "val_acc", "score", "critic_explained_var", "ev_after_verdict", "verdict_share")
 
@@ -84,11 +83,7 @@ def study_estimators(text: str | None = None) -> tuple[str, ...]:
     """
     from verl_ext import registry
 
-    for module in filter(None, (m.strip() for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","))):
-        try:
-            importlib.import_module(module)
-        except ImportError as error:
-            raise UsageError(f"cannot import {module} (VERL_USE_EXTERNAL_MODULES): {error}") from None
+    import_external_modules()
     if text is None:
         others = [e.name for e in registry.all_estimators() if e.name not in ESTIMATOR_OPTIONS and not _default_recipe_fails(e.name)]
         return (*ESTIMATOR_OPTIONS, *others)
@@ -200,12 +195,13 @@ def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, ru
 
 
 def _read_run(estimator: str, critic: str, seed: int, seconds: float, run_dir: Path, reused: bool = False) -> RunResult:
-    from verl_ext.tasks.arith.credit import critic_at_verdict, verdict_credit
+    from verl_ext.apps.credit import step_credit
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(run_dir / "trace"))
-    shares = {step: verdict_credit(trace, step).verdict_share for step in trace.steps}
-    after_verdict = {step: critic_at_verdict(trace, step)[0] for step in trace.steps} if critic != "none" else {}
+    credits = {step: step_credit(trace, step) for step in trace.steps}
+    shares = {step: credit.verdict_share for step, credit in credits.items()}
+    after_verdict = {step: credit.ev_after_verdict for step, credit in credits.items()}
     metrics = read_metrics(run_dir)
     accuracy = validation_accuracy(metrics)
     rows = [
@@ -273,7 +269,7 @@ def summary_markdown(results: list[RunResult], settings: StudySettings) -> str:
         "# Estimator study on the CPU task",
         "",
         f"{settings.steps} PPO steps per run, {PROMPTS_PER_STEP} prompts × {SAMPLES_PER_PROMPT} responses per step; "
-        f"held-out accuracy from verl's validation (60 prompts × {VAL_SAMPLES} samples at temperature 1) "
+        f"held-out accuracy from verl's validation ({validation_setting()}) "
         f"every {settings.test_freq} steps. Options: "
         + "; ".join(f"{name} {' '.join(_option(o) for o in recipe(name)) or '(none)'}" for name in _recipe_names(results))
         + ".",

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import os
 
-from verl_ext.touches import CPU_VERL as SUPPORTED_VERL_VERSION
+from verl_ext.options import CPU_SWITCH as ENV_SWITCH
+from verl_ext.options import cpu_requested
+from verl_ext.touches import CPU_VERSIONS
 
-#: The switch. Any of 1/true/yes (case-insensitive) turns the backend on.
-ENV_SWITCH = "VERL_EXT_CPU"
 PLATFORM_NAME = "cpu"
 ROLLOUT_NAME = "hf"
 
@@ -49,7 +49,7 @@ _active = False
 
 def requested() -> bool:
     """True when ``VERL_EXT_CPU`` asks for the CPU backend."""
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("1", "true", "yes")
+    return cpu_requested()
 
 
 def activate() -> None:
@@ -80,15 +80,17 @@ def is_active() -> bool:
 def _check_host() -> None:
     from importlib.metadata import PackageNotFoundError, version
 
+    from packaging.specifiers import SpecifierSet
+
     try:
         installed = version("verl")
     except PackageNotFoundError as exc:
-        raise RuntimeError("verl-ext's CPU backend needs verl 0.9.1, and verl is not installed") from exc
-    if installed != SUPPORTED_VERL_VERSION:
+        raise RuntimeError(f"verl-ext's CPU backend needs verl{CPU_VERSIONS}, and verl is not installed") from exc
+    if not SpecifierSet(CPU_VERSIONS).contains(installed, prereleases=True):
         raise RuntimeError(
-            f"verl-ext's CPU backend supports verl {SUPPORTED_VERL_VERSION} only (its patches target that "
-            f"version's code), but verl {installed} is installed. Unset {ENV_SWITCH} or install "
-            f"verl=={SUPPORTED_VERL_VERSION}."
+            f"verl-ext's CPU backend supports verl{CPU_VERSIONS} only (its patches target that "
+            f"code), but verl {installed} is installed. Unset {ENV_SWITCH} or install "
+            f"'verl{CPU_VERSIONS}'."
         )
     import torch
 

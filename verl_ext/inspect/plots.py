@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+import pyarrow.compute as pc
 from matplotlib import colormaps, font_manager, ft2font, rcParams
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import TwoSlopeNorm
@@ -244,8 +245,8 @@ def ratio_vs_advantage(trace, step: int | None = None, max_points: int = SCATTER
         raise UsageError(f"step {step} has no actor update table (verl_ext.trace.update=false, or an older trace)")
     table = trace.actor_update(step, ["advantage", "ratio", "clip"]).to_pydict()
     advantage, ratio, clip = np.array(table["advantage"], float), np.array(table["ratio"], float), np.array(table["clip"], object)
-    settings = (trace.record.update or {}).get("actor", {})
-    low, high, c = settings.get("clip_ratio_low", 0.2), settings.get("clip_ratio_high", 0.2), settings.get("clip_ratio_c", 3.0)
+    settings = trace.record.update["actor"]  # written with the update tables checked for above
+    low, high, c = settings["clip_ratio_low"], settings["clip_ratio_high"], settings["clip_ratio_c"]
     shown = np.arange(len(ratio))
     if len(ratio) > max_points:
         shown = np.sort(np.random.default_rng(0).choice(len(ratio), max_points, replace=False))
@@ -400,10 +401,12 @@ def save_plots(
     """Write every figure as a PNG under ``out_dir``; return the paths written.
 
     Figures that do not apply to the run (value vs return and the critic heatmap without values) are
-    left out. Nothing is written unless every figure that applies could be drawn.
+    left out. Nothing is written unless every figure that applies could be drawn. Without ``step``
+    (the last step), the ratio against advantage is drawn at :func:`most_clipped_step`, and a
+    :class:`PlotNote` says which when that is another step.
     """
     trace = as_trace(trace)
-    step = _step(trace, step)
+    chosen, step = step, _step(trace, step)
     figures = {
         f"positions_step{step}.png": lambda: position_curves(trace, step),
         "over_steps.png": lambda: over_steps(trace, progress),
@@ -411,8 +414,13 @@ def save_plots(
         f"advantages_step{step}_sample{sample}.png": lambda: advantage_heatmap(trace, step, sample, tokenizer),
         "critic_ev.png": lambda: critic_heatmap(trace, progress),
     }
+    ratio_step = step if chosen is not None else most_clipped_step(trace)
+    if ratio_step is not None and ratio_step != step:  # the last step's ratios may all sit at 1 (the lr decayed)
+        clipped, rows = _clipped_rows(trace, ratio_step)
+        warnings.warn(f"ratio_vs_advantage is drawn at step {ratio_step}, the step with the most clipped update rows ({clipped:,} of {rows:,})", PlotNote, stacklevel=2)
+    if ratio_step is not None:
+        figures[f"ratio_vs_advantage_step{ratio_step}.png"] = lambda: ratio_vs_advantage(trace, ratio_step)
     if step in trace.update_steps.get("actor", []):
-        figures[f"ratio_vs_advantage_step{step}.png"] = lambda: ratio_vs_advantage(trace, step)
         figures[f"logprob_change_step{step}_sample{sample}.png"] = lambda: logprob_change(trace, step, sample)
     built = {}  # every figure first: a bad step or sample writes nothing
     for name, build in figures.items():
@@ -428,6 +436,23 @@ def save_plots(
     for name, fig in built.items():
         fig.savefig(out / name, dpi=130)
     return [out / name for name in built]
+
+
+def most_clipped_step(trace) -> int | None:
+    """The step whose actor update clipped the most rows (the earliest of equals; the last step when
+    none clipped); None without actor update tables."""
+    steps = trace.update_steps.get("actor", [])
+    if not steps:
+        return None
+    clipped = {step: _clipped_rows(trace, step)[0] for step in steps}
+    most = max(clipped.values())
+    return next(step for step in steps if clipped[step] == most) if most else steps[-1]
+
+
+def _clipped_rows(trace, step: int) -> tuple[int, int]:
+    """(clipped rows, rows) of the step's actor update table."""
+    clip = trace.actor_update(step, ["clip"]).column("clip")
+    return len(clip) - pc.sum(pc.equal(clip, CLIP_NONE)).as_py(), len(clip)
 
 
 def save_plots_with_notes(

@@ -180,8 +180,10 @@ class TokenStep:
         stats, note = self._whitening_stats_to_use()
         if stats is None:
             return Finding("skipped", note=note)
+        from verl_ext.kernels import WHITEN_EPS  # verl's constant, written once (kernels loads torch: here, not at import)
+
         mean, var = stats
-        sigma = math.sqrt(var + 1e-8)
+        sigma = math.sqrt(var + WHITEN_EPS)
         expected = (raw - mean) / sigma
         operands = np.abs(raw) + abs(mean)
         for name in ("return", "value"):  # a raw advantage rebuilt as returns − values carries their rounding
@@ -304,10 +306,12 @@ class TokenStep:
 
 
 def _whitening_stats(x: np.ndarray) -> tuple[float, float]:
-    """verl's masked_whiten statistics: μ = Σx/(n+1e-8), σ² = Σ(x−μ)²/(n+1e-8)·n/(n−1)."""
+    """verl's masked_whiten statistics: μ = Σx/(n+ε), σ² = Σ(x−μ)²/(n+ε)·n/(n−1), ε = WHITEN_EPS."""
+    from verl_ext.kernels import WHITEN_EPS
+
     n = len(x)
-    mean = float(x.sum() / (n + 1e-8))
-    var = float(np.square(x - mean).sum() / (n + 1e-8) * (n / (n - 1)))
+    mean = float(x.sum() / (n + WHITEN_EPS))
+    var = float(np.square(x - mean).sum() / (n + WHITEN_EPS) * (n / (n - 1)))
     return mean, var
 
 

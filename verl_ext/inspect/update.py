@@ -91,9 +91,9 @@ class UpdateStep:
         self.settings = trace.record.update or {}
         self.actor = _table(trace, "actor", step)
         self.critic = _table(trace, "critic", step)
+        # the run record holds verl's resolved settings wherever there are update tables: nothing defaulted here
         actor = self.settings.get("actor", {})
-        self.low, self.high = actor.get("clip_ratio_low", 0.2), actor.get("clip_ratio_high", 0.2)
-        self.c, self.loss_mode = actor.get("clip_ratio_c", 3.0), actor.get("loss_mode", "vanilla")
+        self.low, self.high, self.c, self.loss_mode = (actor.get(key) for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_mode"))
 
     def unavailable(self, kind: str | None = None) -> Finding | None:
         """Skipped when the step has no update tables, or none of ``kind``."""
@@ -264,7 +264,7 @@ def vf_loss(u: UpdateStep) -> Finding:
     if (unavailable := u.unavailable("critic")) is not None:
         return unavailable
     critic = u.critic
-    epsilon = u.settings.get("critic", {}).get("cliprange_value", 0.5)
+    epsilon = u.settings["critic"]["cliprange_value"]
     vpred, value, ret = critic["vpred"], critic["value"], critic["return"]
     clipped = np.clip(vpred, value - epsilon, value + epsilon)
     f32 = np.float32
@@ -287,8 +287,8 @@ def update_metrics(u: UpdateStep) -> Finding:
         if table is None:
             continue
         record = u.trace.update_record(kind, u.step)
-        settings = u.settings.get(kind, {})
-        mode = settings.get("loss_agg_mode", "token-mean")
+        settings = u.settings[kind]
+        mode = settings["loss_agg_mode"]
         term = table["pg_loss"] if kind == "actor" else table["vf_loss"]
         largest = max(max((m.get("batch_num_tokens") or 0 for m in record.minibatches), default=0), 1)
         loss = (0.5 if kind == "critic" else 1.0) * _aggregate(table, term, record.minibatches, mode, settings.get("loss_scale_factor"))

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from verl_ext.options import CPU_SWITCH, EXTERNAL_MODULES, cpu_requested
+
 
 @dataclass
 class Finding:
@@ -54,9 +56,9 @@ def diagnose(fresh_import: bool = True):
         yield _fresh_import_finding()
     cpu = sys.modules.get("verl_ext.cpu")  # never imported here: a GPU run does not load the backend
     active = bool(cpu and cpu.is_active())
-    requested = os.environ.get(plugin.CPU_SWITCH, "").strip().lower() in ("1", "true", "yes")
+    requested = cpu_requested()
     state = "on" if active else ("requested, not active" if requested else "off")
-    yield Finding(active or not requested, "cpu backend", f"{state} ({plugin.CPU_SWITCH}={os.environ.get(plugin.CPU_SWITCH, '')!r})")
+    yield Finding(active or not requested, "cpu backend", f"{state} ({CPU_SWITCH}={os.environ.get(CPU_SWITCH, '')!r})")
 
 
 def _touch_finding(touch, state, verl_version: str) -> Finding:
@@ -131,5 +133,5 @@ def _fresh_import_finding() -> Finding:
     return Finding(
         status == "loaded",
         "fresh import verl",
-        f"plugin {status} (VERL_USE_EXTERNAL_PLUGINS={policy!r}, VERL_USE_EXTERNAL_MODULES={os.environ.get('VERL_USE_EXTERNAL_MODULES', '')!r})",
+        f"plugin {status} (VERL_USE_EXTERNAL_PLUGINS={policy!r}, {EXTERNAL_MODULES}={os.environ.get(EXTERNAL_MODULES, '')!r})",
     )

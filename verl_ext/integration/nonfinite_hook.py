@@ -23,6 +23,10 @@ from typing import Any, Iterator
 
 from verl_ext import nonfinite
 from verl_ext.options import NONFINITE_DEFAULT, nonfinite_mode
+from verl_ext.trace.schema import FLOAT_COLUMNS
+
+#: The per-token quantities of verl's batch the check reads: the trace schema's, by their batch keys.
+QUANTITIES = tuple(column.verl_key for column in FLOAT_COLUMNS if column.verl_key)
 
 _trainer: Any = None
 _mode: str | None = None
@@ -62,7 +66,7 @@ def after_advantage(data: Any) -> nonfinite.Finding | None:
         return None
     batch = data.batch
     keys = set(batch.keys())
-    finding = nonfinite.find({name: batch[name] for name in nonfinite.QUANTITIES if name in keys}, batch["response_mask"])
+    finding = nonfinite.find({name: batch[name] for name in QUANTITIES if name in keys}, batch["response_mask"])
     if finding is None:
         return None
     line = finding.line(step=_step(data), uid=data.non_tensor_batch.get("uid"))

@@ -20,16 +20,15 @@ reported on stderr and kept in :data:`LOAD_ERROR` for ``verl-ext doctor``.
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from verl_ext.options import cpu_requested
 
 LOADED = False
 LOAD_ERROR: str | None = None
 #: How the plugin was activated in this process: "entry point", "VERL_USE_EXTERNAL_MODULES" or "call".
 ACTIVATED_BY: str | None = None
 
-#: The CPU backend's switch (see :mod:`verl_ext.cpu`); read here so that a GPU run never imports it.
-CPU_SWITCH = "VERL_EXT_CPU"
 
 
 def activate(by: str = "call") -> None:
@@ -39,7 +38,7 @@ def activate(by: str = "call") -> None:
     from verl_ext.touches import PLUGIN_TOUCHES
 
     patching.install(PLUGIN_TOUCHES)
-    if os.environ.get(CPU_SWITCH, "").strip().lower() in ("1", "true", "yes"):
+    if cpu_requested():  # read here, from options, so that a GPU run never imports the backend
         from verl_ext import cpu
 
         cpu.activate()

@@ -305,10 +305,10 @@ def update_settings(config: Any) -> dict[str, Any]:
     settings = {
         "actor": {
             "loss_mode": str((actor.get("policy_loss") or {}).get("loss_mode", "vanilla")),
-            "loss_agg_mode": str(actor.get("loss_agg_mode", "token-mean")),
+            "loss_agg_mode": str(actor.loss_agg_mode),
             "clip_ratio_low": float(actor.get("clip_ratio_low") if actor.get("clip_ratio_low") is not None else clip),
             "clip_ratio_high": float(actor.get("clip_ratio_high") if actor.get("clip_ratio_high") is not None else clip),
-            "clip_ratio_c": float(actor.get("clip_ratio_c", 3.0)),
+            "clip_ratio_c": float(actor.clip_ratio_c),
             "loss_scale_factor": actor.get("loss_scale_factor"),
             "ppo_epochs": int(actor.get("ppo_epochs", 1)),
             "ppo_mini_batch_size": int(actor.get("ppo_mini_batch_size", 0)) * n,
@@ -319,8 +319,8 @@ def update_settings(config: Any) -> dict[str, Any]:
     }
     if critic:
         settings["critic"] = {
-            "cliprange_value": float(critic.get("cliprange_value", 0.5)),
-            "loss_agg_mode": str(critic.get("loss_agg_mode", "token-mean")),
+            "cliprange_value": float(critic.cliprange_value),
+            "loss_agg_mode": str(critic.loss_agg_mode),
             "loss_scale_factor": critic.get("loss_scale_factor"),
             "ppo_epochs": int(critic.get("ppo_epochs", 1)),
             "ppo_mini_batch_size": int(critic.get("ppo_mini_batch_size", 0)) * n,

@@ -1,0 +1,53 @@
+"""The learning run that tests/apps/test_learning.py and test_credit.py share: verl's real trainer (in
+process) on the CPU task, ``mc``, seed 0, run twice at once (the reproducibility check compares the
+two). Both modules are in the xdist group of two trainers at once, so one worker runs them and the
+session fixture trains once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+LEARNING_STEPS = 25
+
+
+@pytest.fixture(scope="session")
+def learning_runs(tmp_path_factory, cpu_env):
+    outputs = [tmp_path_factory.mktemp(f"learn{i}") for i in range(2)]
+    command = [sys.executable, "-m", "verl_ext.apps.learning", "--estimator", "mc", "--seed", "0",
+               "--steps", str(LEARNING_STEPS), "--test-freq", str(LEARNING_STEPS), "--trace"]  # fmt: skip
+    processes = [
+        subprocess.Popen([*command[:3], str(out), *command[3:]], env=cpu_env(out), cwd=out,
+                         stdout=open(out / "output.log", "w"), stderr=subprocess.STDOUT)  # fmt: skip
+        for out in outputs
+    ]
+    for process, out in zip(processes, outputs):
+        if process.wait(timeout=600) != 0:
+            pytest.fail(f"learning run failed:\n{(out / 'output.log').read_text()[-4000:]}")
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def learning_trace(learning_runs):
+    from verl_ext.trace.reader import open_trace
+
+    return open_trace(str(learning_runs[0] / "trace"))
+
+
+def dense(frame: pd.DataFrame, column: str) -> np.ndarray:
+    """(samples, T) of a token table's column, 0 where there is no row."""
+    width = int(frame["token_index"].max()) + 1
+    out = np.zeros((int(frame["sample"].max()) + 1, width))
+    out[frame["sample"], frame["token_index"]] = frame[column].to_numpy(np.float64)
+    return out
+
+
+def valid_tokens(frame: pd.DataFrame) -> pd.DataFrame:
+    """The valid tokens; each response's mask is a prefix, so token_index is also the rank."""
+    valid = frame[frame["mask"]]
+    assert (valid.groupby("sample")["token_index"].max() + 1 == valid.groupby("sample").size()).all()
+    return valid

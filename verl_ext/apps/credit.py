@@ -1,0 +1,113 @@
+"""Where the credit lands on the CPU task: the advantage at the verdict token against the rest.
+
+The task defines the verdict (:func:`verl_ext.tasks.arith.task.verdict_index`: "是" or "不", the
+token after the first "，"), the one decision of a response the policy has to learn; the outcome
+reward sits on the last token. A response whose token after "，" ends the sequence has no verdict.
+:func:`step_credit` reads a traced step once and gives:
+
+* the advantage the update used (``advantage``, after whitening): mean |A| at the verdict tokens, at
+  the other valid tokens, and the verdict tokens' share of Σ|A|;
+* the critic's explained variance against the Monte-Carlo return (:mod:`verl_ext.inspect.critic`)
+  at the states after the verdict and at those up to it: after it the outcome is decided, and a
+  critic that has learned the task sees it;
+* on request, the verdict's share of Σ|raw A| under other estimators, re-estimated from the step's
+  recorded rewards and values (what ``verl-ext compare`` computes): mc, GAE(0.95) and td0 by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verl_ext.inspect.comparison import DEFAULT_N, step_estimates
+from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
+from verl_ext.inspect.stepdata import LAYOUT_COLUMNS, RecordedAlgorithm, StepData
+
+#: λ of the GAE the demo sets between td0 (λ = 0) and mc (λ = 1).
+SIDE_BY_SIDE_LAMBDA = 0.95
+
+
+def side_by_side() -> tuple[str, ...]:
+    """The compare labels of mc, GAE(SIDE_BY_SIDE_LAMBDA) and td0 (λ = 1, in between, 0)."""
+    from verl_ext import registry
+
+    return ("mc", registry.get("gae").column_label({"lam": SIDE_BY_SIDE_LAMBDA}), "td0")
+
+
+@dataclass(frozen=True)
+class StepCredit:
+    step: int
+    score: float  # mean score of the step's responses
+    verdict_abs: float  # mean |A| at the verdict tokens
+    rest_abs: float  # mean |A| at the other valid tokens
+    verdict_share: float  # the verdict tokens' share of the step's Σ|A|
+    verdicts: dict[int, int]  # sample -> token_index of its verdict, for the responses that have one
+    ev_after_verdict: float | None  # None without a critic
+    ev_before_verdict: float | None
+    shares_by_estimator: dict[str, float] = field(default_factory=dict)  # label -> verdict share of Σ|raw A|
+
+    def line(self) -> str:
+        critic = f"   critic EV after the verdict {self.ev_after_verdict:+.2f}" if self.ev_after_verdict is not None else ""
+        return (
+            f"step {self.step:3d}  score {self.score:.3f}   mean |A|: verdict {self.verdict_abs:.3f}, "
+            f"rest {self.rest_abs:.3f}   verdict share of Σ|A| {self.verdict_share:.2f}{critic}"
+        )
+
+
+def step_credit(trace, step: int, labels: tuple[str, ...] = ()) -> StepCredit:
+    """The step's credit at the verdict (module docstring), the step read once; ``labels``: the
+    compare columns whose verdict share to re-estimate (e.g. :func:`side_by_side`)."""
+    table = trace.read_step(step, [*LAYOUT_COLUMNS, "token_id", "score", "advantage", "reward", "value"])
+    data = StepData.from_table(step, table, ("score", "advantage", "reward", "value"))
+    layout = data.layout
+    token_index = layout.token_index[layout.valid_rows]
+    verdict_of_token, verdicts = _verdicts(table.column("token_id").to_numpy()[layout.valid_rows], token_index, layout)
+    at_verdict = token_index == verdict_of_token
+
+    magnitude = np.abs(data.columns["advantage"])
+    sampled = np.flatnonzero(layout.valid_counts)
+    scores = np.bincount(layout.valid_sample_index(), weights=data.columns["score"], minlength=layout.samples)[sampled]
+    ev_after = ev_before = None
+    if data.columns["value"] is not None:
+        values, returns = data.columns["value"], monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
+        after = (verdict_of_token >= 0) & (token_index > verdict_of_token)
+        before = (verdict_of_token >= 0) & ~after
+        ev_after, ev_before = explained_variance(values[after], returns[after]), explained_variance(values[before], returns[before])
+    shares = {}
+    if labels and data.columns["value"] is not None:  # without a critic there is nothing to re-estimate from
+        estimates, _ = step_estimates(data, RecordedAlgorithm.from_record(trace.record), DEFAULT_N, (SIDE_BY_SIDE_LAMBDA,), labels)
+        shares = {label: _share(np.abs(raw), at_verdict) for label, raw in estimates.items()}
+    return StepCredit(
+        step=step,
+        score=float(scores.mean()) if len(scores) else float("nan"),
+        verdict_abs=float(magnitude[at_verdict].mean()) if at_verdict.any() else float("nan"),
+        rest_abs=float(magnitude[~at_verdict].mean()) if (~at_verdict).any() else float("nan"),
+        verdict_share=_share(magnitude, at_verdict),
+        verdicts=verdicts,
+        ev_after_verdict=ev_after,
+        ev_before_verdict=ev_before,
+        shares_by_estimator=shares,
+    )
+
+
+def _share(magnitude: np.ndarray, at_verdict: np.ndarray) -> float:
+    total = magnitude.sum()
+    return float(magnitude[at_verdict].sum() / total) if total > 0 else float("nan")
+
+
+def _verdicts(token_ids: np.ndarray, token_index: np.ndarray, layout) -> tuple[np.ndarray, dict[int, int]]:
+    """((N,) the verdict token_index of each valid token's response, −1 without a verdict; sample ->
+    verdict token_index), by the task's ``verdict_index`` on each response's valid tokens."""
+    from verl_ext.tasks.arith.assets import EOS, special_token_id, token_id
+    from verl_ext.tasks.arith.task import VERDICT_MARK, verdict_index
+
+    mark, eos = token_id(VERDICT_MARK), special_token_id(EOS)
+    verdict_of_token = np.full(len(token_ids), -1, dtype=np.int64)
+    verdicts = {}
+    for sample, start, count in zip(layout.sample_ids, layout.valid_starts, layout.valid_counts):
+        index = verdict_index(token_ids[start : start + count].tolist(), mark, eos)
+        if index is not None:
+            verdicts[int(sample)] = int(token_index[start + index])
+            verdict_of_token[start : start + count] = verdicts[int(sample)]
+    return verdict_of_token, verdicts
