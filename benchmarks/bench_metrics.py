@@ -31,9 +31,11 @@ DEMO_ROWS, DEMO_LENGTH = 128, 12
 
 
 def session(algorithm, on: bool):
+    from omegaconf import OmegaConf
+
     from verl_ext.integration import metrics_hook, nonfinite_hook
 
-    config = {"algorithm": algorithm, "verl_ext": {"metrics": on, "nonfinite": "off"}}
+    config = OmegaConf.create({"algorithm": algorithm, "verl_ext": {"metrics": on, "nonfinite": "off"}})
     trainer = SimpleNamespace(config=config, global_steps=1)
 
     class Both:
