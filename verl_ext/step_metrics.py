@@ -10,8 +10,9 @@ step's live metrics are its post-hoc numbers.
 
 Positions: the valid token of rank i (0-based) of a response with L valid tokens is in decile
 ``d{⌊10·i/L⌋}``; ``last`` is each response's last valid token; the first half is d0–d4 (2i < L).
-A grouping of the tokens (deciles here; turns once the trace has them) is an int array of group ids,
-so per-turn numbers are :func:`critic_by_group` and :func:`credit_by_group` over turn ids.
+A grouping of the tokens (deciles here; turns once the trace has them) is an int array of group ids:
+per-turn explained variances are :func:`critic_by_group` over turn ids, and a per-turn credit share
+the same run-wise sum :func:`_first_half` does, over turn runs instead of decile runs.
 """
 
 from __future__ import annotations
