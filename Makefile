@@ -46,6 +46,7 @@ bench: setup
 	$(PY) benchmarks/bench_update.py
 	$(PY) benchmarks/bench_view.py
 	$(PY) benchmarks/bench_nonfinite.py
+	$(PY) benchmarks/bench_metrics.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .hypothesis

@@ -91,3 +91,53 @@ def whiten(x, mask):
     x = np.asarray(x, dtype=np.float64)
     sel = x[np.asarray(mask) != 0]
     return (x - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8)
+
+
+def live_metrics(rewards, values, advantage_raw, advantages, scores, mask, uid, gamma) -> dict:
+    """docs/definitions.md §11, term by term from (B, T) arrays: the critic's explained variance
+    1 − Var(G − V)/Var(G) (n − 1) against G = mc_row over all valid tokens, at each response's last
+    one and per decile ⌊10·i/L⌋; std (n − 1) of the raw advantage, mean and std of the advantage;
+    the mean over uid groups of ≥ 2 responses of the std of their summed scores; the mean over
+    responses of max|A|/Σ|A| and the share of Σ|A| on ranks 2i < L (raw advantage). ``values`` None:
+    no critic entries. Undefined entries are left out, as verl-ext leaves them out."""
+    import statistics
+
+    def ev(pairs):
+        g = [p[0] for p in pairs]
+        if len(g) < 2 or statistics.variance(g) == 0:
+            return None
+        return 1 - statistics.variance([gi - vi for gi, vi in pairs]) / statistics.variance(g)
+
+    out = {}
+    rows = [(b, valid_positions(mask[b])) for b in range(len(mask))]
+    rows = [(b, idx) for b, idx in rows if len(idx)]
+    if values is not None:
+        buckets = {key: [] for key in ["all", "last", *(f"d{k}" for k in range(10))]}
+        for b, idx in rows:
+            g = mc_row([float(rewards[b, t]) for t in idx], gamma)
+            v = [float(values[b, t]) for t in idx]
+            for i in range(len(idx)):
+                buckets["all"].append((g[i], v[i]))
+                buckets[f"d{10 * i // len(idx)}"].append((g[i], v[i]))
+            buckets["last"].append((g[-1], v[-1]))
+        out["critic/ev_mc"], out["critic/ev_mc_last"] = ev(buckets["all"]), ev(buckets["last"])
+        out |= {f"critic/ev_mc/d{k}": ev(buckets[f"d{k}"]) for k in range(10)}
+    raw = [float(advantage_raw[b, t]) for b, idx in rows for t in idx]
+    adv = [float(advantages[b, t]) for b, idx in rows for t in idx]
+    out["adv/raw_std"] = statistics.stdev(raw)
+    out["adv/whiten_mean"], out["adv/whiten_std"] = statistics.fmean(adv), statistics.stdev(adv)
+    groups = {}
+    for b, idx in rows:
+        groups.setdefault(str(uid[b]), []).append(sum(float(scores[b, t]) for t in idx))
+    stds = [statistics.stdev(s) for s in groups.values() if len(s) >= 2]
+    out["reward/group_std"] = statistics.fmean(stds) if stds else None
+    top, first_half, total = [], 0.0, 0.0
+    for b, idx in rows:
+        a = [abs(float(advantage_raw[b, t])) for t in idx]
+        if sum(a) > 0:
+            top.append(max(a) / sum(a))
+        first_half += sum(x for i, x in enumerate(a) if 2 * i < len(a))
+        total += sum(a)
+    out["credit/top_token_share"] = statistics.fmean(top) if top else None
+    out["credit/first_half_share"] = first_half / total if total > 0 else None
+    return {key: value for key, value in out.items() if value is not None}

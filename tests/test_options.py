@@ -1,5 +1,5 @@
 """The defaults of verl-ext's config keys are written once in Python (the estimator options, TraceOptions'
-fields, verl_ext.nonfinite's default); configs/verl_ext_trainer.yaml, which hydra needs as a file,
+fields, the defaults of verl_ext.nonfinite and verl_ext.metrics); configs/verl_ext_trainer.yaml, which hydra needs as a file,
 must declare the same keys with the same defaults. (That it composes onto verl's ppo_trainer:
 tests/integration/test_verl_seam.py.)"""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from verl_ext.options import ALGORITHM_KEYS, NONFINITE_DEFAULT, TRACE_KEYS, TraceOptions
+from verl_ext.options import ALGORITHM_KEYS, METRICS_DEFAULT, NONFINITE_DEFAULT, TRACE_KEYS, TraceOptions
 
 YAML = Path(__file__).resolve().parents[1] / "verl_ext" / "configs" / "verl_ext_trainer.yaml"
 
@@ -17,7 +17,7 @@ YAML = Path(__file__).resolve().parents[1] / "verl_ext" / "configs" / "verl_ext_
 def test_the_yaml_declares_every_key_with_the_default_of_the_code():
     declared = yaml.safe_load(YAML.read_text())
     assert declared["algorithm"] == ALGORITHM_KEYS
-    assert declared["verl_ext"] == {"nonfinite": NONFINITE_DEFAULT, "trace": TraceOptions().as_dict()}
+    assert declared["verl_ext"] == {"nonfinite": NONFINITE_DEFAULT, "metrics": METRICS_DEFAULT, "trace": TraceOptions().as_dict()}
 
 
 def test_the_trace_keys_are_the_fields_of_trace_options_in_order():

@@ -110,6 +110,9 @@ def algorithm_settings(algorithm: Any) -> dict[str, Any]:
 #: line before the update, or not look.
 NONFINITE_MODES = ("warn", "raise", "off")
 NONFINITE_DEFAULT = "warn"
+#: ``verl_ext.metrics``: the live metrics (critic and credit, docs/definitions.md §11) in verl's
+#: metrics of every step.
+METRICS_DEFAULT = True
 
 
 def verl_ext_node(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -118,9 +121,11 @@ def verl_ext_node(config: Mapping[str, Any]) -> Mapping[str, Any]:
     node = {} if node is None else node
     if not isinstance(node, Mapping):
         raise ValueError(f"verl_ext must be a node of options (e.g. verl_ext.trace.dir=/runs/trace), got {node!r}")
-    unknown = sorted(set(node) - {"trace", "nonfinite"})
+    unknown = sorted(set(node) - {"trace", "nonfinite", "metrics"})
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join('verl_ext.' + k for k in unknown)}; verl_ext takes trace, nonfinite")
+        raise ValueError(
+            f"unknown key(s) {', '.join('verl_ext.' + k for k in unknown)}; verl_ext takes trace, nonfinite, metrics"
+        )
     return node
 
 
@@ -132,6 +137,12 @@ def nonfinite_mode(config: Mapping[str, Any]) -> str:
     if value not in NONFINITE_MODES:
         raise ValueError(f"verl_ext.nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {value!r}")
     return value
+
+
+def metrics_enabled(config: Mapping[str, Any]) -> bool:
+    """``verl_ext.metrics`` of the root config (default :data:`METRICS_DEFAULT`)."""
+    value = verl_ext_node(config).get("metrics")
+    return METRICS_DEFAULT if value is None else boolean("verl_ext.metrics", value)
 
 
 # --------------------------------------------------------------------------- trace options

@@ -58,8 +58,8 @@ PLUGIN_TOUCHES = (
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "compute_advantage", "plugin",
         why="verl never passes `values` to a registered estimator: verl-ext's estimators (verl_ext.registry) are "
-        "computed here with the batch's values and whitened; every estimator's result is handed to the trace, "
-        "then checked for non-finite rewards, values, returns, advantages and log-probs on valid tokens "
+        "computed here with the batch's values and whitened; every estimator's result is handed to the trace and "
+        "to the live metrics (verl_ext.metrics), then checked for non-finite rewards, values, returns, advantages and log-probs on valid tokens "
         "(verl_ext.nonfinite: one line naming step, sample, token and the first non-finite quantity upstream)",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_compute_advantage",
     ),
@@ -134,8 +134,16 @@ PLUGIN_TOUCHES = (
         "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage", "plugin",
         why="the V1 trainer computes advantages on a reduced batch without token ids; after it stores them in "
         "TransferQueue, the trace reads back the tensors the trainer will use, with token ids and the step; "
-        "verl_ext.nonfinite=raise stops the run here, once the trace has the step, before the updates",
+        "verl_ext.nonfinite=raise stops the run here, once the trace has the step, before the updates; the "
+        "step's live metrics (verl_ext.metrics) go into the metrics dict V1 hands this method",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_compute_advantage",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.ray_trainer", "compute_data_metrics", "plugin",
+        why="the legacy trainer's step metrics are a local of fit(); the live metrics (verl_ext.metrics: the critic "
+        "against the Monte-Carlo return, advantage and group statistics, credit shares), computed in "
+        "compute_advantage, join them through the dict this call returns (ray_trainer.py:1772), once per step",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_compute_data_metrics",
     ),
 )  # fmt: skip
 

@@ -12,6 +12,8 @@ OUTPUT = [
     "(TaskRunner pid=1) step:0 - val-aux/x/score/mean@1:np.float64(0.14) - val-core/x/acc/mean@1:np.float64(0.0)"
     " - val-core/x/acc/best@4/mean:np.float64(0.75) - val-core/x/acc/best@4/std:np.float64(0.05)\n",
     "(TaskRunner pid=1) step:1 - critic/score/mean:0.0375 - critic/values/mean:-0.5 - timing_s/step:0.45\n",
+    "(TaskRunner pid=1) step:2 - critic/score/mean:0.5 - verl_ext/critic/ev_mc:0.25 - verl_ext/critic/ev_mc_last:0.8125"
+    " - verl_ext/credit/top_token_share:np.float64(0.375) - timing_s/step:0.5\n",
     "(TaskRunner pid=1) Traceback (most recent call last):\n",
     '  File "x.py", line 1\n',
 ]
@@ -25,4 +27,5 @@ def test_follow_keeps_everything_and_prints_the_events(tmp_path):
     assert "Ray started" in printed and "task runner up (legacy RayPPOTrainer)" in printed
     assert "[step 0/5] val acc 0.000\n" in printed  # the mean, not verl's best@n bootstrap
     assert "[step 1/5] score 0.0375  value -0.5  step_s 0.45" in printed
+    assert "[step 2/5] score 0.5  ev_mc_last 0.8125  top_token_share 0.375  step_s 0.5" in printed
     assert printed.endswith('Traceback (most recent call last):\n  File "x.py", line 1\n')

@@ -10,7 +10,8 @@ What each run is checked against, independently of verl-ext's own code:
 * returns and advantages recomputed from that batch with tests/reference.py (direct sums);
 * rewards = scores − β·kl with kl from verl's own ``core_algos.kl_penalty``;
 * the trace read back from disk equals that batch; the run record matches the config;
-* ``verl-ext check`` passes on the trace.
+* ``verl-ext check`` passes on the trace;
+* verl's logged live metrics (``verl_ext/…``) equal the same quantities computed from the trace.
 """
 
 from __future__ import annotations
@@ -231,6 +232,46 @@ def test_check_passes(finished_run):
     update = {"update_rows", "ratio", "ratio_first", "pg_loss", "clip", "update_metrics"}
     assert {statuses[key] for key in update} == {"pass"}
     assert statuses["vf_loss"] == ("skipped" if estimator == "grpo" else "pass")
+
+
+def assert_live_metrics_equal_the_trace(out: Path, estimator: str) -> None:
+    """verl's metrics of every traced step hold the live metrics (docs/definitions.md §11), equal to
+    the post-hoc numbers of the trace: :func:`traced_step_metrics` (G recomputed in float64 from the
+    recorded rewards), and the columns of ``summary`` and ``summary --critic`` that are the same
+    quantities; to float32 rounding (the trainer computed from float32 tensors)."""
+    from verl_ext.apps.learning import read_metrics
+    from verl_ext.inspect.critic import critic_diagnostics, traced_step_metrics
+    from verl_ext.inspect.summary import summarize
+    from verl_ext.trace.reader import open_trace
+
+    trace, metrics = open_trace(str(out / "trace")), read_metrics(out)
+    summary = {row["step"]: row for row in summarize(trace).to_pylist()}
+    critic = {} if estimator == "grpo" else {(r["step"], r["bucket"]): r for r in critic_diagnostics(trace).to_pylist()}
+    close = dict(rel=1e-4, abs=1e-5)
+    for step in trace.steps:
+        live = {key.removeprefix("verl_ext/"): value for key, value in metrics[step].items() if key.startswith("verl_ext/")}
+        posthoc = traced_step_metrics(trace, step)
+        assert sorted(live) == sorted(posthoc), step
+        for key, value in posthoc.items():
+            assert live[key] == pytest.approx(value, **close), (step, key)
+        row = summary[step]
+        raw_std = row["adv_raw_std"] if row["adv_raw_std"] is not None else row["adv_std"]  # grpo: no raw advantage
+        assert (live["adv/raw_std"], live["adv/whiten_mean"], live["adv/whiten_std"]) == pytest.approx(
+            (raw_std, row["adv_mean"], row["adv_std"]), **close
+        )
+        assert ("reward/group_std" in live) == (estimator == "grpo")  # grpo's run has 4 responses per prompt
+        if estimator == "grpo":
+            assert "critic/ev_mc" not in live
+            continue
+        assert (live["critic/ev_mc"], live["critic/ev_mc_last"]) == pytest.approx((row["ev_mc"], row["ev_mc_last"]), **close)
+        for decile in range(10):
+            ev = critic[(step, f"d{decile}")]["explained_var"]
+            assert live.get(f"critic/ev_mc/d{decile}") == (None if ev is None else pytest.approx(ev, **close))
+
+
+def test_live_metrics_equal_the_traces_numbers(finished_run):
+    estimator, out, _ = finished_run
+    assert_live_metrics_equal_the_trace(out, estimator)
 
 
 # --------------------------------------------------------------------------- the update tables

@@ -1,6 +1,7 @@
 """verl_ext.nonfinite in verl's real RayPPOTrainer.fit() on CPU (in-process, trace off): a NaN the
 critic gives at step 2 (tests/e2e/nonfinite_probe.py) is named in one line; warn trains on, raise
-stops the run with that line before step 2's updates. One fresh interpreter per run."""
+stops the run with that line before step 2's updates. One fresh interpreter per run. The warn run
+also shows the live metrics (verl_ext.metrics) in verl's metrics with the trace off."""
 
 from __future__ import annotations
 
@@ -63,6 +64,24 @@ def test_warn_names_the_nan_value_and_training_goes_on(tmp_path):
     said = [line for line in result.stderr.splitlines() if line.startswith("verl-ext: step")]
     assert said == [expected_line(tmp_path / "warn", int(step["response_mask"].sum()), step["uid"][0])]
     assert (tmp_path / "warn" / "updates.txt").read_text().split("\n")[:-1] == ["1 critic", "1 actor", "2 critic", "2 actor"]
+    assert_live_metrics_without_the_trace(tmp_path / "warn")
+
+
+def assert_live_metrics_without_the_trace(out: Path) -> None:
+    """The trace is off in this run: verl's metrics of step 1 (finite) still hold the live metrics,
+    equal to docs/definitions.md §11 summed directly on the batch the step used."""
+    import tests.reference as ref
+    from verl_ext.apps.learning import read_metrics
+
+    batches = read_batches(out)
+    batch = {key: value.numpy() if hasattr(value, "numpy") else value for key, value in batches["steps"][1].items()}
+    mask, rewards, values = batch["response_mask"], batch["token_level_rewards"], batch["values"]
+    raw = ref.mc_returns(rewards, mask, batches["gamma"]) - values  # mc
+    want = ref.live_metrics(rewards, values, raw, batch["advantages"], batch["token_level_scores"], mask, batch["uid"], batches["gamma"])
+    live = {key.removeprefix("verl_ext/"): value for key, value in read_metrics(out)[1].items() if key.startswith("verl_ext/")}
+    assert not (out / "trace").exists() and sorted(live) == sorted(want)
+    for key, value in want.items():
+        assert live[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
 def test_raise_stops_the_run_with_that_line_before_the_update(tmp_path):

@@ -3,7 +3,7 @@ README's example of a user's estimator (loaded in every process through VERL_USE
 the README runs it), on a local Ray cluster: the recipe reports progress and trains, the plugin
 switches the critic on; the trace equals what the actor update read from TransferQueue (captured by
 tests/e2e/v1_capture.py), its update tables cover every trained token once per epoch and reproduce
-verl's logged metrics, and it passes the checker. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)"""
+verl's logged metrics, the live metrics verl logged equal the trace's numbers, and it passes the checker. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)"""
 
 from __future__ import annotations
 
@@ -64,6 +64,13 @@ def test_verls_own_config_and_a_users_estimator_train_with_the_critic(v1_run):
     from tests.cpu.helpers import assert_trained
 
     assert_trained(read_metrics(v1_run), STEPS)  # critic values and critic updates at every step
+
+
+def test_v1_live_metrics_equal_the_traces_numbers(v1_run):
+    """verl's own config (no verl_ext node): the live metrics are on by default."""
+    from tests.e2e.test_fit_with_trace import assert_live_metrics_equal_the_trace
+
+    assert_live_metrics_equal_the_trace(v1_run, "td_half")
 
 
 def test_v1_run_record(v1_run):

@@ -6,7 +6,8 @@ start, workers, validation, steps) drown in it. ``recipes/cpu_demo.sh`` pipes th
     python -m verl.trainer.main_ppo ... 2>&1 | python -m verl_ext.apps.progress LOG_FILE --steps N
 
 which writes everything to LOG_FILE and prints: the startup phases, one line per training step with
-its main metrics, validation scores, and any traceback in full. From Python: :func:`follow`.
+its main metrics (verl-ext's ``ev_mc_last`` and ``top_token_share`` among them), validation scores,
+and any traceback in full. From Python: :func:`follow`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ _SHOWN = {  # metric -> label, in display order
     "critic/values/mean": "value",
     "critic/vf_loss": "vf_loss",
     "actor/pg_loss": "pg_loss",
+    # verl-ext's live metrics (docs/definitions.md §11): is the critic right at the outcome, and how
+    # much of a response's credit sits on its single largest token
+    "verl_ext/critic/ev_mc_last": "ev_mc_last",
+    "verl_ext/credit/top_token_share": "top_token_share",
     "timing_s/step": "step_s",
 }
 

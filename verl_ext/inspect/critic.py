@@ -31,10 +31,11 @@ import pyarrow as pa
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
+from verl_ext.step_metrics import BUCKETS, DECILES, Responses, critic_by_position, explained_variance, step_metrics
 
-#: Position buckets, in column order: the ten deciles of each response, its last valid token, all.
-DECILES = tuple(f"d{i}" for i in range(10))
-BUCKETS = (*DECILES, "last", "all")
+__all__ = [
+    "BUCKETS", "DECILES", "critic_diagnostics", "explained_variance", "step_diagnostics", "steps_by_bucket", "traced_step_metrics",
+]  # fmt: skip
 
 #: One row per (step, bucket), every bucket of every step (a bucket without tokens has nulls).
 CRITIC_SCHEMA = pa.schema(
@@ -70,24 +71,44 @@ def critic_diagnostics(trace, steps: Iterable[int] | None = None, progress: Prog
 
 
 def step_diagnostics(data: StepData, gamma: float) -> list[dict]:
-    """The CRITIC_SCHEMA rows of one step (``data`` with ``reward`` and ``value``), in BUCKETS order."""
-    returns = monte_carlo_returns(data, gamma)
-    values = data.columns["value"]
-    decile, last = position_buckets(data.layout)
-    members = {**{name: decile == i for i, name in enumerate(DECILES)}, "last": last, "all": np.ones(data.tokens, bool)}
-    rows = []
-    for bucket in BUCKETS:
-        g, v = returns[members[bucket]], values[members[bucket]]
-        rows.append({
-            "step": data.step,
-            "bucket": bucket,
-            "tokens": len(g),
-            "explained_var": explained_variance(v, g),
-            "mean_abs_error": float(np.abs(v - g).mean()) if len(g) else None,
-            "mean_return": float(g.mean()) if len(g) else None,
-            "mean_value": float(v.mean()) if len(g) else None,
-        })  # fmt: skip
-    return rows
+    """The CRITIC_SCHEMA rows of one step (``data`` with ``reward`` and ``value``), in BUCKETS order
+    (computed by :func:`verl_ext.step_metrics.critic_by_position`, as the live metrics are)."""
+    by_position = critic_by_position(data.columns["value"], monte_carlo_returns(data, gamma), responses(data.layout))
+    return [{"step": data.step, "bucket": bucket, **by_position[bucket]} for bucket in BUCKETS]
+
+
+def traced_step_metrics(trace, step: int) -> dict[str, float]:
+    """The live metrics of ``step`` (docs/definitions.md §11, names without ``verl_ext/``), computed
+    after the fact from its trace by :func:`verl_ext.step_metrics.step_metrics`, the function the
+    trainer ran on its batch: equal to what verl's logger got at that step, to float32 rounding,
+    when the trace kept every response (``verl_ext.trace.max_samples_per_step`` unset).
+
+    G is recomputed from the recorded rewards with the run's γ; the raw advantage is the recorded
+    ``advantage_raw``, or the advantage where there is none (verl's estimators other than ``gae``,
+    e.g. ``grpo``, whose normalization is their own); a response's score is the sum of its tokens'
+    ``score``."""
+    trace = as_trace(trace)
+    trace.require_step(step)
+    data = StepData.read(trace, step, ("reward", "value", "advantage_raw", "advantage", "score"))
+    layout, columns = data.layout, data.columns
+    returns = None
+    if columns["value"] is not None and columns["reward"] is not None:
+        returns = monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
+    scores = None
+    if columns["score"] is not None:
+        scores = np.bincount(layout.valid_sample_index(), weights=columns["score"], minlength=layout.samples)
+    uid = trace.read_step(step, ["uid"]).column("uid").to_pylist()
+    raw = columns["advantage_raw"] if columns["advantage_raw"] is not None else columns["advantage"]
+    has_tokens = layout.valid_counts > 0
+    return step_metrics(
+        responses(layout),
+        returns=returns,
+        values=columns["value"],
+        advantage_raw=raw,
+        advantage=columns["advantage"],
+        scores=None if scores is None else scores[has_tokens],
+        uid=None if None in uid else [uid[row] for row in layout.starts[has_tokens]],
+    )
 
 
 def monte_carlo_returns(data: StepData, gamma: float) -> np.ndarray:
@@ -100,21 +121,9 @@ def monte_carlo_returns(data: StepData, gamma: float) -> np.ndarray:
     return data.estimate(mc, mc.settings({"gamma": gamma}))[0]
 
 
-def position_buckets(layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
-    """(decile, last), both (N,) over the step's valid tokens: ⌊10·i/L⌋ (int) for the valid token
-    of rank i in a response of L valid tokens, and whether i = L − 1."""
-    lengths = np.repeat(layout.valid_counts, layout.valid_counts)
-    rank = np.arange(len(lengths)) - np.repeat(layout.valid_starts, layout.valid_counts)
-    return (10 * rank) // np.maximum(lengths, 1), rank == lengths - 1
-
-
-def explained_variance(values: np.ndarray | None, returns: np.ndarray | None) -> float | None:
-    """1 − Var(R − V)/Var(R) (n − 1 in both); None without values, with fewer than 2 tokens, or
-    when the returns do not vary."""
-    if values is None or returns is None or len(returns) < 2:
-        return None
-    spread = returns.var(ddof=1)
-    return float(1.0 - (returns - values).var(ddof=1) / spread) if spread > 0 else None
+def responses(layout: StepLayout) -> Responses:
+    """The step's responses as :mod:`verl_ext.step_metrics` takes them: the valid tokens of each."""
+    return Responses.of(layout.valid_counts)
 
 
 def steps_by_bucket(diagnostics: pa.Table, metric: str = "explained_var") -> pa.Table:

@@ -24,9 +24,10 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, position_buckets
+from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.update import update_statistics
+from verl_ext.step_metrics import critic_by_position
 
 SUMMARY_SCHEMA = pa.schema(
     [("step", pa.int64()), ("samples", pa.int64()), ("tokens", pa.int64())]
@@ -112,7 +113,6 @@ def monte_carlo_explained_variance(data: StepData, gamma: float) -> dict:
     values = data.columns["value"]
     if values is None or data.columns["reward"] is None:
         return {"ev_mc": None, "ev_mc_last": None}
-    returns = monte_carlo_returns(data, gamma)
-    _, last = position_buckets(data.layout)
-    return {"ev_mc": explained_variance(values, returns), "ev_mc_last": explained_variance(values[last], returns[last])}
+    by_position = critic_by_position(values, monte_carlo_returns(data, gamma), responses(data.layout))
+    return {"ev_mc": by_position["all"]["explained_var"], "ev_mc_last": by_position["last"]["explained_var"]}
 

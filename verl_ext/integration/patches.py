@@ -44,7 +44,7 @@ def compute_registered_advantage(data: Any, name: str, gamma: float, lam: float,
 
 def wrap_compute_advantage(original: Callable) -> Callable:
     from verl_ext import registry
-    from verl_ext.integration import nonfinite_hook, trace_hook
+    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook
 
     signature = inspect.signature(original)  # bind by name: the positional order differs across versions
 
@@ -56,10 +56,12 @@ def wrap_compute_advantage(original: Callable) -> Callable:
         data, name = arguments["data"], registry.name_of(arguments["adv_estimator"])
         if name in registry.names():
             result = compute_registered_advantage(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
-            trace_hook.after_advantage(data, advantage_raw=result.advantage_raw)
+            advantage_raw = result.advantage_raw
         else:
             data = original(*args, **kwargs)
-            trace_hook.after_advantage(data, advantage_raw=None)
+            advantage_raw = None
+        trace_hook.after_advantage(data, advantage_raw=advantage_raw)
+        metrics_hook.after_advantage(data, gamma=arguments["gamma"], advantage_raw=advantage_raw)
         nonfinite_hook.after_advantage(data)  # after the capture: a traced step is kept when this raises
         return data
 
@@ -145,11 +147,11 @@ def wrap_apply_kl_penalty(original: Callable) -> Callable:
 
 
 def _wrap_fit(original: Callable, trainer_kind: str) -> Callable:
-    from verl_ext.integration import nonfinite_hook, trace_hook
+    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        with nonfinite_hook.session(self), trace_hook.session(self, trainer_kind):
+        with nonfinite_hook.session(self), metrics_hook.session(self), trace_hook.session(self, trainer_kind):
             return original(self, *args, **kwargs)
 
     return fit
@@ -164,15 +166,29 @@ def wrap_v1_fit(original: Callable) -> Callable:
 
 
 def wrap_v1_compute_advantage(original: Callable) -> Callable:
-    from verl_ext.integration import nonfinite_hook, trace_hook
+    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook
 
     @functools.wraps(original)
     def _compute_advantage(self, batch, metrics):
         with nonfinite_hook.deferred():  # verl_ext.nonfinite=raise: once the trace has the step
             batch = original(self, batch, metrics)
+            metrics.update(metrics_hook.take())  # the step's metrics, which V1 hands us
             return trace_hook.after_v1_advantage(self, batch)
 
     return _compute_advantage
+
+
+# --------------------------------------------------------------------------- the live metrics
+
+
+def wrap_compute_data_metrics(original: Callable) -> Callable:
+    from verl_ext.integration import metrics_hook
+
+    @functools.wraps(original)
+    def compute_data_metrics(*args, **kwargs):
+        return {**original(*args, **kwargs), **metrics_hook.take()}
+
+    return compute_data_metrics
 
 
 # --------------------------------------------------------------------------- the update side of the trace

@@ -66,7 +66,7 @@ def session(trainer: Any, kind: str) -> Iterator[None]:
 
     record = run_record(trainer.config, kind, options)
     _say_where_a_cluster_writes(options.dir, record.node)
-    estimator, settings = _run_estimator(trainer.config.algorithm)
+    estimator, settings = run_estimator(trainer.config.algorithm)
     raw_from_returns = estimator is not None and estimator.is_returns_minus_values(settings)
     with TraceWriter(options, record) as writer:  # never hides fit()'s error
         _active = _Session(trainer, kind, writer, options, raw_from_returns)
@@ -258,7 +258,7 @@ def run_record(config: Any, kind: str, options: TraceOptions):
     algorithm = config.algorithm
     name = registry.name_of(algorithm.adv_estimator)
     settings: dict[str, Any] = {"adv_estimator": name, "gamma": float(algorithm.gamma), "lam": float(algorithm.lam)}
-    estimator, parsed = _run_estimator(algorithm)
+    estimator, parsed = run_estimator(algorithm)
     if estimator is None:
         settings["whiten_advantages"] = None  # a verl estimator verl-ext knows nothing about
     else:
@@ -289,7 +289,7 @@ def run_record(config: Any, kind: str, options: TraceOptions):
     )
 
 
-def _run_estimator(algorithm: Any):
+def run_estimator(algorithm: Any):
     """The registry's entry for the run's estimator and its settings; (None, None) for an estimator
     verl-ext knows nothing about."""
     from verl_ext import registry

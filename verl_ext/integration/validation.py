@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_ext import registry
-from verl_ext.options import TraceOptions, nonfinite_mode
+from verl_ext.options import TraceOptions, metrics_enabled, nonfinite_mode
 
 
 def known_estimator_names() -> set[str]:
@@ -36,7 +36,7 @@ def critic_required(config: Any) -> bool:
 
 
 def check_config(config: Any) -> None:
-    """Estimator name, estimator options, trace options and verl_ext.nonfinite; raises ValueError naming
+    """Estimator name, estimator options, trace options, verl_ext.nonfinite and verl_ext.metrics; raises ValueError naming
     key and value."""
     algorithm = config.get("algorithm") or {}
     name = registry.name_of(algorithm.get("adv_estimator"))
@@ -48,6 +48,7 @@ def check_config(config: Any) -> None:
     registry.check_algorithm(algorithm)
     critic_required(config)
     nonfinite_mode(config)
+    metrics_enabled(config)
     trace = TraceOptions.from_config(config)
     if trace.enabled:
         check_trace_dir_writable(trace.dir)

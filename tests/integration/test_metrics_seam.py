@@ -1,0 +1,110 @@
+"""The live metrics (verl_ext.metrics) through verl's own compute_advantage, in-process, trace off.
+
+As in test_nonfinite_seam.py, the plugin's real fit() wrapper of each trainer runs around a stand-in
+for verl's fit that makes the calls verl's trainer makes in a step: the legacy trainer's
+compute_advantage (ray_trainer.py:1667) and compute_data_metrics (ray_trainer.py:1772), the V1
+trainer's _compute_advantage (trainer_base.py:600). What the step's metrics receive is held to
+tests/reference.py's direct sums on the batch verl-ext's estimator (or verl's) left."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import tests.reference as ref
+from tests.integration.test_nonfinite_seam import ROWS, STEP, TRAINERS, data_proto, make_step
+from verl_ext.integration import patches
+
+GAMMA = 0.97
+
+
+def step_metrics_of(compose, trainer_kind, estimator, *overrides):
+    """(the step's metrics as verl would log them, the batch after compute_advantage)."""
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    config = compose(f"algorithm.adv_estimator={estimator}", f"algorithm.gamma={GAMMA}", "algorithm.lam=0.9", *overrides)
+    tensors = make_step()
+    if estimator == "grpo":
+        del tensors["values"]
+    trainer = SimpleNamespace(config=config, global_steps=STEP, batch=data_proto(tensors))
+    algorithm = config.algorithm
+    metrics = {}
+
+    def legacy_fit(self):
+        self.batch = ray_trainer.compute_advantage(
+            self.batch, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
+            num_repeat=2, config=algorithm,
+        )  # fmt: skip
+        # verl's compute_data_metrics needs a full batch; its installed replacement wraps any original
+        assert hasattr(ray_trainer.compute_data_metrics, "__verl_ext_original__")
+        metrics.update(patches.wrap_compute_data_metrics(lambda batch, use_critic: {"critic/score/mean": 0.5})(batch=self.batch, use_critic=True))
+
+    def v1_compute_advantage(self, batch_meta, step_metrics):
+        self.batch = compute_advantage_for_multi_trajectories(
+            self.batch, [f"u{i // 2}_{i % 2}_0" for i in range(ROWS)], adv_estimator=algorithm.adv_estimator,
+            gamma=algorithm.gamma, lam=algorithm.lam, num_repeat=2, config=algorithm,
+        )  # fmt: skip
+        return batch_meta
+
+    if trainer_kind == "legacy":
+        patches.wrap_legacy_fit(legacy_fit)(trainer)
+    else:
+        patches.wrap_v1_fit(lambda self: patches.wrap_v1_compute_advantage(v1_compute_advantage)(self, None, metrics))(trainer)
+    return metrics, trainer.batch
+
+
+def expected(batch, raw):
+    b = {key: value.numpy() for key, value in batch.batch.items()}
+    want = ref.live_metrics(
+        b["token_level_rewards"], b.get("values"), raw, b["advantages"], b["token_level_scores"], b["response_mask"],
+        batch.non_tensor_batch["uid"], GAMMA,
+    )  # fmt: skip
+    return {f"verl_ext/{key}": value for key, value in want.items()}
+
+
+def assert_metrics(metrics, want):
+    got = {key: value for key, value in metrics.items() if key.startswith("verl_ext/")}
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key  # the batch is float32
+
+
+@pytest.mark.parametrize("trainer_kind", TRAINERS)
+@pytest.mark.parametrize("estimator", ["mc", "gae_ext", "gae", "grpo"])
+def test_every_step_gets_the_metrics(compose, trainer_kind, estimator):
+    overrides = ["algorithm.lam_actor=0.5"] if estimator == "gae_ext" else []
+    metrics, batch = step_metrics_of(compose, trainer_kind, estimator, *overrides)
+    mask = batch.batch["response_mask"].numpy()
+    values = batch.batch["values"].numpy() if estimator != "grpo" else None
+    rewards = batch.batch["token_level_rewards"].numpy()
+    if estimator == "mc":
+        raw = ref.mc_returns(rewards, mask, GAMMA) - values
+    elif estimator == "gae_ext":  # the raw advantage is GAE(λ_actor), not returns − values
+        raw = ref.gae_advantages(rewards, values, mask, GAMMA, 0.5)
+    elif estimator == "gae":  # verl's: returns − values
+        raw = ref.gae_advantages(rewards, values, mask, GAMMA, 0.9)
+    else:  # grpo: the advantage itself
+        raw = batch.batch["advantages"].numpy()
+    want = expected(batch, np.nan_to_num(raw))
+    assert len(want) == (18 if estimator != "grpo" else 6)
+    assert_metrics(metrics, want)
+    assert trainer_kind == "v1" or metrics["critic/score/mean"] == 0.5  # verl's own metrics kept
+
+
+@pytest.mark.parametrize("trainer_kind", TRAINERS)
+def test_off_computes_nothing(compose, trainer_kind, monkeypatch):
+    from verl_ext import step_metrics
+
+    monkeypatch.setattr(step_metrics, "step_metrics", lambda *a, **k: pytest.fail("computed although off"))
+    metrics, _ = step_metrics_of(compose, trainer_kind, "mc", "verl_ext.metrics=false")
+    assert not [key for key in metrics if key.startswith("verl_ext/")]
+
+
+def test_bad_value_stops_before_training(compose):
+    from verl.utils.config import validate_config
+
+    with pytest.raises(ValueError, match=r"verl_ext.metrics must be true or false, got 'often'"):
+        validate_config(compose("algorithm.adv_estimator=mc", "verl_ext.metrics=often"), use_reference_policy=False, use_critic=True)

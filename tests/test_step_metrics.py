@@ -1,0 +1,79 @@
+"""The live metrics' formulas (verl_ext.step_metrics) against docs/definitions.md §11 written as
+direct sums (tests/reference.py), and by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tests.reference as ref
+from verl_ext.step_metrics import Responses, critic_by_group, credit_shares, prefixed, step_metrics
+
+
+def padded_step(seed: int):
+    """(B, T) rewards, values, raw advantage, advantage, scores, mask and uids: lengths 1 … 23 with
+    interior holes, one response without valid tokens, groups of 1 to 3 responses."""
+    rng = np.random.default_rng(seed)
+    B, T = 11, 24
+    lengths = rng.integers(1, T, size=B)
+    lengths[:3] = (1, 3, 10)
+    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
+    mask[3:, 4:6] = 0
+    mask[3:, 0] = 1
+    mask[5] = 0  # nothing valid
+    values = rng.normal(size=(B, T)) + 2.0  # a mean far from 0: the variances must keep their digits
+    rewards = np.where(mask == 1, rng.normal(size=(B, T)), 0.0)
+    scores = np.where(mask == 1, rng.normal(size=(B, T)), 0.0)
+    raw = rng.normal(size=(B, T))
+    advantages = rng.normal(size=(B, T))
+    uid = [f"u{b // 3}" for b in range(B - 1)] + ["alone"]
+    return rewards, values, raw, advantages, scores, mask, uid
+
+
+def compacted(x, mask):
+    return np.asarray(x, np.float64)[np.asarray(mask) != 0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_against_the_direct_sums(seed):
+    gamma = 0.9
+    rewards, values, raw, advantages, scores, mask, uid = padded_step(seed)
+    lengths = mask.sum(1)
+    g = compacted(ref.mc_returns(rewards, mask, gamma), mask)
+    has = lengths > 0
+    got = step_metrics(
+        Responses.of(lengths), returns=g, values=compacted(values, mask), advantage_raw=compacted(raw, mask),
+        advantage=compacted(advantages, mask), scores=(scores * mask).sum(1)[has], uid=np.array(uid)[has],
+    )  # fmt: skip
+    want = ref.live_metrics(rewards, values, raw, advantages, scores, mask, uid, gamma)
+    assert sorted(got) == sorted(want) and len(want) == 18
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_without_values_there_are_no_critic_metrics():
+    rewards, values, raw, advantages, scores, mask, uid = padded_step(3)
+    got = step_metrics(
+        Responses.of(mask.sum(1)), returns=None, values=None, advantage_raw=compacted(advantages, mask),
+        advantage=compacted(advantages, mask),
+    )  # fmt: skip
+    assert sorted(got) == ["adv/raw_std", "adv/whiten_mean", "adv/whiten_std", "credit/first_half_share", "credit/top_token_share"]
+    assert sorted(prefixed(got))[0] == "verl_ext/adv/raw_std"
+
+
+def test_credit_by_hand():
+    # response 0: |A| = [1, 1, 1, 1] (even: top share 1/4, first half 2 of 4);
+    # response 1: |A| = [0, 0, 3] (one token: top share 1, first half = rank 0 and 1, 0 of 3);
+    # response 2: all zero, no share of its own
+    a = np.array([1.0, -1, 1, -1, 0, 0, -3, 0, 0])
+    shares = credit_shares(a, Responses.of([4, 3, 2]))
+    assert shares["top_token_share"] == pytest.approx((0.25 + 1.0) / 2)
+    assert shares["first_half_share"] == pytest.approx(2 / 7)
+    assert credit_shares(np.zeros(3), Responses.of([3])) == {"top_token_share": None, "first_half_share": None}
+
+
+def test_a_return_that_does_not_vary_has_no_explained_variance():
+    g = np.full(5, 0.1 + 0.2)  # not exactly representable: shifting must not invent a variance
+    rows = critic_by_group(np.arange(5.0), g, np.zeros(5, np.int64), 2)
+    assert rows[0]["explained_var"] is None and rows[0]["tokens"] == 5
+    assert rows[1] == {"tokens": 0, "explained_var": None, "mean_abs_error": None, "mean_return": None, "mean_value": None}

@@ -1,0 +1,119 @@
+"""Where verl's trainers meet the live metrics (:mod:`verl_ext.step_metrics`), trace or no trace.
+
+Every step, on the driver, from the batch verl holds once it has its advantages: the critic against
+the Monte-Carlo return (overall, at each response's last token, by decile), the advantage's spread
+and whitening, the spread of the scores within prompt groups, and where the credit lands; named
+``verl_ext/…`` in verl's metrics, so every logger of ``trainer.logger`` shows them
+(docs/definitions.md §11). The patches in :mod:`verl_ext.integration.patches` call in here:
+
+* ``session(trainer)`` around ``fit()`` (legacy and V1 trainer): ``verl_ext.metrics`` of the run, and
+  how to get the raw advantage of verl's own estimators (returns − values for ``gae``; for the others,
+  such as ``grpo``, whose normalization is their own, the advantage itself). Outside ``fit()`` nothing
+  is computed: no logger would receive it.
+* ``after_advantage(data, gamma, advantage_raw)`` at the end of ``compute_advantage``, which both
+  trainers call: the step's metrics, computed once and held.
+* ``take()``: the held metrics, once. The legacy trainer's step metrics are a local of ``fit()``; they
+  reach it through the dict ``compute_data_metrics`` returns there (ray_trainer.py:1772). The V1
+  trainer hands its step metrics to ``_compute_advantage`` (trainer_base.py:600).
+
+Cost: one Monte-Carlo return (the ``mc`` kernel), the compaction of five (B, T) tensors to their valid
+tokens, and a few passes over those in float64, all on the CPU tensors the driver holds
+(benchmarks/bench_metrics.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from verl_ext.options import metrics_enabled
+
+
+@dataclass(frozen=True)
+class _Session:
+    enabled: bool
+    #: verl computed the advantage with an estimator whose raw advantage is returns − values (verl's GAE)
+    raw_is_returns_minus_values: bool
+
+
+_active: _Session | None = None
+_held: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def session(trainer: Any) -> Iterator[None]:
+    """The run's ``verl_ext.metrics`` for the duration of ``fit()``."""
+    global _active, _held
+    from verl_ext.integration.trace_hook import run_estimator
+
+    estimator, settings = run_estimator(trainer.config.algorithm)
+    outer = _active
+    _active = _Session(metrics_enabled(trainer.config), estimator is not None and estimator.is_returns_minus_values(settings))
+    try:
+        yield
+    finally:
+        _active, _held = outer, {}
+
+
+def after_advantage(data: Any, gamma: float, advantage_raw: Any = None) -> None:
+    """Compute and hold the step's metrics; ``advantage_raw``: what verl-ext's estimator computed
+    before whitening, None when verl computed the advantage."""
+    global _held
+    if _active is None or not _active.enabled:
+        return
+    _held = live_metrics(data, gamma, advantage_raw, _active.raw_is_returns_minus_values)
+
+
+def take() -> dict[str, float]:
+    """The metrics of the step whose advantages were computed last, once (then {})."""
+    global _held
+    held, _held = _held, {}
+    return held
+
+
+def live_metrics(data: Any, gamma: float, advantage_raw: Any, raw_is_returns_minus_values: bool) -> dict[str, float]:
+    """``verl_ext/…`` -> value for a verl ``DataProto`` holding rewards, advantages (and values,
+    returns), computed from its valid tokens by :func:`verl_ext.step_metrics.step_metrics`."""
+    import numpy as np
+    import torch
+
+    from verl_ext import registry
+    from verl_ext.step_metrics import Responses, prefixed, step_metrics
+
+    batch = data.batch
+    keys = set(batch.keys())
+    mask = batch["response_mask"]
+    valid = mask.bool()
+    values = batch["values"] if "values" in keys else None
+    if advantage_raw is None:
+        advantage_raw = batch["returns"] - values if raw_is_returns_minus_values and values is not None else batch["advantages"]
+    returns = None
+    if values is not None:
+        mc = registry.get("mc")
+        settings = mc.settings({"gamma": gamma})
+        returns = registry.run(mc, batch["token_level_rewards"], values, mask, settings, whiten=False).returns
+
+    def at_valid_tokens(tensor):
+        if tensor is None:
+            return None
+        tokens = tensor[valid]
+        return (tokens if tokens.dtype in (torch.float32, torch.float64) else tokens.float()).numpy()
+
+    lengths = valid.sum(-1).numpy()
+    has_tokens = lengths > 0
+    scores = uid = None
+    if "token_level_scores" in keys:
+        scores = (batch["token_level_scores"] * mask).sum(-1).numpy()[has_tokens]
+    if data.non_tensor_batch.get("uid") is not None:
+        uid = np.asarray(data.non_tensor_batch["uid"])[has_tokens]
+    metrics = step_metrics(
+        Responses.of(lengths),
+        returns=at_valid_tokens(returns),
+        values=at_valid_tokens(values),
+        advantage_raw=at_valid_tokens(advantage_raw),
+        advantage=at_valid_tokens(batch["advantages"]),
+        scores=scores,
+        uid=uid,
+    )
+    return prefixed(metrics)
