@@ -168,8 +168,9 @@ class StepData:
         return cls.from_table(step, table, columns)
 
     @classmethod
-    def from_table(cls, step: int, table: pa.Table, columns: Sequence[str]) -> "StepData":
-        layout = StepLayout.of(table)
+    def from_table(cls, step: int, table: pa.Table, columns: Sequence[str], layout: "StepLayout | None" = None) -> "StepData":
+        """``columns`` of a token table; ``layout``: the table's, when already made."""
+        layout = StepLayout.of(table) if layout is None else layout
         values = {}
         for name in columns:
             column = table.column(name)
