@@ -64,24 +64,25 @@ SUMMARY_LABELS = {"explained_var": "explained var", "ev_mc": "EV vs MC return", 
 SUMMARY_DIGITS = {"samples": 0, "tokens": 0, "score": 3, "explained_var": 3, "ev_mc": 3, "ev_mc_last": 3, "adv_dlogp_corr": 3}
 #: Headers of the comparison's columns (verl_ext.inspect.comparison's statistics) where not their name.
 COMPARISON_LABELS = {"var_batch": "Var over the step", "var_within_group": "Var within a prompt's group", "mean_abs": "mean |A|"}
-#: What a token can be coloured by, in the page's order. kind: column (token table), delta (td0's
-#: re-estimate), update (the chosen PPO epoch's row), difference (of two token columns); the
-#: re-estimated raw advantages follow, one per estimator.
+#: What a token can be coloured by, in the page's order: (key, kind, label[, what it reads: by
+#: default the column of that name]). kind: column (token table), delta (td0's re-estimate), update
+#: (the chosen PPO epoch's row), difference (of two token columns); the re-estimated raw advantages
+#: follow, one per estimator.
 QUANTITIES = (
-    {"key": "advantage", "label": "advantage (whitened, as trained)", "kind": "column", "name": "advantage"},
-    {"key": "advantage_raw", "label": "advantage, raw (before whitening)", "kind": "column", "name": "advantage_raw"},
-    {"key": "value", "label": "value V(s_t)", "kind": "column", "name": "value"},
-    {"key": "return", "label": "return (critic target)", "kind": "column", "name": "return"},
-    {"key": "reward", "label": "reward r_t", "kind": "column", "name": "reward"},
-    {"key": "score", "label": "score s_t", "kind": "column", "name": "score"},
-    {"key": "kl", "label": "KL kld_t", "kind": "column", "name": "kl"},
-    {"key": "delta", "label": "δ_t = r_t + γV_{t+1} − V_t", "kind": "delta", "name": "td0"},
-    {"key": "entropy", "label": "entropy (epoch)", "kind": "update", "name": "entropy"},
-    {"key": "ratio", "label": "ratio π_θ/π_old (epoch)", "kind": "update", "name": "ratio"},
-    {"key": "clip", "label": "clip region (epoch)", "kind": "update", "name": "clip"},
-    {"key": "pg_loss", "label": "policy-loss term (epoch)", "kind": "update", "name": "pg_loss"},
-    {"key": "vf_loss", "label": "value-loss term (epoch)", "kind": "update", "name": "vf_loss"},
-    {"key": "gap", "label": "rollout − trainer log-prob", "kind": "difference", "name": ["rollout_log_prob", "old_log_prob"]},
+    ("advantage", "column", "advantage (whitened, as trained)"),
+    ("advantage_raw", "column", "advantage, raw (before whitening)"),
+    ("value", "column", "value V(s_t)"),
+    ("return", "column", "return (critic target)"),
+    ("reward", "column", "reward r_t"),
+    ("score", "column", "score s_t"),
+    ("kl", "column", "KL kld_t"),
+    ("delta", "delta", "δ_t = r_t + γV_{t+1} − V_t", "td0"),
+    ("entropy", "update", "entropy (epoch)"),
+    ("ratio", "update", "ratio π_θ/π_old (epoch)"),
+    ("clip", "update", "clip region (epoch)"),
+    ("pg_loss", "update", "policy-loss term (epoch)"),
+    ("vf_loss", "update", "value-loss term (epoch)"),
+    ("gap", "difference", "rollout − trainer log-prob", ("rollout_log_prob", "old_log_prob")),
 )  # fmt: skip
 
 
@@ -113,8 +114,9 @@ def page_schema() -> dict:
         for column in columns:
             shown.setdefault(column.name, _kind(column)[0])
     quantities = []
-    for quantity in QUANTITIES:
-        quantity = dict(quantity)
+    for key, kind, label, *reads in QUANTITIES:
+        name = reads[0] if reads else key
+        quantity = {"key": key, "label": label, "kind": kind, "name": list(name) if isinstance(name, tuple) else name}
         if quantity["key"] in CENTRES:
             quantity["centre"] = CENTRES[quantity["key"]]
         if quantity["kind"] == "update" and shown.get(quantity["name"]) == "code":
