@@ -215,16 +215,20 @@ def test_filters_list_exactly_the_matching_responses(view_page, view_trace, page
 
 
 def test_next_and_previous_stay_within_the_filter(view_page, view_trace, page):
-    step = 2
+    step = 3
     samples = _step_samples(view_trace, step)
     scores = {s: sum(r["score"] for r in rows if r["mask"]) for s, rows in samples.items()}
     wrong = sorted(s for s, score in scores.items() if score < max(scores.values()))
+    # the test means something only if "next" has a response outside the filter to skip
+    skipped = [s for s in range(wrong[0], wrong[-1]) if s not in wrong] if wrong else []
+    assert len(wrong) >= 3 and skipped, (wrong, scores)
     show(page, view_page, step, wrong[0], filter="wrong")
     for expected in wrong[1:]:
         page.click("#sample-next")
         page.wait_rendered(step, expected)
+    assert page.evaluate("document.getElementById('sample-next').disabled")  # the filter's last response
     page.click("#sample-prev")
-    page.wait_rendered(step, wrong[-2] if len(wrong) > 1 else wrong[0])
+    page.wait_rendered(step, wrong[-2])
 
 
 # ------------------------------------------------------------------ colours
@@ -321,6 +325,46 @@ def test_summary_line_and_comparison_of_a_step(view_page, view_trace, page):
         td0 += list(reference.deltas_row(r, v, GAMMA))
     assert dict(rows)["mc"] == pytest.approx(np.var(mc, ddof=1), rel=1e-6)
     assert dict(rows)["td0"] == pytest.approx(np.var(td0, ddof=1), rel=1e-6)
+
+
+def test_a_new_summary_field_and_comparison_statistic_reach_the_page_by_their_records(tmp_path, view_trace, page, monkeypatch):
+    """A field added to the summary's schema (with the function that fills it) and a statistic added
+    to the comparison's table are shown with their values, by their names; viewer.js names neither."""
+    import pyarrow as pa
+
+    from verl_ext.inspect import comparison, summary
+    from verl_ext.view import write_page
+
+    monkeypatch.setattr(summary, "SUMMARY_SCHEMA", summary.SUMMARY_SCHEMA.append(pa.field("tokens_per_sample", pa.float64())))
+    step_summary = summary.step_summary
+    monkeypatch.setattr(summary, "step_summary", lambda data, gamma: step_summary(data, gamma) | {"tokens_per_sample": data.tokens / data.layout.samples})
+    statistics = comparison.estimator_statistics
+
+    def with_largest(raw, uid, sample_ids):
+        table, notes = statistics(raw, uid, sample_ids)
+        return table.append_column("max_abs", pa.array([float(np.max(np.abs(raw[label]))) for label in raw])), notes
+
+    monkeypatch.setattr(comparison, "estimator_statistics", with_largest)
+    step = 3
+    out = write_page(view_trace, tmp_path / "page.html", step=step, sample=0, steps=[step])
+    show(page, str(out), step, 0)
+    samples = _step_samples(view_trace, step)
+    stats = dict(page.evaluate("[...document.querySelectorAll('#step-summary .stat')].map(s => [s.dataset.key, [s.textContent, Number(s.dataset.value)]])"))
+    text, value = stats["tokens_per_sample"]
+    assert value == sum(r["mask"] for rows in samples.values() for r in rows) / len(samples)
+    assert text.startswith("tokens_per_sample ")
+    headers = page.evaluate("[...document.querySelectorAll('#compare-table th')].map(th => th.textContent)")
+    assert headers[-1] == "max_abs"
+    shown = page.evaluate("Number(document.querySelector(\"#compare-table tr[data-estimator='mc'] td[data-key='max_abs']\").dataset.value)")
+    mc = []
+    for rows in samples.values():
+        valid = [r for r in rows if r["mask"]]
+        r = [float(np.float32(x["reward"])) for x in valid]
+        v = [float(np.float32(x["value"])) for x in valid]
+        mc += [g - x for g, x in zip(reference.mc_row(r, GAMMA), v)]
+    assert shown == pytest.approx(max(abs(x) for x in mc), rel=1e-9)
+    source = VIEWER_JS.read_text()
+    assert "tokens_per_sample" not in source and "max_abs" not in source
 
 
 def test_a_failing_check_points_at_its_token(tmp_path, piece_tokenizer, page, long_samples):

@@ -145,8 +145,6 @@ def estimator_statistics(raw: dict[str, np.ndarray], uid: np.ndarray, sample_ids
     with the ``uid`` (any hashable, or integer group codes) and sample of every valid token (a
     missing uid: each sample is its own group)."""
     labels = list(raw)
-    if uid.dtype == object and any(u is None for u in uid):
-        uid = sample_ids
     groups = _group_codes(uid, sample_ids)
     statistics = pa.table({
         "estimator": labels,
@@ -167,6 +165,8 @@ def _group_codes(groups: np.ndarray, samples: np.ndarray) -> np.ndarray | None:
         return None
     first = np.flatnonzero(np.r_[True, samples[1:] != samples[:-1]])  # tokens of a sample are contiguous
     per_sample = groups[first]
+    if per_sample.dtype == object and any(g is None for g in per_sample):  # a missing uid: each sample alone
+        per_sample = samples[first]
     if per_sample.dtype == object:
         index: dict = {}
         codes = np.array([index.setdefault(g, len(index)) for g in per_sample], np.int64)

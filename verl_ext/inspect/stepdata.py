@@ -8,7 +8,9 @@
 * :class:`RecordedAlgorithm`: the run's estimator and settings, from ``_run.json``, resolved by its
   entry in :mod:`verl_ext.registry` (verl's own estimators too: ``gae`` is recomputed, always
   whitened; ``grpo`` and the others build advantages from group statistics the trace does not hold);
-* :func:`as_trace`: every inspection function takes an open trace or a path to one.
+* :func:`as_trace`: every inspection function takes an open trace or a path to one;
+* :func:`floats` (a column as float numpy, NaN where null), :func:`join_keys` and :func:`locate`
+  (the join of the update tables with the token table on (sample, token_index)).
 """
 
 from __future__ import annotations
@@ -126,6 +128,32 @@ def step_beta(step_record) -> float | None:
 LAYOUT_COLUMNS = ("sample", "token_index", "mask")
 
 
+def floats(column: pa.ChunkedArray | pa.Array, dtype=np.float64) -> np.ndarray:
+    """A numeric column as numpy values of ``dtype``, NaN where null (a null is not a number to
+    compute with; where it matters, ``column.is_null()`` still tells it from a NaN)."""
+    if column.null_count:
+        column = column.fill_null(float("nan"))
+    return np.asarray(column.to_numpy(zero_copy_only=False), dtype)
+
+
+def join_keys(sample: np.ndarray, token_index: np.ndarray) -> np.ndarray:
+    """(sample, token_index) as one int64 per row: the key an update table joins the token table on
+    (within a step)."""
+    return np.asarray(sample, np.int64) << 32 | np.asarray(token_index, np.int64)
+
+
+def locate(keys: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index into ``keys``, found) for each of ``wanted``: where each wanted key is in ``keys``
+    (unique keys, sorted or not; the index is meaningless where not found)."""
+    order = None if bool(np.all(keys[1:] > keys[:-1])) else np.argsort(keys, kind="stable")
+    ordered = keys if order is None else keys[order]
+    if not len(keys):
+        return np.zeros(len(wanted), np.int64), np.zeros(len(wanted), bool)
+    at = np.minimum(np.searchsorted(ordered, wanted), len(keys) - 1)
+    found = ordered[at] == wanted
+    return (at if order is None else order[at]), found
+
+
 @dataclass
 class StepData:
     step: int
@@ -140,19 +168,16 @@ class StepData:
         return cls.from_table(step, table, columns)
 
     @classmethod
-    def from_table(cls, step: int, table: pa.Table, columns: Sequence[str]) -> "StepData":
-        layout = StepLayout(
-            table.column("sample").to_numpy(),
-            table.column("token_index").to_numpy(),
-            table.column("mask").to_numpy(zero_copy_only=False),
-        )
+    def from_table(cls, step: int, table: pa.Table, columns: Sequence[str], layout: "StepLayout | None" = None) -> "StepData":
+        """``columns`` of a token table; ``layout``: the table's, when already made."""
+        layout = StepLayout.of(table) if layout is None else layout
         values = {}
         for name in columns:
             column = table.column(name)
             if column.null_count == len(column) and len(column):
                 values[name] = None
             else:
-                values[name] = column.to_numpy().astype(np.float64)[layout.valid_rows]
+                values[name] = floats(column)[layout.valid_rows]
         return cls(step, table, layout, values)
 
     @property
@@ -194,6 +219,11 @@ class StepData:
 
     def is_null(self, name: str, valid_token: int) -> bool:
         return not self.table.column(name)[int(self.layout.valid_rows[valid_token])].is_valid
+
+    def nonfinite(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """name -> the valid tokens (indices) where that column is null or not finite, for each of
+        ``names`` the step has (a column null everywhere is left out: it is absent, not broken)."""
+        return {name: np.flatnonzero(~np.isfinite(self.columns[name])) for name in names if self.columns.get(name) is not None}
 
 
 # --------------------------------------------------------------------------- layout
@@ -240,6 +270,20 @@ class RowGroup:
 class StepLayout:
     """Samples and valid tokens of one step's token table."""
 
+    @classmethod
+    def of(cls, table: pa.Table) -> "StepLayout":
+        """The layout of a token table (of its LAYOUT_COLUMNS)."""
+        return cls(
+            table.column("sample").to_numpy(),
+            table.column("token_index").to_numpy(),
+            table.column("mask").to_numpy(zero_copy_only=False),
+        )
+
+    @classmethod
+    def read(cls, trace, step: int) -> "StepLayout":
+        """The layout of a step, reading its LAYOUT_COLUMNS only."""
+        return cls.of(trace.read_step(step, list(LAYOUT_COLUMNS)))
+
     def __init__(self, sample: np.ndarray, token_index: np.ndarray, mask: np.ndarray):
         n = len(sample)
         starts_here = np.ones(n, dtype=bool)
@@ -263,6 +307,26 @@ class StepLayout:
     def valid_sample_index(self) -> np.ndarray:
         """Sample index (0 … B-1) of every valid token."""
         return np.repeat(np.arange(self.samples), self.valid_counts)
+
+    def sample_sums(self, values: np.ndarray) -> np.ndarray:
+        """Per sample (0 … B-1), the sum of ``values`` (one per valid token) over its valid tokens."""
+        return np.bincount(self.valid_sample_index(), weights=values, minlength=self.samples)
+
+    def samples_among(self, valid_tokens: np.ndarray) -> np.ndarray:
+        """Per sample (0 … B-1), True when one of ``valid_tokens`` (indices of valid tokens) is its."""
+        flagged = np.zeros(self.samples, bool)
+        flagged[self.valid_sample_index()[valid_tokens]] = True
+        return flagged
+
+    def index_of(self, sample_ids: np.ndarray) -> np.ndarray:
+        """Index (0 … B-1) of each of ``sample_ids`` in the step, −1 for a sample the step lacks."""
+        index, found = locate(self.sample_ids.astype(np.int64), np.asarray(sample_ids, np.int64))
+        return np.where(found, index, -1)
+
+    def rows_of(self, indices: Sequence[int]) -> np.ndarray:
+        """Row indices of the samples at ``indices`` (0 … B-1), in that order."""
+        pieces = [np.arange(self.starts[i], self.starts[i] + self.row_counts[i]) for i in indices]
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
 
     def problems(self) -> Iterator[LayoutProblem]:
         """Rows that break the layout the trace format promises, one entry per kind of break."""

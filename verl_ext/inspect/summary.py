@@ -75,13 +75,12 @@ def step_summary(data: StepData, gamma: float) -> dict:
     """The statistics of one step (every column but the update's), ``gamma`` the run's γ."""
     col = data.columns
     layout = data.layout
-    per_sample = layout.valid_sample_index()
     sampled = np.flatnonzero(layout.valid_counts)  # samples with at least one valid token
 
     def sample_mean(values: np.ndarray | None) -> float | None:
         if values is None or not len(sampled):
             return None
-        return float(np.bincount(per_sample, weights=values, minlength=layout.samples)[sampled].mean())
+        return float(layout.sample_sums(values)[sampled].mean())
 
     def mean(values: np.ndarray | None) -> float | None:
         return float(values.mean()) if values is not None and len(values) else None

@@ -32,7 +32,7 @@ import torch
 
 from verl_ext import estimators
 from verl_ext.errors import UsageError, one_line
-from verl_ext.inspect.stepdata import RecordedAlgorithm, as_trace
+from verl_ext.inspect.stepdata import RecordedAlgorithm, as_trace, join_keys, locate
 from verl_ext.trace.reader import listing
 
 
@@ -120,12 +120,13 @@ def _with_update(trace, step: int, sample: int, epoch: int, table: pa.Table) -> 
     for kind, names in UPDATE_COLUMNS.items():
         if step not in trace.update_steps.get(kind, []):
             continue
-        update = trace.actor_update(step) if kind == "actor" else trace.critic_update(step)
+        update = trace.update_table(kind, step)
         rows = update.filter(pc.and_(pc.equal(update["sample"], sample), pc.equal(update["epoch"], epoch)))
-        position = {t: i for i, t in enumerate(rows["token_index"].to_pylist())}
-        order = [position.get(t) for t in table["t"].to_pylist()]
+        positions = table["t"].to_numpy()
+        index, found = locate(join_keys(rows["sample"].to_numpy(), rows["token_index"].to_numpy()), join_keys(np.full(len(positions), sample), positions))
+        order = pa.array(index, pa.int64(), mask=~found)  # null where the token was not trained
         for name in names:
-            table = table.append_column(name, rows[name].take(pa.array(order, pa.int64())))
+            table = table.append_column(name, rows[name].take(order))
         added += rows.num_rows
     if not added:
         epochs = sorted({e for kind in UPDATE_COLUMNS for e in _epochs(trace, kind, step)})
@@ -136,7 +137,7 @@ def _with_update(trace, step: int, sample: int, epoch: int, table: pa.Table) -> 
 def _epochs(trace, kind: str, step: int) -> list[int]:
     if step not in trace.update_steps.get(kind, []):
         return []
-    table = trace.actor_update(step, ["epoch"]) if kind == "actor" else trace.critic_update(step, ["epoch"])
+    table = trace.update_table(kind, step, ["epoch"])
     return pc.unique(table["epoch"]).to_pylist()
 
 

@@ -290,17 +290,13 @@ class TokenStep:
             return missing
         first_row, first = None, None
         violations = 0
-        for name in names:
-            values = self.col[name]
-            if values is None:
-                continue
-            bad = np.flatnonzero(~np.isfinite(values))
+        for name, bad in self.data.nonfinite(names).items():
             violations += len(bad)
             if len(bad) and (first_row is None or bad[0] < first_row):
                 first_row = int(bad[0])
                 sample, token = self.data.location(first_row)
                 detail = "null" if self.data.is_null(name, first_row) else "not finite"
-                first = Violation(Location(self.step, sample, token), name, float(values[first_row]), detail=detail)
+                first = Violation(Location(self.step, sample, token), name, float(self.col[name][first_row]), detail=detail)
         checked = sum(len(self.col[n]) for n in names if self.col[n] is not None)
         return Finding("fail" if violations else "pass", checked=checked, violations=violations, first=first)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import pyarrow as pa
 
 from verl_ext.inspect.results import (
     ATOL,
@@ -54,7 +55,7 @@ from verl_ext.inspect.results import (
     compare,
     skipped,
 )
-from verl_ext.inspect.stepdata import StepData
+from verl_ext.inspect.stepdata import StepData, floats, join_keys, locate
 from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 #: How far the first mini-batch's ratio may be from 1: the recomputation noise of the log-probs
@@ -132,30 +133,25 @@ class UpdateStep:
 def _table(trace, kind: str, step: int) -> dict[str, np.ndarray] | None:
     if step not in trace.update_steps.get(kind, []):
         return None
-    table = trace.actor_update(step) if kind == "actor" else trace.critic_update(step)
+    table = trace.update_table(kind, step)
     return {name: _numpy(table.column(name)) for name in table.column_names}
 
 
 def _numpy(column) -> np.ndarray:
     if column.null_count == len(column) and len(column):
         return None
-    values = column.to_numpy(zero_copy_only=False)
-    return values.astype(np.float64) if values.dtype.kind == "f" else values
+    return floats(column) if pa.types.is_floating(column.type) else column.to_numpy(zero_copy_only=False)
 
 
 def _token_keys(tokens: StepData) -> np.ndarray:
-    """Sorted keys (sample, token_index) of the step's valid tokens, as one int64 each."""
+    """Keys (sample, token_index) of the step's valid tokens (:func:`join_keys`)."""
     layout = tokens.layout
-    sample = layout.sample_ids[layout.row_sample[layout.valid_rows]].astype(np.int64)
-    return sample << 32 | layout.token_index[layout.valid_rows].astype(np.int64)
+    return join_keys(layout.sample_ids[layout.row_sample[layout.valid_rows]], layout.token_index[layout.valid_rows])
 
 
 def _lookup(keys: np.ndarray, table: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(index into the token table's valid tokens, found) for each update row."""
-    wanted = table["sample"].astype(np.int64) << 32 | table["token_index"].astype(np.int64)
-    index = np.minimum(np.searchsorted(keys, wanted), max(len(keys) - 1, 0))
-    found = keys[index] == wanted if len(keys) else np.zeros(len(wanted), bool)
-    return index, found
+    return locate(keys, join_keys(table["sample"], table["token_index"]))
 
 
 # --------------------------------------------------------------------------- the identities
@@ -383,12 +379,8 @@ def update_statistics(trace, step: int) -> dict[str, float | None]:
     clip = table.column("clip").to_numpy(zero_copy_only=False)
     epoch = table.column("epoch").to_numpy()
     last = epoch == epoch.max()
-
-    def floats(name: str) -> np.ndarray:
-        return np.asarray(table.column(name).fill_null(float("nan")).to_numpy(zero_copy_only=False), float)
-
-    advantage = floats("advantage")[last]
-    change = (floats("log_prob") - floats("old_log_prob"))[last]
+    advantage = floats(table.column("advantage"))[last]
+    change = (floats(table.column("log_prob")) - floats(table.column("old_log_prob")))[last]
     corr = float(np.corrcoef(advantage, change)[0, 1]) if len(change) > 1 and change.std() > 0 and advantage.std() > 0 else None
     return {
         "clip_low": float((clip == CLIP_LOW).mean()),

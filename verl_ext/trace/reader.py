@@ -146,14 +146,25 @@ class Trace:
             )
         return table.replace_schema_metadata(PROMPT_SCHEMA.metadata)
 
+    def update_table(self, kind: str, step: int, columns: list[str] | None = None) -> pa.Table:
+        """The update table of ``kind`` ("actor", "critic") at one step (UPDATE_SCHEMAS[kind],
+        ``step`` included), sorted by (epoch, sample, token_index); join the token table on
+        (step, sample, token_index)."""
+        schema = UPDATE_SCHEMAS.get(kind)
+        self._require_update(kind, step)
+        names = _known_columns(columns, schema)
+        file_columns = [name for name in names if name != "step"] or ["sample"]
+        table = self._read_file(self.layout.update_file(kind, step), schema, file_columns, step)
+        arrays = [pa.array(np.full(table.num_rows, step, np.int64)) if name == "step" else table[name] for name in names]
+        return pa.Table.from_arrays(arrays, schema=_subschema(schema, names))
+
     def actor_update(self, step: int, columns: list[str] | None = None) -> pa.Table:
-        """The actor's update table of one step (ACTOR_UPDATE_SCHEMA, ``step`` included), sorted by
-        (epoch, sample, token_index); join the token table on (step, sample, token_index)."""
-        return self._update_table("actor", step, columns)
+        """The actor's update table of one step: :meth:`update_table` of "actor"."""
+        return self.update_table("actor", step, columns)
 
     def critic_update(self, step: int, columns: list[str] | None = None) -> pa.Table:
-        """The critic's update table of one step (CRITIC_UPDATE_SCHEMA), like :meth:`actor_update`."""
-        return self._update_table("critic", step, columns)
+        """The critic's update table of one step: :meth:`update_table` of "critic"."""
+        return self.update_table("critic", step, columns)
 
     def update_record(self, kind: str, step: int) -> UpdateEntry:
         """What the update table of ``kind`` at ``step`` holds, as stored in its footer (incl. verl's logged metrics)."""
@@ -200,15 +211,6 @@ class Trace:
         if step is not None:
             return self.read_step(step)
         return pa.concat_tables([self.read_step(s) for s in self.steps] or [TOKEN_SCHEMA.empty_table()])
-
-    def _update_table(self, kind: str, step: int, columns: list[str] | None) -> pa.Table:
-        schema = UPDATE_SCHEMAS[kind]
-        names = _known_columns(columns, schema)
-        self._require_update(kind, step)
-        file_columns = [name for name in names if name != "step"] or ["sample"]
-        table = self._read_file(self.layout.update_file(kind, step), schema, file_columns, step)
-        arrays = [pa.array(np.full(table.num_rows, step, np.int64)) if name == "step" else table[name] for name in names]
-        return pa.Table.from_arrays(arrays, schema=_subschema(schema, names))
 
     def _require_update(self, kind: str, step: int) -> None:
         if kind not in UPDATE_DIRS:

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from verl_ext.errors import UsageError
-from verl_ext.trace.schema import CLIP_CODES, FLOAT_COLUMN_NAMES
 
 #: Token rows a page holds by default (about 30 MB): see the module docstring.
 DEFAULT_MAX_TOKENS = 200_000
@@ -107,11 +106,10 @@ def select_steps(
 
 
 def _sample_rows(trace, step: int) -> dict[int, int]:
-    import numpy as np
+    from verl_ext.inspect.stepdata import StepLayout
 
-    sample = trace.read_step(step, ["sample"]).column("sample").to_numpy()
-    ids, counts = np.unique(sample, return_counts=True)
-    return dict(zip(ids.tolist(), counts.tolist()))
+    layout = StepLayout.read(trace, step)
+    return dict(zip(layout.sample_ids.tolist(), layout.row_counts.tolist()))
 
 
 def _samples_within(trace, step: int, budget: int, first: list[int]) -> list[int]:
@@ -142,10 +140,12 @@ def inline_json(data) -> str:
 
 
 def render_page(data: dict, title: str) -> str:
-    """The HTML page: the viewer's style and script inline, ``data`` inline as JSON (with the clip
-    codes and the token table's float columns, so that the script names the update table's ``clip``
-    values and lists a token's numbers as the schema does)."""
-    data = {**data, "clip_codes": list(CLIP_CODES), "float_columns": list(FLOAT_COLUMN_NAMES)}
+    """The HTML page: the viewer's style and script inline, ``data`` inline as JSON with
+    :func:`~verl_ext.view.payload.page_schema` (so that the script names and shows the columns, the
+    summary's fields and the quantities as their records say)."""
+    from verl_ext.view.payload import page_schema
+
+    data = {**data, **page_schema()}
     nonce = secrets.token_urlsafe(18)
     connect = "'self'" if data.get("mode") == "served" else "'none'"  # a file page fetches nothing at all
     policy = f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; connect-src {connect}; img-src data:; base-uri 'none'; form-action 'none'"

@@ -1,6 +1,13 @@
 """The data of the browser view: a trace's run, steps and samples as JSON-ready dicts, one format for
-the self-contained page and for the server (the script in ``static/viewer.js`` reads both).
+the self-contained page and for the server (the script in ``static/viewer.js`` reads both). The view
+only chooses what to send and encodes it: every number, flag and join comes from
+:mod:`verl_ext.inspect` (StepData, StepLayout, the update join, the comparison) and the trace reader.
 
+* :func:`page_schema`: what the page's script knows of the data, sent with it (the clip codes, the
+  token table's float columns, the update columns and how to show each, the summary's fields, the
+  quantities a token can be coloured by), all derived from their records (:mod:`verl_ext.trace.schema`,
+  :data:`verl_ext.inspect.summary.SUMMARY_SCHEMA`): a new column or field reaches the page by its
+  record alone;
 * :func:`run_info`: what the page says about the run (estimator, steps, tokenizer).
 * :class:`StepSource`: one step read once (token table, prompts, update tables), and from it
   - :meth:`~StepSource.overview`: every sample of the step with its flags (wrong answer, truncated,
@@ -13,7 +20,7 @@ the self-contained page and for the server (the script in ``static/viewer.js`` r
 
 Numbers travel exactly: arrays are the trace's own float32 (int32, uint8) values, little-endian,
 base64-encoded (``{"t": "f4" | "i4" | "u1", "b": "..."}``); a Parquet null is marked in a separate
-0/1 array (``nulls``), so null and NaN stay distinct. The math is :mod:`verl_ext.inspect`'s.
+0/1 array (``nulls``), so null and NaN stay distinct.
 """
 
 from __future__ import annotations
@@ -29,17 +36,100 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from verl_ext.errors import UsageError
-from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, StepLayout
+from verl_ext.inspect import summary as summary_module
+from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, StepLayout, floats, join_keys, locate
+from verl_ext.trace import schema
 from verl_ext.trace.reader import listing
-from verl_ext.trace.schema import CLIP_CODES, FLOAT_COLUMN_NAMES, TOKEN_SCHEMA
 
-#: Update-table columns the page shows per PPO epoch (the others repeat the token table's).
-ACTOR_COLUMNS = ("minibatch", "log_prob", "ratio", "pg_loss", "clip", "entropy", "is_weight")
-CRITIC_COLUMNS = ("vpred", "vpred_clipped", "vf_loss", "vf_clipped")
 #: The value a quantity's colour scale is centred on (0 for every other one).
 CENTRES = {"ratio": 1.0}
-#: ``clip`` as a small integer: the index in CLIP_CODES, NO_CODE when null or unknown.
+#: ``clip`` (any code column) as a small integer: the index in CLIP_CODES, NO_CODE when null or unknown.
 NO_CODE = 255
+#: Update-table columns the page does not show per token: where a row was trained beyond its
+#: mini-batch (the join keys and the token table's own columns are left out as well).
+UPDATE_NOT_SHOWN = ("epoch", "microbatch", "rank")
+#: How the page shows an update column, by its Arrow type; and how it travels.
+_KINDS = (
+    (pa.types.is_string, "code", "u1"),  # an index into CLIP_CODES
+    (pa.types.is_boolean, "flag", "u1"),
+    (pa.types.is_integer, "int", "i4"),
+    (pa.types.is_floating, "float", "f4"),
+)
+#: The summary's fields the step line leaves out (the whitening μ, σ stand for the raw advantage's
+#: mean and std; the rest are in ``verl-ext summary``); every other field of SUMMARY_SCHEMA is shown.
+SUMMARY_NOT_SHOWN = ("step", "reward", "value", "return", "adv_raw_mean", "adv_raw_std", "adv_mean", "adv_std")
+#: Labels and decimals of the summary's fields where not their name and 4.
+SUMMARY_LABELS = {"explained_var": "explained var", "ev_mc": "EV vs MC return", "ev_mc_last": "EV at last token",
+                  "adv_dlogp_corr": "corr(A, Δlog π)", "clip_low": "clip low", "clip_high": "clip high", "clip_dual": "clip dual"}  # fmt: skip
+SUMMARY_DIGITS = {"samples": 0, "tokens": 0, "score": 3, "explained_var": 3, "ev_mc": 3, "ev_mc_last": 3, "adv_dlogp_corr": 3}
+#: Headers of the comparison's columns (verl_ext.inspect.comparison's statistics) where not their name.
+COMPARISON_LABELS = {"var_batch": "Var over the step", "var_within_group": "Var within a prompt's group", "mean_abs": "mean |A|"}
+#: What a token can be coloured by, in the page's order: (key, kind, label[, what it reads: by
+#: default the column of that name]). kind: column (token table), delta (td0's re-estimate), update
+#: (the chosen PPO epoch's row), difference (of two token columns); the re-estimated raw advantages
+#: follow, one per estimator.
+QUANTITIES = (
+    ("advantage", "column", "advantage (whitened, as trained)"),
+    ("advantage_raw", "column", "advantage, raw (before whitening)"),
+    ("value", "column", "value V(s_t)"),
+    ("return", "column", "return (critic target)"),
+    ("reward", "column", "reward r_t"),
+    ("score", "column", "score s_t"),
+    ("kl", "column", "KL kld_t"),
+    ("delta", "delta", "δ_t = r_t + γV_{t+1} − V_t", "td0"),
+    ("entropy", "update", "entropy (epoch)"),
+    ("ratio", "update", "ratio π_θ/π_old (epoch)"),
+    ("clip", "update", "clip region (epoch)"),
+    ("pg_loss", "update", "policy-loss term (epoch)"),
+    ("vf_loss", "update", "value-loss term (epoch)"),
+    ("gap", "difference", "rollout − trainer log-prob", ("rollout_log_prob", "old_log_prob")),
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- what the page knows
+
+
+def update_columns() -> dict[str, tuple[schema.Column, ...]]:
+    """kind -> the update table's columns the page shows per PPO epoch: those the token table does
+    not have, but UPDATE_NOT_SHOWN (so the mini-batch, and every term of the update)."""
+    token_names = {column.name for column in schema.TOKEN_COLUMNS}
+    return {
+        kind: tuple(c for c in columns if c.name not in token_names and c.name not in UPDATE_NOT_SHOWN)
+        for kind, columns in schema.UPDATE_COLUMNS.items()
+    }
+
+
+def _kind(column: schema.Column) -> tuple[str, str]:
+    """(how the page shows it, how it travels) of an update column."""
+    for test, kind, encoding in _KINDS:
+        if test(column.type):
+            return kind, encoding
+    raise TypeError(f"update column {column.name}: the view cannot show type {column.type}")
+
+
+def page_schema() -> dict:
+    """What the page's script knows of the data's fields (module docstring)."""
+    shown: dict[str, str] = {}
+    for columns in update_columns().values():
+        for column in columns:
+            shown.setdefault(column.name, _kind(column)[0])
+    quantities = []
+    for key, kind, label, *reads in QUANTITIES:
+        name = reads[0] if reads else key
+        quantity = {"key": key, "label": label, "kind": kind, "name": list(name) if isinstance(name, tuple) else name}
+        if quantity["key"] in CENTRES:
+            quantity["centre"] = CENTRES[quantity["key"]]
+        if quantity["kind"] == "update" and shown.get(quantity["name"]) == "code":
+            quantity["categorical"] = True
+        quantities.append(quantity)
+    fields = [name for name in summary_module.SUMMARY_SCHEMA.names if name not in SUMMARY_NOT_SHOWN]
+    return {
+        "clip_codes": list(schema.CLIP_CODES),
+        "float_columns": [column.name for column in schema.FLOAT_COLUMNS],
+        "update_columns": [{"name": name, "kind": kind} for name, kind in shown.items()],
+        "summary_fields": [{"key": name, "label": SUMMARY_LABELS.get(name, name), "digits": SUMMARY_DIGITS.get(name, 4)} for name in fields],
+        "quantities": quantities,
+    }
 
 
 # --------------------------------------------------------------------------- encoding
@@ -62,20 +152,6 @@ def clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def _floats(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """float64 values, NaN where null."""
-    if column.null_count:
-        column = column.fill_null(float("nan"))
-    return np.asarray(column.to_numpy(zero_copy_only=False), np.float64)
-
-
-def _float32(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """float32 values, NaN where null."""
-    if column.null_count:
-        column = column.fill_null(float("nan"))
-    return np.asarray(column.to_numpy(zero_copy_only=False), np.float32)
 
 
 def _largest(values: np.ndarray, centre: float = 0.0, finite: np.ndarray | None = None) -> float | None:
@@ -122,31 +198,25 @@ class StepSource:
         self.algorithm = RecordedAlgorithm.from_record(trace.record)
         # The step's files are read at the same time (pyarrow decodes without holding the GIL). The
         # token table without uid (a string per token, the slowest column): the prompt table has it.
-        reads = {"tokens": lambda: trace.read_step(step, [name for name in TOKEN_SCHEMA.names if name not in ("uid", "step")])}
+        reads = {"tokens": lambda: trace.read_step(step, [name for name in schema.TOKEN_SCHEMA.names if name not in ("uid", "step")])}
         reads["prompts"] = lambda: trace.prompts(step)
-        for kind, names in (("actor", ACTOR_COLUMNS), ("critic", CRITIC_COLUMNS)):
-            if step in trace.update_steps.get(kind, []):
-                columns = ["sample", "token_index", "epoch", *names]
-                reads[kind] = (lambda kind=kind, columns=columns, names=names: _UpdateRows(
-                    trace.actor_update(step, columns) if kind == "actor" else trace.critic_update(step, columns), names))
+        kinds = [kind for kind in update_columns() if step in trace.update_steps.get(kind, [])]
+        for kind in kinds:
+            reads[kind] = lambda kind=kind: _UpdateRows(trace, kind, step)
         with ThreadPoolExecutor(len(reads)) as pool:
             futures = {name: pool.submit(read) for name, read in reads.items()}
             done = {name: future.result() for name, future in futures.items()}
         self.table = done["tokens"]
-        self.layout = StepLayout(
-            self.table.column("sample").to_numpy(),
-            self.table.column("token_index").to_numpy(),
-            self.table.column("mask").to_numpy(zero_copy_only=False),
-        )
+        self.layout = StepLayout.of(self.table)
         self.index = {int(sample): i for i, sample in enumerate(self.layout.sample_ids)}
-        self.present = [name for name in FLOAT_COLUMN_NAMES if self.table.column(name).null_count < self.table.num_rows]
+        self.present = [name for name in schema.FLOAT_COLUMN_NAMES if self.table.column(name).null_count < self.table.num_rows]
         prompts = done["prompts"]
         self._prompt_row = {int(s): i for i, s in enumerate(prompts.column("sample").to_pylist())}
         self._uid = prompts.column("uid").to_pylist()
         self._prompt_ids = prompts.column("prompt_token_ids").to_pylist()
         self._prompt_flags = {name: prompts.column(name).to_pylist() for name in ("eos", "truncated")}
         self.whiten = trace.step_record(step).whiten
-        self.updates = {kind: done[kind] for kind in ("actor", "critic") if kind in done}
+        self.updates = {kind: done[kind] for kind in kinds}  # in UPDATE_COLUMNS' order: the actor's first
         self.epochs = sorted({int(e) for rows in self.updates.values() for e in np.unique(rows.epoch)})
         self._estimates: tuple[dict[str, np.ndarray], list[str]] | None = None
         self._valid_position: np.ndarray | None = None  # row -> index among the valid tokens, or −1
@@ -158,56 +228,36 @@ class StepSource:
             raise UsageError(f"step {self.step} has no sample {sample} (traced samples: {listing(sorted(self.index))})")
         return sample
 
-    def _rows(self, samples: Sequence[int]) -> np.ndarray:
-        """Row indices of the token table for ``samples``, in that order."""
-        layout = self.layout
-        pieces = [np.arange(layout.starts[i], layout.starts[i] + layout.row_counts[i]) for i in (self.index[s] for s in samples)]
-        return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-
     def overview(self) -> dict:
         """Every sample of the step with its flags; the PPO epochs; the colour scale of each quantity
         (its largest |x − centre| over the step's valid tokens, or over the trained rows of an epoch)."""
         layout = self.layout
-        valid = layout.valid_rows
-        per_sample = layout.row_sample[valid]
-        samples = layout.samples
-        score = None
-        if "score" in self.present:
-            score = np.bincount(per_sample, weights=_floats(self.table.column("score"))[valid], minlength=samples)
+        data = StepData.from_table(self.step, self.table, self.present, layout)
+        score = layout.sample_sums(data.columns["score"]) if "score" in self.present else None
         finite_scores = score[np.isfinite(score)] if score is not None else np.zeros(0)
         best = finite_scores.max() if len(finite_scores) else None
-        bad = np.zeros(len(valid), bool)  # a valid token with a value missing or not finite
-        scales: dict[str, float | None] = {}
-        for name in self.present:
-            column = self.table.column(name)
-            values = _float32(column)[valid]  # the trace's float32: its largest |x| is exact
-            finite = np.isfinite(values)
-            bad |= ~finite
-            scales[name] = _largest(values, finite=finite)
-        nonfinite = np.zeros(samples, bool)
-        nonfinite[np.unique(per_sample[bad])] = True
-        clipped = np.zeros(samples, bool)
+        scales: dict[str, float | None] = {name: _largest(values) for name, values in data.columns.items()}
+        nonfinite = layout.samples_among(np.concatenate([np.zeros(0, np.int64), *data.nonfinite(self.present).values()]))
+        clipped = np.zeros(layout.samples, bool)
         for rows in self.updates.values():
-            where = self._sample_index(rows.sample)
+            where = layout.index_of(rows.sample)
             known = where >= 0
             epochs = {epoch: rows.epoch == epoch for epoch in self.epochs}
             for name, values in rows.floats.items():
                 finite = np.isfinite(values)
-                nonfinite[np.unique(where[~finite & known])] = True
+                nonfinite[where[~finite & known]] = True
                 for epoch, in_epoch in epochs.items():
                     scales[f"e{epoch}:{name}"] = _largest(values, CENTRES.get(name, 0.0), finite & in_epoch)
-            if rows.clip is not None:
-                hit = (rows.clip != CLIP_CODES.index("none")) & (rows.clip != NO_CODE) & known
-                clipped[np.unique(where[hit])] = True
+            for codes in rows.codes.values():
+                clipped[where[(codes != schema.CLIP_CODES.index(schema.CLIP_NONE)) & (codes != NO_CODE) & known]] = True
         keys = _prompt_keys(self._prompt_ids)
         flags = self._prompt_flags
-        uid = [self.uid(sample) for sample in layout.sample_ids.tolist()]
         entries = []
         for i, sample in enumerate(layout.sample_ids.tolist()):
             row = self._prompt_row.get(sample)
             entries.append({
                 "sample": sample,
-                "uid": uid[i],
+                "uid": self.uid(sample),
                 "rows": int(layout.row_counts[i]),
                 "valid": int(layout.valid_counts[i]),
                 "score": None if score is None else float(score[i]),
@@ -221,11 +271,11 @@ class StepSource:
         return clean({
             "step": self.step,
             "rows": self.table.num_rows,
-            "valid": len(valid),
+            "valid": len(layout.valid_rows),
             "samples": entries,
             "epochs": self.epochs,
             "columns": self.present,
-            "update_columns": sorted({name for rows in self.updates.values() for name in rows.columns}),
+            "update_columns": list(dict.fromkeys(name for rows in self.updates.values() for name in rows.columns)),
             "scales": scales,
             "whiten": _whitening(self.whiten),
         })  # fmt: skip
@@ -235,12 +285,10 @@ class StepSource:
     def chunk(self, samples: Iterable[int] | None = None) -> dict:
         """The tokens of ``samples`` (default: every sample of the step), row by row."""
         samples = list(self.layout.sample_ids.tolist() if samples is None else samples)
-        for sample in samples:
-            self.require_sample(sample)
-        rows = self._rows(samples)
+        indices = [self.index[self.require_sample(sample)] for sample in samples]
+        rows = self.layout.rows_of(indices)
         part = self.table.take(pa.array(rows, pa.int64()))
-        counts = [int(self.layout.row_counts[self.index[s]]) for s in samples]
-        starts = np.concatenate(([0], np.cumsum(counts))).astype(int).tolist()
+        starts = np.concatenate(([0], np.cumsum(self.layout.row_counts[indices]))).astype(int).tolist()
         token_ids = part.column("token_id")
         ids = token_ids.fill_null(-1).to_numpy(zero_copy_only=False)
         pieces: list[str] = []
@@ -251,7 +299,7 @@ class StepSource:
         columns, nulls = {}, {}
         for name in self.present:
             column = part.column(name)
-            columns[name] = encode(_floats(column), "f4")
+            columns[name] = encode(floats(column, np.float32), "f4")
             if column.null_count:
                 nulls[name] = encode(column.is_null().to_numpy(zero_copy_only=False), "u1")
         if token_ids.null_count:
@@ -278,13 +326,6 @@ class StepSource:
         row = self._prompt_row.get(sample)
         return None if row is None else self._uid[row]
 
-    def _sample_index(self, samples: np.ndarray) -> np.ndarray:
-        """Index (0 … B−1) of each of ``samples`` in the step, −1 for a sample the step lacks."""
-        ids = self.layout.sample_ids.astype(np.int64)
-        lookup = np.full(int(max(ids.max(initial=-1), samples.max(initial=-1))) + 2, -1, np.int64)
-        lookup[ids] = np.arange(len(ids))
-        return lookup[np.clip(samples.astype(np.int64), -1, len(lookup) - 1)]
-
     def _prompt_text(self, sample: int) -> str | None:
         row = self._prompt_row.get(sample)
         ids = None if row is None else self._prompt_ids[row]
@@ -294,25 +335,24 @@ class StepSource:
         return text if text is not None else " ".join(f"#{i}" for i in ids)
 
     def _epoch_rows(self, epoch: int, samples: list[int], part: pa.Table) -> dict:
-        """The update rows of ``epoch`` at the chunk's rows: ``trained`` (0/1) and each column."""
-        keys = part.column("sample").to_numpy().astype(np.int64) << 32 | part.column("token_index").to_numpy().astype(np.int64)
-        order = np.argsort(keys, kind="stable")
+        """The update rows of ``epoch`` at the chunk's rows: ``trained`` (0/1) and each column (a
+        column of two tables, the mini-batch, is the first table's: the actor's)."""
+        keys = join_keys(part.column("sample").to_numpy(), part.column("token_index").to_numpy())
         trained = np.zeros(part.num_rows, np.uint8)
         columns = {}
         for rows in self.updates.values():
             picked = rows.of(samples, epoch)
-            wanted = rows.sample[picked].astype(np.int64) << 32 | rows.token_index[picked].astype(np.int64)
-            at = np.minimum(np.searchsorted(keys[order], wanted), max(len(keys) - 1, 0))
-            found = keys[order][at] == wanted if len(keys) else np.zeros(len(wanted), bool)
-            target = order[at[found]]
+            at, found = locate(keys, join_keys(rows.sample[picked], rows.token_index[picked]))
+            target = at[found]
             trained[target] = 1
             for name in rows.columns:
-                source = rows.values(name)[picked][found]
-                kind = "i4" if name == "minibatch" else "u1" if name in ("clip", "vf_clipped") else "f4"
-                fill = NO_CODE if name == "clip" else 0 if kind != "f4" else np.nan
-                out = np.full(part.num_rows, fill, {"i4": np.int32, "u1": np.uint8, "f4": np.float64}[kind])
-                out[target] = source
-                columns[name] = encode(out, kind)
+                if name in columns:
+                    continue
+                encoding = rows.encodings[name]
+                fill = NO_CODE if name in rows.codes else np.nan if encoding == "f4" else 0
+                out = np.full(part.num_rows, fill, {"i4": np.int32, "u1": np.uint8, "f4": np.float32}[encoding])
+                out[target] = rows.values(name)[picked][found]
+                columns[name] = encode(out, encoding)
         return {"epoch": epoch, "trained": encode(trained, "u1"), "columns": columns}
 
     # ------------------------------------------------------------------ estimators and statistics
@@ -321,16 +361,15 @@ class StepSource:
         """label -> raw advantage re-estimated at the step's valid tokens (verl_ext.inspect.comparison);
         empty, with a note, without rewards or values."""
         if self._estimates is None:
-            self._estimates = self._estimate(self.table)
+            self._estimates = self._estimate(self.table, self.layout)
         return self._estimates
 
-    def _estimate(self, table: pa.Table) -> tuple[dict[str, np.ndarray], list[str]]:
+    def _estimate(self, table: pa.Table, layout: StepLayout | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
         from verl_ext.inspect.comparison import step_estimates
 
         if "reward" not in self.present or "value" not in self.present:
             return {}, ["no rewards or values to re-estimate from (a run without a critic?)"]
-        data = StepData.from_table(self.step, table, ("reward", "value"))
-        return step_estimates(data, self.algorithm)
+        return step_estimates(StepData.from_table(self.step, table, ("reward", "value"), layout), self.algorithm)
 
     def _chunk_estimates(self, rows: np.ndarray, part: pa.Table) -> dict[str, np.ndarray]:
         """The raw advantages at the chunk's rows (NaN at masked rows): from the step's, once they
@@ -353,28 +392,30 @@ class StepSource:
         return out
 
     def statistics(self, summary_row: dict | None, report=None) -> dict:
-        """The step's ``summary`` row, the estimators compared over the step, the colour scales of
-        the re-estimated advantages, and the failures of ``report`` (a CheckReport) in this step."""
+        """The step's ``summary`` row, the whitening μ, σ (the step record's; else the summary's raw
+        advantage mean and std), the estimators compared over the step, the colour scales of the
+        re-estimated advantages, and the failures of ``report`` (a CheckReport) in this step."""
         from verl_ext.inspect.comparison import estimator_statistics
 
         raw, notes = self.estimates()
         layout = self.layout
-        comparison = None
+        comparison = columns = None
         if raw:
-            sample_ids = layout.sample_ids[layout.valid_sample_index()]
-            per_sample = [self.uid(sample) for sample in layout.sample_ids.tolist()]
-            if any(u is None for u in per_sample):
-                uid = np.full(len(layout.valid_rows), None, dtype=object)  # no uid: each response alone
-            else:
-                codes = {u: i for i, u in enumerate(dict.fromkeys(per_sample))}
-                uid = np.array([codes[u] for u in per_sample], np.int64)[layout.valid_sample_index()]
-            table, more = estimator_statistics(raw, uid, sample_ids)
+            token_sample = layout.valid_sample_index()
+            uid = np.array([self.uid(sample) for sample in layout.sample_ids.tolist()], dtype=object)[token_sample]
+            table, more = estimator_statistics(raw, uid, layout.sample_ids[token_sample])
             notes = notes + more
             comparison = table.to_pylist()
+            columns = [{"key": name, "label": COMPARISON_LABELS.get(name, name)} for name in table.column_names if name != "estimator"]
+        whiten = _whitening(self.whiten)
+        if whiten is None and summary_row is not None:
+            whiten = {"mean": summary_row.get("adv_raw_mean"), "sigma": summary_row.get("adv_raw_std")}
         return clean({
             "step": self.step,
             "summary": summary_row,
+            "whiten": whiten,
             "comparison": comparison,
+            "comparison_columns": columns,
             "comparison_notes": notes,
             "scales": {f"est:{label}": _largest(values) for label, values in raw.items()},
             "check": None if report is None else check_failures(report, self.step),
@@ -404,28 +445,35 @@ def check_failures(report, step: int | None = None) -> list[dict]:
 
 
 class _UpdateRows:
-    """One update table of a step as numpy arrays, findable by (sample, epoch)."""
+    """One update table of a step (the columns the page shows) as numpy arrays, findable by
+    (sample, epoch): code columns as their index in CLIP_CODES, flags as 0/1, floats as float32."""
 
-    def __init__(self, table: pa.Table, names: Sequence[str]):
+    def __init__(self, trace, kind: str, step: int):
+        shown = update_columns()[kind]
+        table = trace.update_table(kind, step, ["sample", "token_index", "epoch", *(c.name for c in shown)])
         self.sample = table.column("sample").to_numpy()
         self.token_index = table.column("token_index").to_numpy()
         self.epoch = table.column("epoch").to_numpy()
-        self.columns = [name for name in names if table.column(name).null_count < max(table.num_rows, 1)]
+        self.encodings: dict[str, str] = {}
         self._values: dict[str, np.ndarray] = {}
-        for name in self.columns:
-            column = table.column(name)
-            if name == "clip":
-                codes = pc.index_in(column, value_set=pa.array(CLIP_CODES)).fill_null(NO_CODE)
-                self._values[name] = codes.to_numpy(zero_copy_only=False).astype(np.uint8)
-            elif name == "vf_clipped":
-                self._values[name] = column.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint8)
-            elif name == "minibatch":
-                self._values[name] = column.to_numpy().astype(np.int32)
-            else:
-                self._values[name] = _float32(column)
-        self.clip = self._values.get("clip")
+        self.codes: dict[str, np.ndarray] = {}
         #: the float columns (non-finite values are flagged)
-        self.floats = {name: values for name, values in self._values.items() if values.dtype == np.float32}
+        self.floats: dict[str, np.ndarray] = {}
+        for column in shown:
+            data = table.column(column.name)
+            if data.null_count >= max(table.num_rows, 1):
+                continue
+            kind_shown, self.encodings[column.name] = _kind(column)
+            if kind_shown == "code":
+                values = self.codes[column.name] = pc.index_in(data, value_set=pa.array(schema.CLIP_CODES)).fill_null(NO_CODE).to_numpy(zero_copy_only=False).astype(np.uint8)
+            elif kind_shown == "flag":
+                values = data.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint8)
+            elif kind_shown == "int":
+                values = data.to_numpy().astype(np.int32)
+            else:
+                values = self.floats[column.name] = floats(data, np.float32)
+            self._values[column.name] = values
+        self.columns = list(self._values)
         # rows by (epoch, sample): the writer's order already, so sorting is only a fallback
         key = self.epoch.astype(np.int64) << 32 | self.sample.astype(np.int64)
         self._order = None if bool(np.all(key[1:] >= key[:-1])) else np.argsort(key, kind="stable")

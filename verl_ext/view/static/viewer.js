@@ -7,7 +7,17 @@
 
   const DATA = JSON.parse(document.getElementById("verl-ext-data").textContent);
   const SERVED = DATA.mode === "served";
-  const CLIP_CODES = DATA.clip_codes;  // verl_ext.trace.schema.CLIP_CODES: the payload's clip values index it
+  // What the data's fields are, sent with the data from their records (verl_ext.view.payload.page_schema):
+  // nothing here names a column, a summary field or a comparison statistic.
+  const CLIP_CODES = DATA.clip_codes;  // the update tables' code columns (clip) index it
+  const COLUMNS = DATA.float_columns;  // the token table's float columns, in the schema's order
+  const UPDATE_COLUMNS = DATA.update_columns;  // [{name, kind: float | int | code | flag}], in the schema's order
+  const UPDATE_KIND = Object.fromEntries(UPDATE_COLUMNS.map((c) => [c.name, c.kind]));
+  const SUMMARY_FIELDS = DATA.summary_fields;  // [{key, label, digits}] of the summary row the step line shows
+  // What a token can be coloured by: [{key, label, kind, name, centre?, categorical?}]. kind: column
+  // (token table), delta (td0's re-estimate), update (the chosen PPO epoch's row), difference (of two
+  // token columns); "estimate" (a re-estimated raw advantage) is added per estimator of the step.
+  const BASE_QUANTITIES = DATA.quantities;
   const CLIP_COLOURS = { none: "#ffffff", low: "#4575b4", high: "#d73027", dual: "#7b3294" };
   const FILTERS = {
     all: () => true,
@@ -16,32 +26,18 @@
     clipped: (s) => s.clipped,
     nonfinite: (s) => s.nonfinite,
   };
-  const COLUMNS = DATA.float_columns;  // verl_ext.trace.schema's float columns: the details panel lists them
-  const UPDATE_COLUMNS = ["minibatch", "log_prob", "ratio", "clip", "pg_loss", "entropy", "is_weight",
-    "vpred", "vpred_clipped", "vf_loss", "vf_clipped"];
-  // What a token can be coloured by. kind: column (token table), delta (td0's re-estimate), update
-  // (the chosen PPO epoch's row), gap (rollout − trainer log-prob), estimate (re-estimated raw advantage).
-  const BASE_QUANTITIES = [
-    { key: "advantage", label: "advantage (whitened, as trained)", kind: "column", name: "advantage" },
-    { key: "advantage_raw", label: "advantage, raw (before whitening)", kind: "column", name: "advantage_raw" },
-    { key: "value", label: "value V(s_t)", kind: "column", name: "value" },
-    { key: "return", label: "return (critic target)", kind: "column", name: "return" },
-    { key: "reward", label: "reward r_t", kind: "column", name: "reward" },
-    { key: "score", label: "score s_t", kind: "column", name: "score" },
-    { key: "kl", label: "KL kld_t", kind: "column", name: "kl" },
-    { key: "delta", label: "δ_t = r_t + γV_{t+1} − V_t", kind: "delta", name: "td0" },
-    { key: "entropy", label: "entropy (epoch)", kind: "update", name: "entropy" },
-    { key: "ratio", label: "ratio π_θ/π_old (epoch)", kind: "update", name: "ratio", centre: 1 },
-    { key: "clip", label: "clip region (epoch)", kind: "update", name: "clip", categorical: true },
-    { key: "pg_loss", label: "policy-loss term (epoch)", kind: "update", name: "pg_loss" },
-    { key: "vf_loss", label: "value-loss term (epoch)", kind: "update", name: "vf_loss" },
-    { key: "gap", label: "rollout − trainer log-prob", kind: "gap", name: "gap" },
-  ];
+  // Token colours are classes c-20 … c20 (see colourRules).
+  const STEPS = 20;
+
+  // ------------------------------------------------------------------ module state
 
   const cache = { steps: new Map(), chunks: new Map(), stats: new Map(), statsValue: new Map(), prompts: new Map() };
+  const decoded = new WeakMap();  // an encoded array -> its typed array
   let RUN = DATA.run || null;  // served: the server puts the run in the page too (/api/run again lists new steps)
   let renderCount = 0;
-  let pinned = null;
+  let pinned = null;  // the token span whose details show when the mouse is not on a token
+  let current = null;  // the view the tokens on the page were drawn from
+  let listKey = null;  // what the sample list was drawn for
 
   // ------------------------------------------------------------------ small helpers
 
@@ -64,7 +60,6 @@
 
   function clear(node) { node.replaceChildren(); return node; }
 
-  const decoded = new WeakMap();
   function decode(desc) {
     if (!desc) return null;
     let array = decoded.get(desc);
@@ -101,7 +96,7 @@
     const num = (name) => (params.has(name) && params.get(name) !== "" && !Number.isNaN(Number(params.get(name))) ? Number(params.get(name)) : null);
     return {
       step: num("step"), sample: num("sample"), epoch: num("epoch"), token: num("token"),
-      colour: params.get("colour") || "advantage", filter: FILTERS[params.get("filter")] ? params.get("filter") : "all",
+      colour: params.get("colour") || BASE_QUANTITIES[0].key, filter: FILTERS[params.get("filter")] ? params.get("filter") : "all",
     };
   }
 
@@ -180,58 +175,100 @@
 
   // ------------------------------------------------------------------ quantities and colours
 
-  function quantities(view) {
-    const list = BASE_QUANTITIES.filter((q) => available(q, view));
-    for (const label of Object.keys(view.chunk.estimates)) {
+  function quantities(chunk) {
+    const list = BASE_QUANTITIES.filter((q) => available(q, chunk));
+    for (const label of Object.keys(chunk.estimates)) {
       list.push({ key: `est:${label}`, label: `${label}: raw advantage re-estimated`, kind: "estimate", name: label });
     }
     return list;
   }
 
-  function available(q, view) {
-    const chunk = view.chunk;
+  function available(q, chunk) {
     if (q.kind === "column") return q.name in chunk.columns;
-    if (q.kind === "delta") return "td0" in chunk.estimates;
-    if (q.kind === "gap") return "rollout_log_prob" in chunk.columns && "old_log_prob" in chunk.columns;
+    if (q.kind === "delta" || q.kind === "estimate") return q.name in chunk.estimates;
+    if (q.kind === "difference") return q.name.every((name) => name in chunk.columns);
     if (q.kind === "update") return chunk.epochs.some((e) => q.name in e.columns);
-    return true;
+    return false;
   }
 
-  function epochRows(view, epoch) { return view.chunk.epochs.find((e) => e.epoch === epoch) || null; }
+  function epochRows(chunk, epoch) { return chunk.epochs.find((e) => e.epoch === epoch) || null; }
 
   function isNull(chunk, name, row) {
     const nulls = chunk.nulls[name];
     return nulls ? decode(nulls)[row] === 1 : false;
   }
 
-  // The value of quantity q at chunk row `row` (null when it has none there).
-  function valueOf(q, view, row, epoch) {
-    const chunk = view.chunk;
-    const valid = decode(chunk.mask)[row] === 1;
+  // The value of quantity q at chunk row `row` (null when it has none there); a code as its name.
+  function valueOf(q, chunk, row, epoch) {
     if (q.kind === "column") return isNull(chunk, q.name, row) ? null : decode(chunk.columns[q.name])[row];
-    if (q.kind === "gap") {
-      if (isNull(chunk, "rollout_log_prob", row) || isNull(chunk, "old_log_prob", row)) return null;
-      return decode(chunk.columns.rollout_log_prob)[row] - decode(chunk.columns.old_log_prob)[row];
+    if (q.kind === "difference") {
+      const [a, b] = q.name;
+      if (isNull(chunk, a, row) || isNull(chunk, b, row)) return null;
+      return decode(chunk.columns[a])[row] - decode(chunk.columns[b])[row];
     }
-    if (q.kind === "delta" || q.kind === "estimate") return valid ? decode(chunk.estimates[q.name])[row] : null;
-    const rows = epochRows(view, epoch);
+    if (q.kind === "delta" || q.kind === "estimate") return decode(chunk.mask)[row] === 1 ? decode(chunk.estimates[q.name])[row] : null;
+    const rows = epochRows(chunk, epoch);
     if (!rows || !(q.name in rows.columns) || decode(rows.trained)[row] !== 1) return null;
     const v = decode(rows.columns[q.name])[row];
-    if (q.name === "clip") return CLIP_CODES[v] === undefined ? null : CLIP_CODES[v];
+    if (UPDATE_KIND[q.name] === "code") return CLIP_CODES[v] === undefined ? null : CLIP_CODES[v];
     return v;
   }
 
   function scaleKey(q, epoch) {
     if (q.kind === "update") return `e${epoch}:${q.name}`;
-    if (q.kind === "delta") return "est:td0";
-    if (q.kind === "estimate") return `est:${q.name}`;
+    if (q.kind === "delta" || q.kind === "estimate") return `est:${q.name}`;
     return q.key;
+  }
+
+  // Every number a token of `chunk` can have, in the order the details panel lists them: one entry
+  // per column, derived quantity, re-estimate and (epoch, update column), each reading its value at a
+  // row (null where the token has none). The token's data-q attribute and the details panel both
+  // come from here. checks: "valid" (a null or non-finite value on a valid token makes the token
+  // non-finite), "trained" (a non-finite value where trained does).
+  function tokenFields(chunk) {
+    const fields = [];
+    const mask = decode(chunk.mask);
+    for (const name of COLUMNS) {
+      if (!(name in chunk.columns)) continue;
+      const values = decode(chunk.columns[name]), nulls = chunk.nulls[name] ? decode(chunk.nulls[name]) : null;
+      fields.push({ key: name, label: name, group: "column", checks: "valid", read: (row) => (nulls && nulls[row] === 1 ? null : values[row]) });
+    }
+    for (const q of BASE_QUANTITIES) {
+      if (q.kind === "difference" && available(q, chunk)) {
+        fields.push({ key: q.key, label: q.label, group: "column", read: (row) => valueOf(q, chunk, row) });
+      } else if (q.kind === "delta" && available(q, chunk)) {
+        const values = decode(chunk.estimates[q.name]);
+        fields.push({ key: q.key, label: q.label, group: "column", read: (row) => (mask[row] === 1 ? values[row] : null) });
+      }
+    }
+    for (const label of Object.keys(chunk.estimates)) {
+      const values = decode(chunk.estimates[label]);
+      fields.push({ key: `est.${label}`, label: label, group: "estimate", read: (row) => (mask[row] === 1 ? values[row] : null) });
+    }
+    for (const rows of chunk.epochs) {
+      const trained = decode(rows.trained);
+      for (const { name, kind } of UPDATE_COLUMNS) {
+        if (!(name in rows.columns)) continue;
+        const values = decode(rows.columns[name]);
+        const field = { key: `e${rows.epoch}.${name}`, label: name, group: "epoch", epoch: rows.epoch, kind: kind,
+          checks: kind === "code" ? null : "trained", read: (row) => (trained[row] === 1 ? values[row] : null) };
+        if (kind === "code") field.text = (v) => (CLIP_CODES[v] === undefined ? "" : CLIP_CODES[v]);
+        fields.push(field);
+      }
+    }
+    return fields;
+  }
+
+  // A field's value as the details panel shows it.
+  function display(field, v) {
+    if (field.kind === "code") return field.text(v);
+    if (field.kind === "flag") return v === 1 ? "yes" : "no";
+    return fmt(v, 5);
   }
 
   // Token colours are classes (a style attribute on each of thousands of tokens is slow to apply):
   // c-20 … c20 for (x − centre)/scale rounded to twentieths, clip-<code>, c-inf; their rules are made
   // here, into the page's own style sheet, from the same function the legend uses.
-  const STEPS = 20;
   function colourRules() {
     const sheet = document.querySelector("style").sheet;
     for (let k = -STEPS; k <= STEPS; k++) {
@@ -383,7 +420,6 @@
     return out;
   }
 
-  let listKey = null;
   function renderSampleList(view) {
     const list = $("sample-list");
     const chunk = !SERVED ? DATA.steps[String(view.step)].chunk : null;
@@ -418,23 +454,15 @@
     box.appendChild(el("b", { text: `step ${view.step}` }));
     box.appendChild(document.createTextNode(" "));
     const summary = stats && stats.summary;
-    const items = [];
-    if (summary) {
-      items.push(["samples", summary.samples, 0], ["tokens", summary.tokens, 0], ["score", summary.score, 3],
-        ["explained_var", summary.explained_var, 3], ["ev_mc", summary.ev_mc, 3], ["ev_mc_last", summary.ev_mc_last, 3],
-        ["kl", summary.kl, 4], ["clip_low", summary.clip_low, 4], ["clip_high", summary.clip_high, 4],
-        ["clip_dual", summary.clip_dual, 4], ["adv_dlogp_corr", summary.adv_dlogp_corr, 3]);
-    } else {
-      items.push(["tokens", view.info.valid, 0]);
-    }
-    const whiten = view.info.whiten;
-    if (whiten) items.push(["whiten_mean", whiten.mean, 4], ["whiten_sigma", whiten.sigma, 4]);
-    else if (summary) items.push(["whiten_mean", summary.adv_raw_mean, 4], ["whiten_sigma", summary.adv_raw_std, 4]);
-    const names = { explained_var: "explained var", ev_mc: "EV vs MC return", ev_mc_last: "EV at last token", whiten_mean: "whitening μ", whiten_sigma: "σ", adv_dlogp_corr: "corr(A, Δlog π)", clip_low: "clip low", clip_high: "clip high", clip_dual: "clip dual" };
-    for (const [key, value, digits] of items) {
+    const items = [];  // [key, label, value, decimals]
+    if (summary) for (const f of SUMMARY_FIELDS) items.push([f.key, f.label, summary[f.key], f.digits]);
+    else items.push(["tokens", "tokens", view.info.valid, 0]);  // the step's valid tokens, until the summary comes
+    const whiten = (stats && stats.whiten) || view.info.whiten;
+    if (whiten) items.push(["whiten_mean", "whitening μ", whiten.mean, 4], ["whiten_sigma", "σ", whiten.sigma, 4]);
+    for (const [key, label, value, digits] of items) {
       if (value === null || value === undefined) continue;
       const span = el("span", { class: "stat", "data-key": key, "data-value": value });
-      span.appendChild(document.createTextNode(`${names[key] || key} `));
+      span.appendChild(document.createTextNode(`${label} `));
       span.appendChild(el("b", { text: fmt(value, digits) }));
       box.appendChild(span);
     }
@@ -475,7 +503,7 @@
   }
 
   function renderSample(view) {
-    current = view;  // hovering needs the view the tokens were drawn from
+    current = view;  // hovering needs the view the tokens were drawn from (its fields)
     const head = clear($("sample-head"));
     const response = clear($("response"));
     const prompt = clear($("prompt"));
@@ -494,22 +522,17 @@
     const chunk = view.chunk;
     const prompt_text = chunk.prompts[view.index];
     prompt.textContent = prompt_text === null ? "(no prompt recorded)" : prompt_text;
-    const qs = quantities(view);
+    const qs = quantities(chunk);
     const colourSelect = clear($("colour"));
-    let q = qs.find((x) => x.key === view.state.colour) || qs.find((x) => x.key === "advantage") || qs[0];
+    let q = qs.find((x) => x.key === view.state.colour) || qs.find((x) => x.key === BASE_QUANTITIES[0].key) || qs[0];
     for (const x of qs) colourSelect.appendChild(el("option", { value: x.key, text: x.label, selected: q && x.key === q.key }));
     view.q = q;
     view.colourKey = q ? q.key : null;
     const mask = decode(chunk.mask), ids = decode(chunk.token_id), positions = decode(chunk.token_index);
-    // Every number of a token goes into one attribute, data-q="score=0 reward=-0.01 … e1.ratio=1.02":
-    // one attribute per token instead of dozens keeps a response of thousands of tokens fast to draw.
-    const columns = Object.keys(chunk.columns).map((name) => [name, decode(chunk.columns[name]), chunk.nulls[name] ? decode(chunk.nulls[name]) : null]);
+    // Every number of a token also goes into one attribute, data-q="score=0 reward=-0.01 … e1.ratio=1.02"
+    // (for scripts and tests: one attribute per token instead of dozens keeps drawing fast).
+    const fields = view.fields = tokenFields(chunk);
     const idNull = chunk.nulls.token_id ? decode(chunk.nulls.token_id) : null;
-    const estimates = Object.keys(chunk.estimates).map((label) => [`est.${label}`, decode(chunk.estimates[label])]);
-    const td0 = "td0" in chunk.estimates ? decode(chunk.estimates.td0) : null;
-    const gapOf = "rollout_log_prob" in chunk.columns && "old_log_prob" in chunk.columns;
-    const epochs = chunk.epochs.map((rows) => [rows.epoch, decode(rows.trained),
-      Object.keys(rows.columns).map((name) => [`e${rows.epoch}.${name}`, name, decode(rows.columns[name])])]);
     const fragment = document.createDocumentFragment();
     for (let row = view.begin; row < view.end; row++) {
       const span = document.createElement("span");
@@ -519,30 +542,14 @@
       span.setAttribute("data-t", positions[row]);
       if (!(idNull && idNull[row] === 1)) span.setAttribute("data-id", ids[row]);
       span.setAttribute("data-mask", valid ? "1" : "0");
+      span._row = row;
       const parts = [];
       let bad = false;
-      for (const [name, values, nulls] of columns) {
-        if (nulls && nulls[row] === 1) { if (valid) bad = true; continue; }
-        const v = values[row];
-        parts.push(`${name}=${v}`);
-        if (valid && !Number.isFinite(v)) bad = true;
-      }
-      if (gapOf) {
-        const gap = valueOf({ kind: "gap" }, view, row);
-        if (gap !== null) parts.push(`gap=${gap}`);
-      }
-      if (valid) {
-        if (td0) parts.push(`delta=${td0[row]}`);
-        for (const [key, values] of estimates) parts.push(`${key}=${values[row]}`);
-      }
-      for (const [, trained, names] of epochs) {
-        if (trained[row] !== 1) continue;
-        for (const [key, name, values] of names) {
-          let v = values[row];
-          if (name === "clip") v = CLIP_CODES[v] === undefined ? "" : CLIP_CODES[v];
-          else if (!Number.isFinite(v)) bad = true;
-          parts.push(`${key}=${v}`);
-        }
+      for (const f of fields) {
+        const v = f.read(row);
+        if (v === null) { if (f.checks === "valid" && valid) bad = true; continue; }
+        parts.push(`${f.key}=${f.text ? f.text(v) : v}`);
+        if ((f.checks === "trained" || (f.checks === "valid" && valid)) && !Number.isFinite(v)) bad = true;
       }
       span.setAttribute("data-q", parts.join(" "));
       if (bad) span.classList.add("nonfinite");
@@ -567,7 +574,7 @@
     if (!q) return;
     const spans = [...view.spans];
     const mask = decode(view.chunk.mask);
-    const values = spans.map((span, i) => (mask[view.begin + i] === 1 ? valueOf(q, view, view.begin + i, view.epoch) : null));
+    const values = spans.map((span, i) => (mask[view.begin + i] === 1 ? valueOf(q, view.chunk, view.begin + i, view.epoch) : null));
     if (q.categorical) {
       spans.forEach((span, i) => paint(span, values[i] === null || !(values[i] in CLIP_COLOURS) ? null : `clip-${values[i]}`));
       legend.appendChild(document.createTextNode(`${q.label}, epoch ${view.epoch}:`));
@@ -642,13 +649,14 @@
     box.appendChild(el("b", { text: `the estimators on step ${view.step}, re-estimated from its rewards and values (raw advantages, before whitening; colour by one: click its name)` }));
     const table = el("table", { id: "compare-table" });
     const head = el("tr", {});
-    for (const name of ["estimator", "Var over the step", "Var within a prompt's group", "mean |A|"]) head.appendChild(el("th", { text: name }));
+    const columns = stats.comparison_columns;  // [{key, label}]: the comparison's statistics, in its order
+    for (const name of ["estimator", ...columns.map((c) => c.label)]) head.appendChild(el("th", { text: name }));
     table.appendChild(head);
     for (const row of stats.comparison) {
       const tr = el("tr", { "data-estimator": row.estimator });
       const key = `est:${row.estimator}`;
       tr.appendChild(el("td", {}, link(row.estimator, { colour: key }, { class: view.colourKey === key ? "current" : "" })));
-      for (const name of ["var_batch", "var_within_group", "mean_abs"]) tr.appendChild(el("td", { class: "num", "data-value": row[name], text: fmt(row[name]) }));
+      for (const { key } of columns) tr.appendChild(el("td", { class: "num", "data-key": key, "data-value": row[key], text: fmt(row[key]) }));
       table.appendChild(tr);
     }
     box.appendChild(table);
@@ -657,55 +665,35 @@
 
   // ------------------------------------------------------------------ the details of one token
 
-  // The numbers of a token span: data-q="name=value name=value …" as a Map (values as written).
-  function numbersOf(span) {
-    const map = new Map();
-    for (const part of (span.getAttribute("data-q") || "").split(" ")) {
-      const at = part.indexOf("=");
-      if (at > 0) map.set(part.slice(0, at), part.slice(at + 1));
-    }
-    return map;
-  }
-
-  let current = null;
-
+  // The details of a token span: its numbers read from the data at its row (the fields it was drawn with).
   function showDetails(span, view) {
     view = view || current;
     const box = clear($("details"));
-    if (!span) {
+    if (!span || !view || !view.fields) {
       box.appendChild(el("div", { class: "muted", text: "hover a token for every number of it; click to pin it" }));
       return;
     }
-    const q = numbersOf(span);
-    const num = (key) => (q.has(key) ? Number(q.get(key)) : null);
+    const row = span._row;
+    const values = view.fields.map((f) => [f, f.read(row)]).filter(([, v]) => v !== null);
     const id = span.getAttribute("data-id");
     box.appendChild(el("div", {}, el("span", { class: "piece", text: span.textContent }), ` t = ${span.getAttribute("data-t")} · id ${id === null ? "—" : id}${span.getAttribute("data-mask") === "1" ? "" : " · masked (not trained)"}`));
-    const table = el("table", {});
-    const row = (label, value, title) => table.appendChild(el("tr", { title: title || null }, el("td", { text: label }), el("td", { class: "num", text: value })));
-    for (const name of COLUMNS) if (q.has(name)) row(name, fmt(num(name), 5));
-    if (q.has("gap")) row("rollout − old log-prob", fmt(num("gap"), 5), "train/inference mismatch");
-    if (q.has("delta")) row("δ_t", fmt(num("delta"), 5), "r_t + γV_{t+1} − V_t");
-    box.appendChild(table);
-    const estimates = [...q.keys()].filter((key) => key.startsWith("est."));
+    const table = (rows, attrs) => {
+      const t = el("table", attrs || {});
+      for (const [f, v] of rows) t.appendChild(el("tr", {}, el("td", { text: f.label }), el("td", { class: "num", text: display(f, v) })));
+      return t;
+    };
+    box.appendChild(table(values.filter(([f]) => f.group === "column")));
+    const estimates = values.filter(([f]) => f.group === "estimate");
     if (estimates.length) {
       box.appendChild(el("h3", { text: "raw advantage, re-estimated" }));
-      const t2 = el("table", {});
-      for (const key of estimates) t2.appendChild(el("tr", {}, el("td", { text: key.slice(4) }), el("td", { class: "num", text: fmt(num(key), 5) })));
-      box.appendChild(t2);
+      box.appendChild(table(estimates));
     }
-    const epochs = new Set([...q.keys()].map((key) => /^e(\d+)\./.exec(key)).filter(Boolean).map((m) => Number(m[1])));
-    for (const epoch of [...epochs].sort((a, b) => a - b)) {
+    const epochs = [...new Set(values.filter(([f]) => f.group === "epoch").map(([f]) => f.epoch))].sort((a, b) => a - b);
+    for (const epoch of epochs) {
       box.appendChild(el("h3", { text: `PPO epoch ${epoch}` }));
-      const t3 = el("table", { "data-epoch": epoch });
-      for (const name of UPDATE_COLUMNS) {
-        const key = `e${epoch}.${name}`;
-        if (!q.has(key)) continue;
-        const raw = q.get(key);
-        t3.appendChild(el("tr", {}, el("td", { text: name }), el("td", { class: "num", text: name === "clip" ? raw : name === "vf_clipped" ? (raw === "1" ? "yes" : "no") : fmt(Number(raw), 5) })));
-      }
-      box.appendChild(t3);
+      box.appendChild(table(values.filter(([f]) => f.group === "epoch" && f.epoch === epoch), { "data-epoch": epoch }));
     }
-    if (span.getAttribute("data-mask") === "1" && !epochs.size && view && view.info.epochs.length) {
+    if (span.getAttribute("data-mask") === "1" && !epochs.length && view.info.epochs.length) {
       box.appendChild(el("div", { class: "muted", text: "not in the update tables" }));
     }
   }
