@@ -67,7 +67,7 @@ def step_credit(trace, step: int, labels: tuple[str, ...] = ()) -> StepCredit:
 
     magnitude = np.abs(data.columns["advantage"])
     sampled = np.flatnonzero(layout.valid_counts)
-    scores = np.bincount(layout.valid_sample_index(), weights=data.columns["score"], minlength=layout.samples)[sampled]
+    scores = layout.sample_sums(data.columns["score"])[sampled]
     ev_after = ev_before = None
     if data.columns["value"] is not None:
         values, returns = data.columns["value"], monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
