@@ -9,7 +9,6 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tests.reference as ref
-from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 from verl_ext import estimators as E
 from verl_ext import kernels, registry
 
@@ -391,68 +390,3 @@ def test_many_row_groups_give_the_direct_sums(monkeypatch, name):
     assert_valid_close(result.returns, expected_returns, mask, tol=1e-5)
     assert_valid_close(result.advantage_raw, expected_raw, mask, tol=1e-5)
     assert_valid_close(result.advantages, ref.whiten(expected_raw, mask), mask, tol=1e-5)
-
-
-# --------------------------------------------------------------------------- the registry
-
-
-def test_registry_rejects_a_second_function_under_a_taken_name_and_lists_names():
-    with pytest.raises(ValueError, match="'mc' is already registered by verl_ext.registry.mc"):
-        registry.register_estimator("mc")(lambda *a, **k: None)
-    registry.register_estimator("mc")(registry.get("mc").fn)  # the same function again: a no-op
-    with pytest.raises(ValueError, match="'nope' is not an estimator verl-ext knows; known: mc, td0, nstep, gae_ext, gae, grpo"):
-        registry.get("nope")
-    with pytest.raises(ValueError, match="non-empty string"):
-        registry.register_estimator(" ")
-
-
-def test_verls_estimators_are_described_not_registered():
-    """gae and grpo have entries (what verl-ext knows of them) but are not verl-ext's: not among the
-    names it registers into verl, options and whitening are verl's."""
-    assert registry.names() == ("mc", "td0", "nstep", "gae_ext")
-    gae, grpo = registry.lookup("gae"), registry.lookup("grpo")
-    assert gae.computed_by_verl and gae.needs_critic and gae.recomputable and gae.all_options == ()
-    assert grpo.computed_by_verl and not grpo.needs_critic and not grpo.recomputable
-    assert grpo.settings({"whiten_advantages": True})["whiten_advantages"] is None  # verl-ext cannot tell
-    assert registry.lookup("rloo") is None
-    assert registry.check_algorithm({"adv_estimator": "gae", "lam": 0.9}) is None  # verl's: nothing to parse
-
-
-def test_a_name_of_verl_means_verls_estimator_even_where_a_function_took_it(isolated_registry):
-    """Without the plugin (a checker's process) nothing refuses register_estimator("gae"); a trace of
-    gae is still verl's gae, as verl refuses the name to anyone else in a run."""
-    isolated_registry.register_estimator("gae")(lambda *a, **k: None)
-    assert isolated_registry.lookup("gae").computed_by_verl
-    assert isolated_registry.get("gae").fn is not None and isolated_registry.get("gae").verl_whitens
-
-
-@pytest.mark.parametrize(
-    "name, settings, label",
-    [
-        ("mc", {}, "mc"),
-        ("nstep", {"n_step": 5}, "nstep5"),
-        ("gae_ext", {"lam": 0.9}, "gae0.9"),
-        ("gae_ext", {"lam": 1.0, "lam_critic": 0.8, "lam_actor": 0.8}, "gae0.8"),  # one λ: plain GAE(0.8)
-        ("gae_ext", {"lam": 0.9, "lam_critic": 1.0}, "gae_ext"),
-        ("gae", {"lam": 0.95}, "gae0.95"),
-    ],
-)
-def test_a_compare_label_names_the_numbers(name, settings, label):
-    """Two settings with the same label give the same raw advantage: gae_ext with one λ is GAE(λ)."""
-    entry = registry.get(name)
-    assert entry.column_label(entry.settings({"gamma": 0.9, **settings})) == label
-
-
-@pytest.mark.parametrize(
-    "algorithm, message",
-    [
-        ({"adv_estimator": "nstep"}, "needs algorithm.n_step"),
-        ({"adv_estimator": "nstep", "n_step": 0}, "algorithm.n_step must be an integer >= 1, got 0"),
-        ({"adv_estimator": "gae_ext", "lam_actor": 1.5}, r"algorithm.lam_actor must be in \[0, 1\], got 1.5"),
-        ({"adv_estimator": "mc", "gamma": "x"}, "algorithm.gamma must be a number, got 'x'"),
-        ({"adv_estimator": "mc", "whiten_advantages": "yes"}, "algorithm.whiten_advantages must be true or false"),
-    ],
-)
-def test_settings_name_the_bad_key(algorithm, message):
-    with pytest.raises(ValueError, match=message):
-        registry.check_algorithm(algorithm)

@@ -1,18 +1,21 @@
-"""The package's structure: imports without side effects, layers that import only downwards, and one
-index of every touch of verl."""
+"""The package's structure: imports without side effects, layers that import only downwards, one
+index of every touch of verl, and a wheel (configs/ included) that builds without setuptools' warnings."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "verl_ext"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "verl_ext"
 
 IMPORT_EVERYTHING = """
 import importlib, json, pkgutil, sys
@@ -181,3 +184,22 @@ def test_every_touch_of_verl_is_one_record_with_why_and_versions():
         defined = {f"verl_ext.{module[:-3].replace('/', '.')}:{node.name}" for node in tree.body if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
         defined = {name for name in defined if name.split(":")[1].startswith(prefixes)}
         assert defined <= named, sorted(defined - named)
+
+
+def test_building_the_package_warns_about_nothing_it_leaves_out(tmp_path):
+    """The package (configs/ included) builds without setuptools' 'Package would be ignored'."""
+    source = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(source)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "would be ignored" not in result.stdout + result.stderr
+    (wheel,) = (tmp_path / "wheel").glob("verl_ext-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "verl_ext/configs/verl_ext_trainer.yaml" in names and not any("__pycache__" in n for n in names)

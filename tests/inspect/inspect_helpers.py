@@ -227,6 +227,15 @@ def write_trace(
     return str(directory)
 
 
+def good_trace(directory: Path, plant: bool = False) -> str:
+    """Three steps of td0 with KL in the reward (steps 1, 2, 3; step 3 also as the record's last), which
+    pass the checker; ``plant``: one advantage of step 2 nudged, which the checker catches."""
+    batches = {step: by_definition(random_batch(step, kl_coef=0.1), "td0", gamma=1.0) for step in (1, 2, 3)}
+    if plant:
+        nudge(batches[2].advantages, 4, 6)
+    return write_trace(directory, algorithm("td0", kl="kl"), batches)
+
+
 def valid_positions(batch: Batch) -> list[tuple[int, int]]:
     return [tuple(p) for p in torch.nonzero(batch.mask).tolist()]
 

@@ -1,6 +1,8 @@
 """The checker passes traces whose numbers come from the definitions (direct sums) or from verl's own
-functions, and catches a single token changed by 1e-2 relative in each identity, naming its place."""
+functions, and catches a single token changed by 1e-2 relative in each identity, naming its place; a
+step of the run record missing on disk fails it."""
 
+import shutil
 from dataclasses import replace
 
 import pyarrow.compute as pc
@@ -233,6 +235,26 @@ def test_catches_a_non_finite_value(tmp_path):
     report = check_trace(write_trace(tmp_path / "t", algorithm(name, **extra), batches))
     assert report["finite"].status == "fail"
     assert str(report["finite"].first) == "step 1, sample 2, token 3: value = nan: not finite"
+
+
+def test_a_step_of_the_run_record_missing_on_disk_fails_the_check(trace, run_cli):
+    shutil.rmtree(trace / "step-3")
+    code, out, _ = run_cli("check", str(trace), "--quiet")
+    assert code == 1
+    assert "checked:   2 steps" in out
+    assert "8.5  every step and update table of the run record is on disk" in out and "FAIL (1 file)" in out
+    assert "step 3: step-3/part-0.parquet: listed in the run record, missing on disk" in out
+
+
+def test_a_nan_return_is_reported_where_it_is_not_as_a_whitening_error(tmp_path, run_cli):
+    batches = {step: by_definition(random_batch(step), "td0", gamma=1.0) for step in (1, 2)}
+    batches[2].returns[1, 2] = float("nan")
+    code, out, _ = run_cli("check", write_trace(tmp_path / "t", algorithm("td0"), batches), "--quiet")
+    assert code == 1
+    lines = {line.split("  ")[1]: line for line in out.splitlines() if line[:1] == "8"}
+    assert lines["advantages = masked_whiten(raw advantage)"].endswith("pass")
+    assert "return = nan: not finite" in out
+    assert "entrys" not in out and "FAIL (1 token)" in out
 
 
 def test_a_value_based_run_without_values_fails(tmp_path):

@@ -1,23 +1,20 @@
-"""``verl-ext check|show|summary|plot``: exit codes, and one line (no traceback) for bad input."""
+"""``verl-ext check|show|summary|plot`` (and ``demo``'s arguments): exit codes, one line (no traceback) for
+bad input, and a reader that goes away (``| head -1``)."""
 
 import io
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
-from tests.inspect.inspect_helpers import algorithm, by_definition, nudge, random_batch, rewrite_step, write_trace
+from tests.inspect.inspect_helpers import good_trace, rewrite_step
 
 from verl_ext.inspect.check import check_trace
 from verl_ext.inspect.render import ProgressPrinter
 from verl_ext.trace.schema import RUN_RECORD, token_file
 
 COMMANDS = ["check", "show", "summary", "plot"]
-
-
-def good_trace(directory, plant: bool = False) -> str:
-    batches = {step: by_definition(random_batch(step, kl_coef=0.1), "td0", gamma=1.0) for step in (1, 2, 3)}
-    if plant:
-        nudge(batches[2].advantages, 4, 6)
-    return write_trace(directory, algorithm("td0", kl="kl"), batches)
 
 
 def break_schema_version(path):
@@ -97,3 +94,46 @@ def test_progress_lines_on_long_scans(tmp_path):
     quiet = io.StringIO()
     check_trace(str(tmp_path / "t"), progress=ProgressPrinter("check", quiet, interval=3600))
     assert quiet.getvalue() == ""  # a scan shorter than the interval prints nothing
+
+
+def test_a_second_directory_of_the_same_step_is_refused_not_half_read(trace, run_cli):
+    shutil.copytree(trace / "step-3", trace / "step-03")
+    for command in ("check", "summary", "show"):
+        code, out, err = run_cli(command, str(trace))
+        assert code == 2 and out == "", command
+        assert err.strip() == (
+            f"verl-ext {command}: {trace}/step-03 is not a directory this trace writes: step 3 lives in step-3; "
+            "remove or rename the copy"
+        )
+
+
+def test_an_empty_run_path_is_refused(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli("check", "")
+    assert code == 2 and err.strip() == "verl-ext check: RUN must be a trace directory or URL, got an empty string"
+
+
+def test_bad_digits_and_an_unwritable_demo_directory_are_one_line(trace, run_cli, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("show", str(trace), "--digits", "-3")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --digits: must be >= 0, got -3" in err and "Traceback" not in err
+    code, _, err = run_cli("demo", "--output-dir", "/proc/x")
+    assert code == 2 and err.startswith("verl-ext demo: cannot write the demo's outputs to /proc/x:") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("steps", ["0", "-1", "two"])
+def test_demo_refuses_a_step_count_below_one(run_cli, steps, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("demo", "--steps", steps, "--output-dir", str(tmp_path))
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("command", ["show --format csv", "summary", "check"])
+def test_a_reader_that_goes_away_is_not_an_error(trace, command):
+    """``verl-ext ... | head -1``: no traceback, and the command's own exit code (0 here), not 1."""
+    pipeline = f"{sys.executable} -m verl_ext.cli {command} {trace} | head -1; echo \"status ${{PIPESTATUS[0]}}\""
+    result = subprocess.run(["bash", "-c", pipeline], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+    assert result.stdout.splitlines()[-1] == "status 0"

@@ -36,6 +36,13 @@ def test_plot_command_writes_every_figure(gae_trace, tmp_path, run_cli):
     assert "U+" not in err
 
 
+def test_a_bad_plot_request_writes_nothing(trace, run_cli, tmp_path):
+    out = tmp_path / "plots"
+    code, _, err = run_cli("plot", str(trace), "--out", str(out), "--sample", "999")
+    assert code == 2 and "has no sample 999" in err
+    assert not out.exists()
+
+
 def test_figures_that_do_not_apply_are_left_out_with_a_note(tmp_path):
     b = random_batch(1)
     b = replace(b, values=None, returns=b.scores, advantages=b.scores, advantage_raw=None)

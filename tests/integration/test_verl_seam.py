@@ -1,4 +1,5 @@
-"""verl-ext inside verl 0.9.1: registration, both trainers' advantage paths, critic rule, validation."""
+"""verl-ext inside verl 0.9.1: registration, both trainers' advantage paths (verl's typed AlgoConfig too),
+critic rule, validation."""
 
 from __future__ import annotations
 
@@ -92,6 +93,22 @@ def test_verls_own_gae_still_goes_through_verl(compose):
     expected_adv, expected_ret = core_algos.compute_gae_advantage_return(rewards, values, mask, 1.0, 0.9)
     torch.testing.assert_close(data.batch["advantages"], expected_adv)
     torch.testing.assert_close(data.batch["returns"], expected_ret)
+
+
+def test_verls_typed_algorithm_config_works_with_a_verl_ext_estimator():
+    """compute_advantage(..., config=AlgoConfig(...)), as verl's signature advertises."""
+    from verl import DataProto
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo import ray_trainer
+
+    rewards, values = torch.randn(4, 7, generator=torch.Generator().manual_seed(2)), torch.randn(4, 7)
+    mask = torch.ones(4, 7, dtype=torch.int64)
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "values": values, "response_mask": mask})
+    config = AlgoConfig(gamma=0.9, lam=0.8, adv_estimator="mc")
+    data = ray_trainer.compute_advantage(data, adv_estimator="mc", gamma=0.9, lam=0.8, config=config)
+    np.testing.assert_allclose(data.batch["returns"].numpy(), ref.mc_returns(rewards, mask, 0.9), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="algorithm.adv_estimator=nstep needs algorithm.n_step"):
+        ray_trainer.compute_advantage(data, adv_estimator="nstep", gamma=0.9, lam=0.8, config=config)
 
 
 @requires_verl("0.9.0", "no V1 trainer")
@@ -195,6 +212,16 @@ def test_nstep_without_n_is_an_error(compose):
 def test_bad_trace_options(compose, overrides, message):
     with pytest.raises(ValueError, match=message):
         validate(compose("algorithm.adv_estimator=gae", *overrides))
+
+
+def test_checking_the_trace_dir_on_the_driver_leaves_nothing_behind(tmp_path):
+    from verl_ext.integration.validation import check_trace_dir_writable
+
+    check_trace_dir_writable(str(tmp_path / "new" / "trace"))
+    assert list(tmp_path.iterdir()) == []  # not even the directory it had to create
+    (tmp_path / "existing").mkdir()
+    check_trace_dir_writable(str(tmp_path / "existing"))
+    assert list((tmp_path / "existing").iterdir()) == []
 
 
 @requires_verl("0.9.0", "validate_config runs inside the Ray TaskRunner, i.e. after ray.init")

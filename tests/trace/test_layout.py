@@ -1,6 +1,6 @@
 """The layout of format 3: every file stores its ``step`` (int64) and each step's files are named
 ``step-<n>``, which no reader takes for a partition, so the plain call of pandas, polars, DuckDB and
-pyarrow gives an integer step equal to open_trace's. Traces of formats 1 and 2 (``step=<n>`` folders,
+pyarrow (the README's reader lines among them) gives an integer step equal to open_trace's. Traces of formats 1 and 2 (``step=<n>`` folders,
 ``step`` only in the folder name) are still read, the same, by open_trace and ``verl-ext check``."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch
+from tests.inspect.inspect_helpers import write_trace as write_batches
 from tests.trace.helpers import make_capture, rewrite_in_the_old_layout, run_record
 from verl_ext.errors import TraceError
 from verl_ext.options import TraceOptions
@@ -28,6 +30,7 @@ from verl_ext.trace.reader import open_trace
 from verl_ext.trace.schema import PROMPT_SCHEMA, SCHEMA_VERSION, TOKEN_SCHEMA, UPDATE_SCHEMAS
 from verl_ext.trace.writer import TraceWriter
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 STEPS = tuple(range(1, 13))  # 12 steps: as text, 10, 11 and 12 sort between 1 and 2
 TOKEN_KEY = ("step", "sample", "token_index")
 UPDATE_KEY = ("step", "epoch", "sample", "token_index")
@@ -158,6 +161,39 @@ def test_pyarrow_reads_the_directory(trace_dir):
     ):
         assert table.schema.equals(TOKEN_SCHEMA, check_metadata=False)
         assert sorted_rows(table.to_pylist(), TOKEN_KEY) == expected
+
+
+def readme_readers(path: str) -> dict[str, object]:
+    """What each of the README's one-line readers of the token table returns for ``path``, by library."""
+    block = re.search(r"<!-- readers -->\n```python\n(.*?)```", README.read_text(), re.S).group(1)
+    namespace: dict = {}
+    results = {}
+    for line in block.replace("PATH", path).splitlines():
+        code = line.split("  #")[0].strip()
+        if not code:
+            continue
+        if code.startswith("import") or re.match(r"\w+ = ", code):
+            exec(code, namespace)  # noqa: S102 - the README's own lines
+        else:
+            results[re.match(r"\w+", code).group(0)] = eval(code, namespace)  # noqa: S307
+    return results
+
+
+def test_every_readme_reader_gives_an_integer_step_that_sorts_numerically(tmp_path):
+    """With each library's plain call: no partitioning or hive options to remember."""
+    readme = README.read_text()
+    block = readme[readme.index("<!-- readers -->") :].split("```")[1]
+    assert "partitioning" not in block and "hive" not in block
+    batches = {step: by_definition(random_batch(step), "mc", gamma=1.0) for step in (1, 2, 3, 10, 11, 20)}
+    readers = readme_readers(write_batches(tmp_path / "t", algorithm("mc"), batches))
+    assert set(readers) == {"ds", "pd", "pl", "duckdb"}
+    for name, result in readers.items():
+        frame = {"ds": lambda r: r.to_table().to_pandas(), "pd": lambda r: r, "pl": lambda r: r.to_pandas(),
+                 "duckdb": lambda r: r.df()}[name](result)  # fmt: skip
+        assert str(frame["step"].dtype) == "int64", name
+        assert sorted(frame["step"].unique().tolist()) == [1, 2, 3, 10, 11, 20], name
+        assert frame.sort_values("step", kind="stable")["step"].is_monotonic_increasing, name
+        assert set(frame[frame["step"] < 5]["step"]) == {1, 2, 3}, name
 
 
 def test_every_file_stores_the_step_its_name_says(trace_dir):

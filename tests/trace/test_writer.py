@@ -7,12 +7,14 @@ import json
 import threading
 import warnings
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
-from tests.trace.helpers import MASK, Gate, HookedMemoryFileSystem, fail_writes_to, make_capture, reference_rows
+from tests.inspect.inspect_helpers import good_trace
+from tests.trace.helpers import MASK, Gate, HookedMemoryFileSystem, fail_writes_to, make_capture, reference_rows, run_record
 from verl_ext.errors import TraceError, UsageError
 from verl_ext.options import TraceOptions
 from verl_ext.trace.reader import open_trace
@@ -81,6 +83,11 @@ def test_only_published_files_remain(tmp_path):
     write(str(tmp_path), [make_capture(1), make_capture(2)])
     files = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
     assert files == ["_prompts/step-1.parquet", "_prompts/step-2.parquet", "_run.json", "step-1/part-0.parquet", "step-2/part-0.parquet"]
+
+
+def test_a_clean_trace_keeps_no_tmp_directory(tmp_path):
+    trace = Path(good_trace(tmp_path / "trace"))
+    assert sorted(p.name for p in trace.iterdir()) == ["_prompts", "_run.json", "step-1", "step-2", "step-3"]
 
 
 def test_resume_replaces_a_retraced_step_and_keeps_the_others(tmp_path):
@@ -305,6 +312,28 @@ def test_exception_in_the_with_block_is_not_hidden(hooked_url):
         with TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), RUN_RECORD) as writer:
             writer.submit(make_capture(1))
             raise KeyError("from the trainer")
+
+
+def test_a_failed_step_leaves_no_prompt_table_behind(hooked_url):
+    HookedMemoryFileSystem.on_write = fail_writes_to("step-2/part-0.parquet")
+    with pytest.warns(RuntimeWarning, match="writing step 2"):
+        with TraceWriter(TraceOptions(dir=hooked_url), run_record()) as writer:
+            for step in (1, 2):
+                writer.submit(make_capture(step))
+    fs = HookedMemoryFileSystem()
+    prompts = fs.ls(fs._strip_protocol(hooked_url) + "/_prompts", detail=False)
+    assert [p.rsplit("/", 1)[1] for p in prompts] == ["step-1.parquet"]
+
+
+def test_with_on_error_raise_the_exit_warning_does_not_promise_training_goes_on(hooked_url):
+    HookedMemoryFileSystem.on_write = fail_writes_to("step-1/part-0.parquet")
+    with pytest.raises(KeyError), pytest.warns(RuntimeWarning) as caught:
+        with TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), run_record()) as writer:
+            writer.submit(make_capture(1))
+            raise KeyError("from the trainer")
+    messages = [str(w.message) for w in caught]
+    assert any("writing step 1" in m and "reported when the trace closed" in m for m in messages)
+    assert not any("training goes on" in m for m in messages)
 
 
 def test_stale_temporaries_are_cleared(tmp_path):
