@@ -77,3 +77,18 @@ def test_a_return_that_does_not_vary_has_no_explained_variance():
     rows = critic_by_group(np.arange(5.0), g, np.zeros(5, np.int64), 2)
     assert rows[0]["explained_var"] is None and rows[0]["tokens"] == 5
     assert rows[1] == {"tokens": 0, "explained_var": None, "mean_abs_error": None, "mean_return": None, "mean_value": None}
+
+
+def test_the_group_std_does_not_depend_on_the_uids_names():
+    """verl's uids are random: the same responses under other names (sorting in another order) give the
+    same number to the last bit, so two runs of one seed log the same metrics."""
+    from verl_ext.step_metrics import group_score_std
+
+    scores = np.random.default_rng(3).random(64)
+    groups = np.repeat(np.arange(16), 4)
+    named = [f"{g:04d}" for g in groups]
+    renamed = [f"{(15 - g) * 7919 % 9973:04d}-{g}" for g in groups]  # another sort order of the same groups
+    assert np.argsort(np.unique(renamed, return_index=True)[1]).tolist() != list(range(16))
+    assert group_score_std(scores, renamed) == group_score_std(scores, named)
+    by_hand = np.mean([scores[groups == g].std(ddof=1) for g in range(16)])
+    assert group_score_std(scores, named) == pytest.approx(by_hand, rel=1e-12)

@@ -196,7 +196,8 @@ def mean(x: np.ndarray | None) -> float | None:
 def group_score_std(scores: np.ndarray, uid: Sequence) -> float | None:
     """The mean over prompt groups (the responses of one ``uid``) with at least two responses of the
     std (n − 1) of their responses' scores; None without such a group."""
-    _, group = np.unique(np.asarray([str(u) for u in uid]), return_inverse=True)
+    _, first, group = np.unique(np.asarray([str(u) for u in uid]), return_index=True, return_inverse=True)
+    group = np.argsort(np.argsort(first))[group]  # groups in order of appearance, not of their (random) uids: reproducible sums
     scores = np.asarray(scores, dtype=np.float64)
     n = np.bincount(group)
     group_mean = np.bincount(group, weights=scores) / n
