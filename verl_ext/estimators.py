@@ -144,7 +144,7 @@ def turn_gae(
         turns = Turns(start_t)
         r_k, v_k = turns.sum(r_t), turns.at_first_token(v_t)
         a_k = discounted_sum(r_k + gamma * shifted(v_k, 1) - v_k, gamma * lam)
-        return discounted_sum(_td_residual(r_t, v_t, gamma), gamma * lam_critic), turns.spread(a_k)
+        return discounted_sum(_td_residual(r_t, v_t, gamma), gamma * lam_critic), turns.spread(a_k.to(r_t.dtype))
 
     a_critic, a_actor = on_valid_tokens(formula, mask, r_t, v_t, turn_starts(mask), lam=_lam(lam, r_t))
     return a_critic + v_t, a_actor

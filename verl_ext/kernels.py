@@ -222,7 +222,7 @@ def on_valid_tokens(
 
 
 def turn_starts(mask: torch.Tensor) -> torch.Tensor:
-    """1 at the first token of every assistant turn, else 0: (B, T) -> (B, T) int64.
+    """True at the first token of every assistant turn: (B, T) -> (B, T) bool.
 
     A turn is a maximal run of valid tokens; it starts at a valid token whose predecessor is masked
     (or at t = 0). Masked runs between turns are holes; leading and trailing masked tokens start
@@ -230,9 +230,12 @@ def turn_starts(mask: torch.Tensor) -> torch.Tensor:
     """
     if mask.dim() != 2:
         raise ValueError(f"response_mask must be (B, T), got shape {tuple(mask.shape)}")
-    valid = (mask != 0).long()
-    before = torch.nn.functional.pad(valid[:, :-1], (1, 0))
-    return valid * (1 - before)
+    valid = mask != 0
+    starts = torch.empty_like(valid)
+    starts[:, :1] = valid[:, :1]
+    # one comparison of bools (a padded int64 difference measured 10-30x slower at 512 x 4096)
+    torch.gt(valid[:, 1:], valid[:, :-1], out=starts[:, 1:])
+    return starts
 
 
 class Turns:
@@ -261,9 +264,11 @@ class Turns:
 
     def at_first_token(self, x: torch.Tensor) -> torch.Tensor:
         """x at each turn's first token: compacted (B, W) -> (B, width) float64."""
-        firsts = torch.where(self.first, x.double(), 0.0)  # other tokens' values (even inf) add nothing
-        out = torch.zeros(x.shape[0], self.width, dtype=torch.float64, device=x.device)
-        return out.scatter_add_(1, self.column, firsts)
+        # every other token writes to column 0, which is then cleared
+        index = torch.where(self.first, self.column, 0)
+        out = x.new_zeros(x.shape[0], self.width).scatter_(1, index, x)
+        out[:, 0] = 0
+        return out.double()
 
     def spread(self, y: torch.Tensor) -> torch.Tensor:
         """Each token gets its turn's entry: (B, width) -> compacted (B, W)."""
