@@ -19,6 +19,10 @@ Extra peak memory is the growth of the peak RSS (VmHWM, reset with ``/proc/self/
 after the inputs exist) of a fresh process running the function once, over the bytes of its
 inputs (rewards, values and mask); outputs are included.
 
+A last table compares the turn-level ``turn_gae`` with ``gae_ext`` at B × T = 512 × 4096 on
+responses of exactly four turns (three interior holes of 8-32 tokens, then padding), in the warm
+table's process; ``--turns-only`` prints just that table.
+
 Prints figures and ratios; asserts nothing.
 """
 
@@ -50,6 +54,51 @@ def make_batch(rows: int, length: int, seed: int = 0):
     rewards = torch.randn(rows, length, generator=g) * mask
     values = torch.randn(rows, length, generator=g)
     return rewards, values, mask
+
+
+def make_turn_batch(rows: int, length: int, turns: int = 4, seed: int = 0):
+    """Rows of exactly ``turns`` turns: ``turns`` − 1 holes of 8-32 tokens spread over the first half
+    of the valid part (25-100 % of T), so every turn has tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(length // 4, length + 1, (rows,), generator=g)
+    cols = torch.arange(length)[None, :]
+    mask = (cols < lengths[:, None]).long()
+    for k in range(1, turns):
+        start = lengths * k // (2 * turns)
+        width = torch.randint(8, 33, (rows,), generator=g)
+        mask[(cols >= start[:, None]) & (cols < (start + width)[:, None])] = 0
+    rewards = torch.randn(rows, length, generator=g) * mask
+    values = torch.randn(rows, length, generator=g)
+    return rewards, values, mask
+
+
+def turn_candidates(rewards, values, mask):
+    from verl_ext import registry
+
+    def full(name, **kw):
+        estimator = registry.get(name)
+        settings = estimator.settings({"gamma": 0.99, "lam": 0.95, **kw})
+        return lambda: registry.run(estimator, rewards, values, mask, settings)
+
+    return {
+        "gae_ext (+returns, whiten)": full("gae_ext"),
+        "turn_gae (+returns, whiten)": full("turn_gae"),
+        "gae_ext (+returns, no whiten)": full("gae_ext", whiten_advantages=False),
+        "turn_gae (+returns, no whiten)": full("turn_gae", whiten_advantages=False),
+    }
+
+
+def print_turn_times(repeats: int) -> None:
+    rows, length, turns = 512, 4096, 4
+    rewards, values, mask = make_turn_batch(rows, length, turns)
+    starts = (mask[:, 1:] > mask[:, :-1]).sum(1) + mask[:, 0]
+    assert bool((starts == turns).all())  # the batch is what the table says (not a timing assertion)
+    print(f"\nturn_gae against gae_ext: B x T = {rows} x {length}, {turns} turns a response, {mask.float().mean():.0%} valid")
+    results = {name: timed(fn, repeats) for name, fn in turn_candidates(rewards, values, mask).items()}
+    print(f"{'':34s} {'median ms':>9s} {'faults':>7s} {'this / gae_ext':>14s}")
+    for name, (seconds, faults) in results.items():
+        baseline = results[name.replace("turn_gae", "gae_ext")][0]
+        print(f"{name:34s} {seconds * 1e3:9.1f} {faults:7.0f} {seconds / baseline:14.2f}", flush=True)
 
 
 def candidates(rewards, values, mask):
@@ -135,20 +184,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--peak-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--table", choices=["default", "warm"], help=argparse.SUPPRESS)
+    parser.add_argument("--turns-only", action="store_true", help="only the turn_gae table (warm allocator)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.peak_child:
         rows, length, name = args.peak_child
         return peak_memory_child(int(rows), int(length), name)
     if args.table:
-        return print_times(args.repeats, with_memory=args.table == "default")
-    for table, env, title in (
+        if not args.turns_only:
+            print_times(args.repeats, with_memory=args.table == "default")
+        if args.table == "warm":
+            print_turn_times(args.repeats)
+        return
+    tables = (
         ("default", {}, "glibc defaults (one thread)"),
         ("warm", WARM_ALLOCATOR, "MALLOC_TOP_PAD_=256MiB: freed memory stays in the heap (one thread)"),
-    ):
+    )
+    for table, env, title in tables[1:] if args.turns_only else tables:
         print(f"\n=== {title}", flush=True)
         subprocess.run(
-            [sys.executable, __file__, "--table", table, "--repeats", str(args.repeats)],
+            [sys.executable, __file__, "--table", table, "--repeats", str(args.repeats), *(["--turns-only"] if args.turns_only else [])],
             env={**os.environ, **env}, check=True,
         )  # fmt: skip
 

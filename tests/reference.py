@@ -1,4 +1,4 @@
-"""Independent reference implementations of docs/definitions.md §5, written as the direct sums.
+"""Independent reference implementations of docs/definitions.md §5 (and §7's turns), written as the direct sums.
 
 Deliberately naive: float64 numpy, explicit loops over the compacted sequence, no recursion and
 no code shared with verl_ext. Tests compare verl_ext against these on valid positions.
@@ -84,6 +84,43 @@ def deltas(rewards, values, mask, gamma):
 def gae_advantages(rewards, values, mask, gamma, lam):
     """lam: a float or an array with one λ per row."""
     return _per_row(gae_row, rewards, values, mask, gamma, lam if np.isscalar(lam) else np.asarray(lam, float))
+
+
+def turns_of_row(mask_row) -> list[list[int]]:
+    """The positions of each assistant turn: maximal runs of valid tokens, in order."""
+    turns, current = [], []
+    for t, m in enumerate(np.asarray(mask_row)):
+        if m != 0:
+            current.append(t)
+        elif current:
+            turns.append(current)
+            current = []
+    if current:
+        turns.append(current)
+    return turns
+
+
+def turn_gae_row(r_row, v_row, mask_row, gamma, lam):
+    """Turn-level GAE on one padded row (holes and padding included), nan at masked positions:
+    R_k = Σ r over turn k, V_k = V at its first token, V_K = 0, δ_k = R_k + γ V_{k+1} − V_k,
+    A_k = Σ_{j≥k} (γλ)^{j−k} δ_j on every token of turn k."""
+    turns = turns_of_row(mask_row)
+    K = len(turns)
+    R = [sum(float(r_row[t]) for t in turn) for turn in turns]
+    V = [float(v_row[turn[0]]) for turn in turns] + [0.0]
+    delta = [R[k] + gamma * V[k + 1] - V[k] for k in range(K)]
+    A = [sum((gamma * lam) ** (j - k) * delta[j] for j in range(k, K)) for k in range(K)]
+    out = np.full(len(mask_row), np.nan)
+    for k, turn in enumerate(turns):
+        out[turn] = A[k]
+    return out
+
+
+def turn_gae_advantages(rewards, values, mask, gamma, lam):
+    """(B, T) turn-level GAE advantages; lam a float or one λ per row."""
+    rewards, values, mask = (np.asarray(x, dtype=np.float64) for x in (rewards, values, mask))
+    lams = np.broadcast_to(np.asarray(lam, dtype=np.float64), (rewards.shape[0],))
+    return np.stack([turn_gae_row(rewards[b], values[b], mask[b], gamma, lams[b]) for b in range(rewards.shape[0])])
 
 
 def whiten(x, mask):

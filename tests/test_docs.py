@@ -123,6 +123,43 @@ def test_three_token_example():
     assert_shown(table["GAE λ=0.95 return"], verl_ret)  # verl agrees
 
 
+def test_turn_gae_example():
+    """docs/definitions.md §7, turns: two turns around a tool answer, γ = 1, λ = λ_critic = 0.95."""
+    table = verified_table("turn-gae-example")
+    assistant = [i for i, role in enumerate(table["role"]) if role == "assistant"]
+    assert [role for role in table["role"]] == ["assistant"] * 3 + ["tool"] * 2 + ["assistant"] * 2
+    mask = [1 if role == "assistant" else 0 for role in table["role"]]
+    r = [float(c) if c != "—" else 0.0 for c in table["r_t"]]
+    v = [float(c) if c != "—" else 0.0 for c in table["V_t"]]
+    assert [r[i] for i in assistant] == [0, 0, 0.1, 0, 1] and [v[i] for i in assistant] == [0.3, 0.4, 0.5, 0.6, 0.8]
+    turns = reference.turns_of_row(mask)
+    assert [[int(table["turn k"][i]) for i in turn] for turn in turns] == [[0] * 3, [1] * 2]
+    # R_k, V_k and δ_k written by hand from the definitions, on the first row of each turn
+    firsts = [turn[0] for turn in turns]
+    R = [sum(r[i] for i in turn) for turn in turns]
+    V = [v[i] for i in firsts] + [0.0]
+    assert_shown([table["R_k"][i] for i in firsts], R)
+    assert_shown([table["V_k"][i] for i in firsts], V[:-1])
+    assert_shown([table["δ_k"][i] for i in firsts], [R[k] + V[k + 1] - V[k] for k in range(2)])
+    turn_level = reference.turn_gae_row(r, v, mask, 1.0, 0.95)
+    assert_shown([table["`turn_gae` advantage A_k"][i] for i in assistant], turn_level[assistant])
+    compact_r, compact_v = [r[i] for i in assistant], [v[i] for i in assistant]
+    assert_shown([table["GAE λ=0.95 advantage"][i] for i in assistant], gae(compact_r, compact_v, 0.95))
+    returns = [a + x for a, x in zip(gae(compact_r, compact_v, 0.95), compact_v)]
+    assert_shown([table["return (both)"][i] for i in assistant], returns)
+    # verl-ext's estimator gives the table's numbers (the hole holds junk it must not read)
+    from verl_ext import registry
+
+    entry = registry.get("turn_gae")
+    junk = [x if m else 99.0 for x, m in zip(r, mask)], [x if m else -99.0 for x, m in zip(v, mask)]
+    result = registry.run(
+        entry, torch.tensor([junk[0]]), torch.tensor([junk[1]]), torch.tensor([mask]),
+        entry.settings({"gamma": 1.0, "lam": 0.95, "whiten_advantages": False}),
+    )  # fmt: skip
+    assert_shown([table["`turn_gae` advantage A_k"][i] for i in assistant], result.advantage_raw[0, assistant].tolist())
+    assert_shown([table["return (both)"][i] for i in assistant], result.returns[0, assistant].tolist())
+
+
 def test_seed_example_rewards():
     table = verified_table("seed-example-rewards")
     assert table["token"] == TOKENS

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -336,6 +338,109 @@ def test_worked_example_of_the_definitions():
     close(gae.returns, [0.951, 0.98, 1.0])
 
 
+# --------------------------------------------------------------------------- turn-level GAE (docs/definitions.md §7)
+
+
+def turn_gae(rewards, values, mask, gamma, lam, lam_critic=None, whiten_advantages=False):
+    return estimate(rewards, values, mask, "turn_gae", whiten_advantages, gamma=gamma, lam=lam, lam_critic=lam_critic)
+
+
+@given(batches(max_rows=5, max_len=40), unit, unit, unit)
+def test_turn_gae_gives_the_direct_sums_over_turns(batch, gamma, lam, lam_critic):
+    """Rows with 0 to many holes (hole rates up to 0.5: up to ~10 turns a row), γ and λ anywhere in [0, 1]."""
+    rewards, values, mask = batch
+    result = turn_gae(rewards, values, mask, gamma, lam, lam_critic)
+    assert_valid_close(result.advantage_raw, ref.turn_gae_advantages(rewards, values, mask, gamma, lam), mask)
+    critic = ref.gae_advantages(rewards, values, mask, gamma, lam_critic) + values.double().numpy()
+    assert_valid_close(result.returns, critic, mask)
+
+
+@given(batches(max_rows=4, max_len=30), unit, st.data())
+def test_turn_gae_with_one_lambda_per_response(batch, gamma, data):
+    rewards, values, mask = batch
+    lams = data.draw(st.lists(unit, min_size=rewards.shape[0], max_size=rewards.shape[0]))
+    _, advantage = E.turn_gae(rewards, values, mask, gamma, torch.tensor(lams), 1.0)
+    assert_valid_close(advantage, ref.turn_gae_advantages(rewards, values, mask, gamma, np.array(lams)), mask)
+
+
+def test_turn_gae_by_hand_with_a_hole_and_padding():
+    """Turns [0, 1] and [3, 4] (a hole at 2, padding at 5, 6), r = [0, 1 | 2, 0], V = [0.3, 0.4 | 0.5, 0.6]:
+    R = [1, 2], V_k = [0.3, 0.5]. γ = λ = 1: δ = [1 + 0.5 − 0.3, 2 − 0.5] = [1.2, 1.5], A = [2.7, 1.5].
+    γ = 0.9, λ = 0.5: δ_0 = 1 + 0.45 − 0.3 = 1.15, A_0 = 1.15 + 0.45·1.5 = 1.825, A_1 = 1.5."""
+    rewards = torch.tensor([[0.0, 1.0, 50.0, 2.0, 0.0, 7.0, 7.0]])
+    values = torch.tensor([[0.3, 0.4, -9.0, 0.5, 0.6, 3.0, 3.0]])
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0]])
+    valid = mask.bool()
+    torch.testing.assert_close(turn_gae(rewards, values, mask, 1.0, 1.0).advantage_raw[valid], torch.tensor([2.7, 2.7, 1.5, 1.5]))
+    torch.testing.assert_close(turn_gae(rewards, values, mask, 0.9, 0.5).advantage_raw[valid], torch.tensor([1.825, 1.825, 1.5, 1.5]))
+
+
+@given(batches(max_rows=4, max_len=30, junk=7.0))
+def test_turn_gae_of_one_turn_is_the_return_minus_the_first_value(batch):
+    """γ = λ = 1, no interior hole: every valid token gets Σ_t r_t − V_0."""
+    rewards, values, mask = batch
+    mask = (torch.cumsum(mask, 1) > 0).long() * (torch.arange(mask.shape[1]) < mask.shape[1] - 2).long()
+    if not mask.any():
+        return
+    result = turn_gae(rewards, values, mask, 1.0, 1.0)
+    for b in range(mask.shape[0]):
+        idx = ref.valid_positions(mask[b])
+        if len(idx):
+            expected = float(rewards[b, idx].double().sum() - values[b, idx[0]].double())
+            assert_valid_close(result.advantage_raw[b : b + 1, idx], np.full((1, len(idx)), expected), mask[b : b + 1, idx])
+
+
+@given(batches(max_rows=4, max_len=20), unit, unit)
+def test_turn_gae_with_one_token_per_turn_is_token_level_gae(batch, gamma, lam):
+    """Holes between every two valid tokens make each token a turn: R_k = r_t, V_k = V_t, so A_k = GAE's A_t."""
+    rewards, values, mask = batch
+    spaced = [torch.zeros_like(x).repeat_interleave(2, dim=1) for x in (rewards, values, mask)]
+    for wide, narrow in zip(spaced, (rewards, values, mask)):
+        wide[:, ::2] = narrow
+    result = turn_gae(*spaced, gamma, lam)
+    assert_valid_close(result.advantage_raw[:, ::2], ref.gae_advantages(rewards, values, mask, gamma, lam), mask)
+
+
+@given(batches(max_rows=3, max_len=20), unit, unit, st.data())
+def test_widening_holes_and_padding_changes_no_turn_gae_output(batch, gamma, lam, data):
+    """A hole is a hole whatever its width, and trailing padding is no hole: only splitting a turn matters."""
+    rewards, values, mask = batch
+    rows, length = mask.shape
+    copies = [data.draw(st.integers(1, 3)) for _ in range(length)]
+    # a masked column repeated (1 to 3 copies) and 0 to 3 padding columns at the end
+    index = torch.tensor([c for c in range(length) for _ in range(copies[c] if not mask[:, c].any() else 1)])
+    pad = data.draw(st.integers(0, 3))
+    wide = [torch.cat([x[:, index], torch.full((rows, pad), fill, dtype=x.dtype)], 1) for x, fill in ((rewards, 5.0), (values, -5.0), (mask, 0))]
+    kept = torch.tensor([i == 0 or index[i] != index[i - 1] for i in range(len(index))] + [False] * pad)
+    narrow_result, wide_result = turn_gae(rewards, values, mask, gamma, lam), turn_gae(*wide, gamma, lam)
+    valid = mask.bool()
+    for field in ("returns", "advantage_raw"):
+        torch.testing.assert_close(getattr(wide_result, field)[:, kept][valid], getattr(narrow_result, field)[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_turn_gae_entry_tells_the_checker_and_compare_what_it_is():
+    entry = registry.get("turn_gae")
+    settings = entry.settings({"gamma": 0.9, "lam": 0.95, "lam_critic": 0.5})
+    assert entry.needs_critic and entry.options == (registry.LAM_CRITIC,)
+    assert not entry.is_returns_minus_values(settings)  # A_k per turn, returns per token
+    assert entry.horizons(settings) == (pytest.approx(1 / (1 - 0.45)), math.inf)
+    assert entry.compared_settings(3, (0.5, 0.95)) == ({"lam": 0.5}, {"lam": 0.95})
+    with pytest.warns(UserWarning, match="adv_estimator=turn_gae ignores algorithm.lam_actor"):
+        registry.check_algorithm({"adv_estimator": "turn_gae", "lam_actor": 0.5})
+
+
+def test_turn_gae_returns_minus_values_is_not_its_advantage():
+    """With turns the actor's and the critic's numbers differ: returns − values = GAE(λ_critic) per token."""
+    rewards = torch.tensor([[0.0, 1.0, 0.0, 2.0]])
+    values = torch.tensor([[0.3, 0.4, 0.0, 0.5]])
+    mask = torch.tensor([[1, 1, 0, 1]])
+    result = turn_gae(rewards, values, mask, 1.0, 1.0, whiten_advantages=True)
+    valid = mask.bool()
+    torch.testing.assert_close(result.returns[valid] - values[valid], torch.tensor([2.7, 2.6, 1.5]))
+    torch.testing.assert_close(result.advantage_raw[valid], torch.tensor([2.7, 2.7, 1.5]))
+    assert_valid_close(result.advantages, ref.whiten(result.advantage_raw, mask), mask)
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -357,7 +462,7 @@ def test_nstep_rejects_bad_n(n):
 # --------------------------------------------------------------------------- more than one row group
 
 
-@pytest.mark.parametrize("name", ["mc", "td0", "nstep", "gae_ext", "gae_ext decoupled", "gae_ext adaptive"])
+@pytest.mark.parametrize("name", ["mc", "td0", "nstep", "gae_ext", "gae_ext decoupled", "gae_ext adaptive", "turn_gae"])
 def test_many_row_groups_give_the_direct_sums(monkeypatch, name):
     """Groups of 40 tokens over 9 rows of 23: every estimator and the whitening span several groups."""
     monkeypatch.setattr(kernels, "ROW_GROUP_TOKENS", 40)
@@ -371,6 +476,8 @@ def test_many_row_groups_give_the_direct_sums(monkeypatch, name):
         options = {"lam_critic": 1.0, "lam_actor": 0.7}
     elif name == "gae_ext adaptive":
         options = {"lam": 0.9, "lam_length_alpha": 0.2}
+    elif name == "turn_gae":
+        options = {"lam": 0.7, "lam_critic": 0.9}
     result = estimate(rewards, values, mask, name.split()[0], gamma=0.95, **options)
     lengths = mask.sum(1).double().numpy()
     expected_returns = {
@@ -380,12 +487,14 @@ def test_many_row_groups_give_the_direct_sums(monkeypatch, name):
         "gae_ext": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 0.8) + values.numpy(),
         "gae_ext decoupled": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 1.0) + values.numpy(),
         "gae_ext adaptive": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 0.9) + values.numpy(),
+        "turn_gae": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 0.9) + values.numpy(),
     }[name]()
     expected_raw = {
         "gae_ext decoupled": lambda: ref.gae_advantages(rewards, values, mask, 0.95, 0.7),
         "gae_ext adaptive": lambda: ref.gae_advantages(
             rewards, values, mask, 0.95, np.clip(1 - 1 / (0.2 * np.maximum(lengths, 1e-9)), 0, 1)
         ),
+        "turn_gae": lambda: ref.turn_gae_advantages(rewards, values, mask, 0.95, 0.7),
     }.get(name, lambda: expected_returns - values.numpy())()
     assert_valid_close(result.returns, expected_returns, mask, tol=1e-5)
     assert_valid_close(result.advantage_raw, expected_raw, mask, tol=1e-5)

@@ -37,6 +37,11 @@ CASES = {
         lambda r, v, m: ref.gae_advantages(r, v, m, GAMMA, 1.0) + v.double().numpy(),
         lambda r, v, m: ref.gae_advantages(r, v, m, GAMMA, LAM),
     ),
+    "turn_gae": (
+        {"lam": LAM, "lam_critic": 1.0},
+        lambda r, v, m: ref.gae_advantages(r, v, m, GAMMA, 1.0) + v.double().numpy(),
+        lambda r, v, m: ref.turn_gae_advantages(r, v, m, GAMMA, LAM),
+    ),
 }
 
 

@@ -30,7 +30,7 @@ def test_the_decorator_registers_the_function_as_defined(isolated_registry):
     assert entry.fn is halved_reward  # the decorator returned the function itself
     assert entry.name == "halved_reward" and not entry.needs_critic and entry.module == __name__
     assert entry.formula == "Half the reward, as the return."  # the docstring's first paragraph, one line
-    assert isolated_registry.names() == ("mc", "td0", "nstep", "gae_ext", "halved_reward")
+    assert isolated_registry.names() == ("mc", "td0", "nstep", "gae_ext", "turn_gae", "halved_reward")
 
 
 def test_a_second_function_under_a_taken_name_is_refused_naming_both(isolated_registry):
@@ -61,7 +61,7 @@ def test_a_name_a_listener_refuses_is_not_registered(isolated_registry):
     isolated_registry.on_register(refuse)
     with pytest.raises(ValueError, match="refused 'taken'"):
         isolated_registry.register_estimator("taken")(lambda *a, **k: None)
-    assert isolated_registry.lookup("taken") is None and isolated_registry.names() == ("mc", "td0", "nstep", "gae_ext")
+    assert isolated_registry.lookup("taken") is None and isolated_registry.names() == ("mc", "td0", "nstep", "gae_ext", "turn_gae")
 
 
 def test_the_name_of_an_enum_member_is_its_value():
@@ -77,7 +77,7 @@ def test_registry_rejects_a_second_function_under_a_taken_name_and_lists_names()
     with pytest.raises(ValueError, match="'mc' is already registered by verl_ext.registry.mc"):
         registry.register_estimator("mc")(lambda *a, **k: None)
     registry.register_estimator("mc")(registry.get("mc").fn)  # the same function again: a no-op
-    with pytest.raises(ValueError, match="'nope' is not an estimator verl-ext knows; known: mc, td0, nstep, gae_ext, gae, grpo"):
+    with pytest.raises(ValueError, match="'nope' is not an estimator verl-ext knows; known: mc, td0, nstep, gae_ext, turn_gae, gae, grpo"):
         registry.get("nope")
     with pytest.raises(ValueError, match="non-empty string"):
         registry.register_estimator(" ")
@@ -86,7 +86,7 @@ def test_registry_rejects_a_second_function_under_a_taken_name_and_lists_names()
 def test_verls_estimators_are_described_not_registered():
     """gae and grpo have entries (what verl-ext knows of them) but are not verl-ext's: not among the
     names it registers into verl, options and whitening are verl's."""
-    assert registry.names() == ("mc", "td0", "nstep", "gae_ext")
+    assert registry.names() == ("mc", "td0", "nstep", "gae_ext", "turn_gae")
     gae, grpo = registry.lookup("gae"), registry.lookup("grpo")
     assert gae.computed_by_verl and gae.needs_critic and gae.recomputable and gae.all_options == ()
     assert grpo.computed_by_verl and not grpo.needs_critic and not grpo.recomputable
@@ -115,6 +115,9 @@ def test_a_name_of_verl_means_verls_estimator_even_where_a_function_took_it(isol
         ("gae_ext", {"lam": 1.0, "lam_critic": 0.8, "lam_actor": 0.8}, "gae0.8"),  # one λ: plain GAE(0.8)
         ("gae_ext", {"lam": 0.9, "lam_critic": 1.0}, "gae_ext"),
         ("gae", {"lam": 0.95}, "gae0.95"),
+        ("turn_gae", {"lam": 1.0}, "turn_gae"),
+        ("turn_gae", {"lam": 0.9}, "turn_gae0.9"),
+        ("turn_gae", {"lam": 0.9, "lam_critic": 1.0}, "turn_gae0.9"),  # λ_critic moves the returns only
     ],
 )
 def test_a_compare_label_names_the_numbers(name, settings, label):

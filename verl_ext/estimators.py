@@ -14,14 +14,24 @@ Conventions (docs/definitions.md §1, §3, §7), for every function here:
   advantage; :func:`masked_whiten` makes the advantage the actor trains on.
 
 The formulas inside each function are written on compacted rows; :func:`verl_ext.kernels.on_valid_tokens`
-does the compaction and the row grouping, :func:`verl_ext.kernels.discounted_sum` the scan.
+does the compaction and the row grouping, :func:`verl_ext.kernels.discounted_sum` the scan,
+:class:`verl_ext.kernels.Turns` the turns (maximal runs of valid tokens) of :func:`turn_gae`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from verl_ext.kernels import discounted_sum, inverse_std, masked_moments, on_valid_tokens, scaled, shifted
+from verl_ext.kernels import (
+    Turns,
+    discounted_sum,
+    inverse_std,
+    masked_moments,
+    on_valid_tokens,
+    scaled,
+    shifted,
+    turn_starts,
+)
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -80,8 +90,7 @@ def gae(r_t: torch.Tensor, v_t: torch.Tensor, mask: torch.Tensor, gamma: float, 
     r_t, v_t = _floats(r_t, v_t, mask)
 
     def formula(r_t, v_t, lam):
-        delta_t = r_t + gamma * shifted(v_t, 1) - v_t
-        return discounted_sum(delta_t, gamma * lam)
+        return discounted_sum(_td_residual(r_t, v_t, gamma), gamma * lam)
 
     (a_t,) = on_valid_tokens(formula, mask, r_t, v_t, lam=_lam(lam, r_t))
     return a_t + v_t, a_t
@@ -105,10 +114,39 @@ def gae_decoupled(
     r_t, v_t = _floats(r_t, v_t, mask)
 
     def formula(r_t, v_t, lam_actor):
-        delta_t = r_t + gamma * shifted(v_t, 1) - v_t
+        delta_t = _td_residual(r_t, v_t, gamma)
         return discounted_sum(delta_t, gamma * lam_critic), discounted_sum(delta_t, gamma * lam_actor)
 
     a_critic, a_actor = on_valid_tokens(formula, mask, r_t, v_t, lam_actor=_lam(lam_actor, r_t))
+    return a_critic + v_t, a_actor
+
+
+def turn_gae(
+    r_t: torch.Tensor,
+    v_t: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+    lam_critic: float,
+) -> Pair:
+    """Turn-level GAE: each assistant turn k = 0 … K−1 (a maximal run of valid tokens) is one action.
+    R_k = Σ_{t ∈ turn k} r_t;  V_k = V(s_t) at the turn's first token;  V_K = 0;
+    δ_k = R_k + γ V_{k+1} − V_k;  A_k = Σ_{l≥0} (γλ)^l δ_{k+l};  advantage = A_k on every token of turn k;
+    returns = GAE(γ, λ_critic) + V(s_t), token by token (the critic keeps a per-token target).
+
+    r_t, v_t, mask: (B, T); lam a float or (B,) -> returns, advantage: (B, T).
+    """
+    _check_lam(lam, r_t.shape[0])
+
+    r_t, v_t = _floats(r_t, v_t, mask)
+
+    def formula(r_t, v_t, start_t, lam):
+        turns = Turns(start_t)
+        r_k, v_k = turns.sum(r_t), turns.at_first_token(v_t)
+        a_k = discounted_sum(r_k + gamma * shifted(v_k, 1) - v_k, gamma * lam)
+        return discounted_sum(_td_residual(r_t, v_t, gamma), gamma * lam_critic), turns.spread(a_k.to(r_t.dtype))
+
+    a_critic, a_actor = on_valid_tokens(formula, mask, r_t, v_t, turn_starts(mask), lam=_lam(lam, r_t))
     return a_critic + v_t, a_actor
 
 
@@ -143,6 +181,11 @@ def whitening_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[int, float, 
     (σ² unbiased, nan when n < 2)."""
     count, mean, m2 = masked_moments(x, mask)
     return count, mean, m2 / (count - 1) if count > 1 else float("nan")
+
+
+def _td_residual(r_t: torch.Tensor, v_t: torch.Tensor, gamma: float) -> torch.Tensor:
+    """δ_t = r_t + γ V(s_{t+1}) − V(s_t) on compacted rows (V past the last valid token is 0)."""
+    return r_t + gamma * shifted(v_t, 1) - v_t
 
 
 # --------------------------------------------------------------------------- input checks

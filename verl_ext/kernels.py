@@ -12,6 +12,11 @@ on *compacted rows* and handed to :func:`on_valid_tokens`, which
 3. runs the formula, and scatters its outputs back to the (B, T) positions of the valid tokens.
    Masked positions receive unspecified values, as in verl.
 
+A formula over turns (maximal runs of valid tokens, docs/definitions.md §7) gets the turns' first
+tokens as one more compacted input (:func:`turn_starts`) and works on the turn axis with
+:class:`Turns`: per-turn sums and first values by scatter, the turn-level scan with the same
+:func:`discounted_sum`, and the result spread back to the turns' tokens by a gather.
+
 :func:`discounted_sum` is the one non-trivial kernel: y_t = Σ_{k≥t} d^{k−t} x_k computed exactly as
 the direct sum, block by block: no Python loop over T.
 
@@ -211,6 +216,63 @@ def on_valid_tokens(
         for out, result in zip(outputs, results):
             compaction.scatter(result.to(dtype), out=out[rows])
     return tuple(outputs)
+
+
+# --------------------------------------------------------------------------- turns
+
+
+def turn_starts(mask: torch.Tensor) -> torch.Tensor:
+    """True at the first token of every assistant turn: (B, T) -> (B, T) bool.
+
+    A turn is a maximal run of valid tokens; it starts at a valid token whose predecessor is masked
+    (or at t = 0). Masked runs between turns are holes; leading and trailing masked tokens start
+    nothing, so padding never makes a turn.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"response_mask must be (B, T), got shape {tuple(mask.shape)}")
+    valid = mask != 0
+    starts = torch.empty_like(valid)
+    starts[:, :1] = valid[:, :1]
+    # one comparison of bools (a padded int64 difference measured 10-30x slower at 512 x 4096)
+    torch.gt(valid[:, 1:], valid[:, :-1], out=starts[:, 1:])
+    return starts
+
+
+class Turns:
+    """The turns of compacted rows (the layout of :class:`Compaction`), and per-turn sums and values.
+
+    Built from :func:`turn_starts` compacted like any input. On the turn axis turn k of a row sits in
+    column k + 1 of a zero buffer whose width is the batch's largest number of turns + 1: column 0
+    collects the parked column 0 of the compacted row (always 0), and the zeros after a row's last
+    turn K are the terminal state (V_K = 0), as the zeros after L are on the token axis. Finding the
+    width reads one number from the device (a synchronisation on a GPU).
+
+    Per-turn sums are accumulated in float64: a long turn's rewards sum as exactly as a scan would.
+    """
+
+    def __init__(self, starts: torch.Tensor):
+        # column of each compacted token on the turn axis: turn k -> k + 1; the zeros after L stay in
+        # the last turn's column, adding nothing to its sum
+        self.column = torch.cumsum(starts.long(), dim=1)
+        self.first = starts != 0
+        self.width = (int(self.column[:, -1].max()) if self.column.numel() else 0) + 1
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ of x over each turn's tokens: compacted (B, W) -> (B, width) float64."""
+        out = torch.zeros(x.shape[0], self.width, dtype=torch.float64, device=x.device)
+        return out.scatter_add_(1, self.column, x.double())
+
+    def at_first_token(self, x: torch.Tensor) -> torch.Tensor:
+        """x at each turn's first token: compacted (B, W) -> (B, width) float64."""
+        # every other token writes to column 0, which is then cleared
+        index = torch.where(self.first, self.column, 0)
+        out = x.new_zeros(x.shape[0], self.width).scatter_(1, index, x)
+        out[:, 0] = 0
+        return out.double()
+
+    def spread(self, y: torch.Tensor) -> torch.Tensor:
+        """Each token gets its turn's entry: (B, width) -> compacted (B, W)."""
+        return torch.gather(y, 1, self.column)
 
 
 # --------------------------------------------------------------------------- whitening statistics

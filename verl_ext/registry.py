@@ -17,7 +17,7 @@ recomputation, ``compare``'s columns, the study's runs, the CLI's descriptions. 
 dict: the run's ``algorithm`` settings, ``gamma`` and ``lam`` as verl passed them, and the
 estimator's declared options parsed and defaulted.
 
-The four built-in estimators are registered at the bottom of this module, the same way. Below them,
+The built-in estimators are registered at the bottom of this module, the same way. Below them,
 the verl estimators verl-ext understands (``gae``, ``grpo``) are described by entries of the same
 kind (:func:`describe_verl_estimator`): verl computes them and owns their names, so they are never
 put into verl's registry; the entry says what verl-ext knows of them (how to recompute them from a
@@ -351,10 +351,15 @@ def nstep(rewards, values, response_mask, *, gamma, lam, config):
     return estimators.nstep(rewards, values, response_mask, gamma, config["n_step"])
 
 
+def _lam_critic(settings: Settings) -> float:
+    """λ of the returns: ``lam_critic``, else ``lam``."""
+    return settings["lam"] if settings.get("lam_critic") is None else settings["lam_critic"]
+
+
 def _gae_lambdas(settings: Settings) -> tuple[float, float | None]:
     """(λ_critic, λ_actor), λ_actor None when length-adaptive."""
     lam = settings["lam"]
-    critic = lam if settings.get("lam_critic") is None else settings["lam_critic"]
+    critic = _lam_critic(settings)
     if settings.get("lam_length_alpha") is not None:
         return critic, None
     return critic, lam if settings.get("lam_actor") is None else settings["lam_actor"]
@@ -384,6 +389,25 @@ def gae_ext(rewards, values, response_mask, *, gamma, lam, config):
     elif lam_actor == lam_critic:
         return estimators.gae(rewards, values, response_mask, gamma, lam_actor)
     return estimators.gae_decoupled(rewards, values, response_mask, gamma, lam_critic, lam_actor)
+
+
+@register_estimator(
+    "turn_gae",
+    options=(LAM_CRITIC,),
+    formula=(
+        "advantage = A_k = Σ_l (γλ)^l δ_{k+l} on every token of turn k, δ_k = R_k + γ V_{k+1} − V_k "
+        "(R_k: Σ of turn k's rewards, V_k: V(s_t) at its first token);  returns = GAE(γ, λ_critic) + V(s_t)"
+    ),
+    # the advantage sums whole turns of rewards: up to the row's length whatever γλ
+    horizon=lambda s: (_discount_horizon(s["gamma"] * _lam_critic(s)), math.inf),
+    # the actor's A_k is per turn, the critic's target per token: never returns − values
+    returns_minus_values=lambda s: False,
+    # one column, λ = 1 (λ weighs turns against each other: on single-turn responses every λ gives Σr − V_0)
+    compared_at=lambda n, lambdas: ({"lam": 1.0},),
+    label=lambda s: "turn_gae" if s["lam"] == 1.0 else f"turn_gae{s['lam']:g}",
+)
+def turn_gae(rewards, values, response_mask, *, gamma, lam, config):
+    return estimators.turn_gae(rewards, values, response_mask, gamma, lam, _lam_critic({**config, "lam": lam}))
 
 
 # --------------------------------------------------------------------------- verl's estimators, described

@@ -127,7 +127,7 @@ def user_module(isolated_registry, tmp_path, monkeypatch):
 def test_the_study_runs_the_recipes_then_every_registered_estimator_the_default_recipe_can_run(user_module):
     from verl_ext.apps.study import critics, recipe, study_estimators
 
-    assert study_estimators() == ("mc", "td0", "nstep", "gae_ext", "gae", "grpo", "mine_critic", "mine_free")
+    assert study_estimators() == ("mc", "td0", "nstep", "gae_ext", "gae", "grpo", "turn_gae", "mine_critic", "mine_free")
     assert study_estimators("mine_free, mc") == ("mine_free", "mc")
     # the default recipe: no options of its own; the critic as its registry entry says
     assert recipe("mine_critic") == recipe("mine_free") == [] and recipe("nstep") == ["algorithm.n_step=3"]

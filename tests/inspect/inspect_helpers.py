@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from tests.reference import gae_row, mc_row, nstep_row, td0_row
+from tests.reference import gae_row, mc_row, nstep_row, td0_row, turn_gae_row
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, RunRecord, token_file
@@ -79,9 +79,16 @@ class Batch:
 
 
 def random_batch(
-    seed: int, B: int = 6, T: int = 24, kl_coef: float | None = None, interior: bool = True, dense_scores: bool = False
+    seed: int,
+    B: int = 6,
+    T: int = 24,
+    kl_coef: float | None = None,
+    interior: bool = True,
+    dense_scores: bool = False,
+    holes: int = 1,
 ) -> Batch:
-    """Responses of random lengths (trailing padding), a few interior masked tokens (tool output),
+    """Responses of random lengths (trailing padding), a few interior masked tokens (tool output:
+    ``holes`` spans of two in every other response, so up to ``holes`` + 1 assistant turns),
     an outcome score on the last valid token (or, ``dense_scores``, a process score on every valid
     token), KL-shaped small per-token terms, bf16-quantised values. Masked positions hold junk
     (large numbers), as verl may leave there."""
@@ -91,9 +98,10 @@ def random_batch(
     positions = torch.arange(T)
     mask = (positions < lengths[:, None]).float()
     if interior:
-        for b in range(1, B, 2):  # an observation span inside every other response
-            start = int(torch.randint(1, max(2, int(lengths[b]) - 3), (1,), generator=g))
-            mask[b, start : start + 2] = 0
+        for b in range(1, B, 2):  # observation spans inside every other response
+            for _ in range(holes):
+                start = int(torch.randint(1, max(2, int(lengths[b]) - 3), (1,), generator=g))
+                mask[b, start : start + 2] = 0
         mask[:, 0] = 1  # keep the first token valid
     last = (mask * (positions + 1)).argmax(dim=1)
     scores = torch.zeros(B, T)
@@ -123,8 +131,10 @@ def by_definition(
     lam_actor: float | None = None,
     alpha: float | None = None,
     whitened: bool = True,
+    lam_critic: float | None = None,
 ) -> Batch:
-    """Returns, raw advantages and advantages from the direct sums, row by row on valid tokens."""
+    """Returns, raw advantages and advantages from the direct sums, row by row on valid tokens
+    (``turn_gae``: returns GAE(λ_critic, default λ) per token, raw advantage A_k of each turn)."""
     B, T = batch.mask.shape
     returns = torch.full((B, T), 55.0)  # junk at masked positions
     raw = torch.full((B, T), -55.0)
@@ -138,12 +148,16 @@ def by_definition(
             g = td0_row(r, v, gamma)
         elif name == "nstep":
             g = nstep_row(r, v, gamma, n)
+        elif name == "turn_gae":
+            g = [a + vi for a, vi in zip(gae_row(r, v, gamma, lam if lam_critic is None else lam_critic), v)]
         else:
             g = [a + vi for a, vi in zip(gae_row(r, v, gamma, lam), v)]
         a = [gi - vi for gi, vi in zip(g, v)]
         if name == "gae_ext" and (lam_actor is not None or alpha is not None):
             actor_lam = lam_actor if alpha is None else min(1.0, max(0.0, 1 - 1 / (alpha * len(idx))))
             a = gae_row(r, v, gamma, actor_lam)
+        if name == "turn_gae":
+            a = turn_gae_row(batch.rewards[b].tolist(), batch.values[b].tolist(), batch.mask[b].tolist(), gamma, lam)[idx]
         returns[b, idx] = torch.tensor(g, dtype=torch.float64).float()
         raw[b, idx] = torch.tensor(a, dtype=torch.float64).float()
     advantages = whiten(raw, batch.mask) if whitened else raw.clone()
@@ -170,7 +184,7 @@ def algorithm(name: str, gamma: float = 1.0, lam: float = 1.0, kl: str | None = 
         "lam_critic": None,
         "lam_actor": None,
         "lam_length_alpha": None,
-        "whiten_advantages": True if name in ("mc", "td0", "nstep", "gae_ext", "gae") else None,
+        "whiten_advantages": True if name in ("mc", "td0", "nstep", "gae_ext", "turn_gae", "gae") else None,
         "norm_adv_by_std_in_grpo": True,
         "use_kl_in_reward": kl is not None,
         "kl_penalty": kl or "kl",

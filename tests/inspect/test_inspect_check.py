@@ -8,6 +8,8 @@ from dataclasses import replace
 import pyarrow.compute as pc
 import pytest
 import torch
+
+import tests.reference as ref
 from tests.inspect.inspect_helpers import (
     algorithm,
     by_definition,
@@ -39,6 +41,10 @@ DEFINED = {
         "gae_ext", {"lam_length_alpha": 0.5, "gamma": 0.99}, dict(name="gae_ext", gamma=0.99, lam=1.0, alpha=0.5),
     ),
     "mc-not-whitened": ("mc", {"whiten_advantages": False}, dict(name="mc", gamma=1.0, whitened=False)),
+    "turn_gae": ("turn_gae", {"lam": 0.9, "gamma": 0.97}, dict(name="turn_gae", gamma=0.97, lam=0.9)),
+    "turn_gae-critic-lambda": (
+        "turn_gae", {"lam_critic": 0.5, "gamma": 0.99}, dict(name="turn_gae", gamma=0.99, lam=1.0, lam_critic=0.5),
+    ),
 }  # fmt: skip
 
 
@@ -72,7 +78,7 @@ def test_passes_verl_gae_with_kl_interior_masks_and_padding(tmp_path):
     assert report["rewards"].notes == ("all steps: β = 0.02",)
 
 
-@pytest.mark.parametrize("name", ["mc", "td0", "nstep", "gae_ext"])
+@pytest.mark.parametrize("name", ["mc", "td0", "nstep", "gae_ext", "turn_gae"])
 def test_passes_what_verl_ext_estimators_produce_in_float32(tmp_path, name):
     """The production path: verl-ext's float32 estimators (blocked scan) must not trip the tolerances."""
     estimator = registry.get(name)
@@ -87,6 +93,25 @@ def test_passes_what_verl_ext_estimators_produce_in_float32(tmp_path, name):
     extra = {"n_step": 4} if name == "nstep" else {}
     report = check_trace(write_trace(tmp_path / "t", algorithm(name, gamma=0.99, lam=0.9, **extra), batches))
     assert report.passed, [str(r.first) for r in report.identities if r.first]
+
+
+def test_passes_turn_gae_with_several_turns_a_response(tmp_path):
+    """Up to five turns a response, from the direct sums and from the float32 production path; then a
+    raw advantage that is returns − values (a token-level one) fails: the checker recomputes A_k."""
+    algo = algorithm("turn_gae", gamma=0.95, lam=0.8, kl="kl")
+    defined = {step: by_definition(random_batch(step, T=40, kl_coef=0.1, holes=4), "turn_gae", 0.95, lam=0.8) for step in (1, 2)}
+    assert max(len(ref.turns_of_row(row)) for row in defined[1].mask.tolist()) >= 4
+    assert check_trace(write_trace(tmp_path / "defined", algo, defined)).passed
+    estimator = registry.get("turn_gae")
+    settings = estimator.settings({"gamma": 0.95, "lam": 0.8})
+    produced = {}
+    for step, b in defined.items():
+        result = registry.run(estimator, b.rewards, b.values, b.mask, settings)
+        produced[step] = replace(b, returns=result.returns, advantages=result.advantages, advantage_raw=result.advantage_raw)
+    assert check_trace(write_trace(tmp_path / "produced", algo, produced)).passed
+    token_level = {step: by_definition(b, "gae_ext", 0.95, lam=0.8) for step, b in defined.items()}
+    report = check_trace(write_trace(tmp_path / "token-level", algo, token_level))
+    assert report["advantage_raw"].status == "fail" and report["returns"].status == "pass"
 
 
 def test_long_rows_pass_and_a_planted_change_is_still_caught(tmp_path):
@@ -128,6 +153,8 @@ PLANTS = {
     "whitening": ("advantages", "mc"),
     "returns": ("returns", "td0"),
     "returns nstep": ("returns", "nstep-3"),
+    "advantage_raw turn_gae": ("advantage_raw", "turn_gae"),
+    "returns turn_gae": ("returns", "turn_gae-critic-lambda"),
     "rewards": ("rewards", "mc"),
 }
 

@@ -30,6 +30,7 @@ def reference_columns(batch, n=3, lambdas=(0.5, 0.9, 0.95)) -> dict[str, np.ndar
         "td0": ref.td0_returns(rewards, values, mask, GAMMA) - values,
         f"nstep{n}": ref.nstep_returns(rewards, values, mask, GAMMA, n) - values,
         **{f"gae{lam:g}": ref.gae_advantages(rewards, values, mask, GAMMA, lam) for lam in lambdas},
+        "turn_gae": ref.turn_gae_advantages(rewards, values, mask, GAMMA, 1.0),
     }
     return columns
 
@@ -38,7 +39,7 @@ def test_every_estimator_matches_the_direct_sums_on_every_valid_token(traced):
     path, batch = traced
     result = compare(path, step=4, sample=1)
     expected = reference_columns(batch)
-    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "gae0.7")  # + the run's own
+    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "turn_gae", "gae0.7")  # + the run's own
     expected["gae0.7"] = ref.gae_advantages(batch.rewards.double().numpy(), batch.values.double().numpy(), batch.mask.numpy(), GAMMA, 0.7)
     mask = batch.mask.numpy() != 0
     table = result.table.to_pandas()
@@ -70,7 +71,7 @@ def test_csv_has_one_row_per_token_and_one_column_per_estimator(traced, run_cli)
     code, out, _ = run_cli("compare", path, "--step", "4", "--sample", "1", "--n", "2", "--lambdas", "0.95", "--format", "csv")
     assert code == 0
     lines = out.strip().splitlines()
-    assert lines[0] == "token_index,token,mc,td0,nstep2,gae0.95,gae0.7"
+    assert lines[0] == "token_index,token,mc,td0,nstep2,gae0.95,turn_gae,gae0.7"
     assert len(lines) - 1 == int(batch.mask[1].sum())
     expected = reference_columns(batch, n=2, lambdas=(0.95,))["nstep2"][1, np.flatnonzero(batch.mask[1].numpy())]
     np.testing.assert_allclose([float(line.split(",")[4]) for line in lines[1:]], expected, rtol=1e-6)
@@ -157,7 +158,7 @@ def test_a_registered_estimator_is_compared_at_its_defaults(traced, isolated_reg
     register_user_estimators(isolated_registry)
     path, batch = traced
     result = compare(path, step=4, sample=1)
-    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "scaled_reward", "gae0.7")
+    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "turn_gae", "scaled_reward", "gae0.7")
     assert any(note.startswith("needs_k is not compared: ") and "needs algorithm.k" in note for note in result.notes)
     mask = batch.mask.numpy() != 0
     expected = batch.rewards.double().numpy() - batch.values.double().numpy()  # scale 1: r_t − V(s_t)
@@ -172,7 +173,23 @@ def test_a_run_of_a_registered_estimator_is_compared_at_the_runs_settings(traced
     _, batch = traced
     path = write_trace(tmp_path / "user", algorithm("scaled_reward", gamma=GAMMA, scale=3.0), {2: batch})
     result = compare(path, step=2, sample=0)
-    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "scaled_reward")  # one column, the run's
+    assert result.labels == ("mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "turn_gae", "scaled_reward")  # one column, the run's
     mask = batch.mask.numpy() != 0
     expected = 3.0 * batch.rewards.double().numpy() - batch.values.double().numpy()
     np.testing.assert_allclose(result.table.to_pandas()["scaled_reward"], expected[0, np.flatnonzero(mask[0])], rtol=1e-10, atol=1e-12)
+
+
+def test_a_turn_gae_run_is_compared_beside_the_token_level_estimators(tmp_path):
+    """A run of turn_gae (responses of up to four turns): compare's column (λ = 1) and the run's own at
+    its λ, each equal to the direct sums over turns and constant on each turn."""
+    batch = by_definition(random_batch(5, B=6, T=30, holes=3), "turn_gae", GAMMA, lam=0.7)
+    path = write_trace(tmp_path / "turns", algorithm("turn_gae", gamma=GAMMA, lam=0.7), {1: batch})
+    result = compare(path, step=1, sample=1)
+    assert result.labels[-2:] == ("turn_gae", "turn_gae0.7")
+    rewards, values, mask = batch.rewards.double().numpy(), batch.values.double().numpy(), batch.mask.numpy()
+    positions = np.flatnonzero(mask[1])
+    table = result.table.to_pandas()
+    for label, lam in (("turn_gae", 1.0), ("turn_gae0.7", 0.7)):
+        expected = ref.turn_gae_advantages(rewards, values, mask, GAMMA, lam)[1, positions]
+        np.testing.assert_allclose(table[label], expected, rtol=1e-10, atol=1e-12)
+    assert len(ref.turns_of_row(mask[1])) >= 3 and table["turn_gae0.7"].nunique() == len(ref.turns_of_row(mask[1]))

@@ -12,7 +12,7 @@ from tests.integration.conftest import CONFIG_DIR, make_batch, requires_verl, ru
 from verl_ext.integration.patches import REGISTERED_IN_VERL
 from verl_ext.options import ALGORITHM_KEYS
 
-ESTIMATOR_NAMES = ("mc", "td0", "nstep", "gae_ext")
+ESTIMATOR_NAMES = ("mc", "td0", "nstep", "gae_ext", "turn_gae")
 
 OPTIONS = ["algorithm.gamma=0.97", "algorithm.lam=0.9", "algorithm.n_step=3"]
 
@@ -24,7 +24,13 @@ def reference_returns(name, rewards, values, mask):
         return ref.td0_returns(rewards, values, mask, 0.97)
     if name == "nstep":
         return ref.nstep_returns(rewards, values, mask, 0.97, 3)
-    return ref.gae_advantages(rewards, values, mask, 0.97, 0.9) + values.double().numpy()
+    return ref.gae_advantages(rewards, values, mask, 0.97, 0.9) + values.double().numpy()  # gae_ext, turn_gae
+
+
+def reference_raw_advantage(name, rewards, values, mask, returns):
+    if name == "turn_gae":  # one A_k per turn (make_batch's hole at 3-4 makes two turns)
+        return ref.turn_gae_advantages(rewards, values, mask, 0.97, 0.9)
+    return returns - values.double().numpy()
 
 
 def data_proto(rewards, values, mask):
@@ -40,7 +46,7 @@ def data_proto(rewards, values, mask):
 def assert_matches_reference(data, name, rewards, values, mask):
     valid = mask.bool().numpy()
     expected_returns = reference_returns(name, rewards, values, mask)
-    expected_adv = ref.whiten(expected_returns - values.double().numpy(), mask)
+    expected_adv = ref.whiten(reference_raw_advantage(name, rewards, values, mask, expected_returns), mask)
     np.testing.assert_allclose(data.batch["returns"].numpy()[valid], expected_returns[valid], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(data.batch["advantages"].numpy()[valid], expected_adv[valid], rtol=1e-4, atol=1e-4)
 

@@ -315,7 +315,7 @@ def test_summary_line_and_comparison_of_a_step(view_page, view_trace, page):
         assert name in stats
     # the estimators compared: Var over the step of each raw advantage, from the direct sums
     rows = page.evaluate("[...document.querySelectorAll('#compare-table tr[data-estimator]')].map(tr => [tr.dataset.estimator, Number(tr.cells[1].dataset.value)])")
-    assert [name for name, _ in rows] == ["mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95"]
+    assert [name for name, _ in rows] == ["mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "turn_gae"]
     mc, td0 = [], []
     for sample_rows in samples.values():
         valid = [r for r in sample_rows if r["mask"]]
