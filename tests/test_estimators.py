@@ -424,7 +424,7 @@ def test_turn_gae_entry_tells_the_checker_and_compare_what_it_is():
     assert entry.needs_critic and entry.options == (registry.LAM_CRITIC,)
     assert not entry.is_returns_minus_values(settings)  # A_k per turn, returns per token
     assert entry.horizons(settings) == (pytest.approx(1 / (1 - 0.45)), math.inf)
-    assert entry.compared_settings(3, (0.5, 0.95)) == ({"lam": 0.5}, {"lam": 0.95})
+    assert entry.compared_settings(3, (0.5, 0.95)) == ({"lam": 1.0},)  # one column, whatever compare's λ
     with pytest.warns(UserWarning, match="adv_estimator=turn_gae ignores algorithm.lam_actor"):
         registry.check_algorithm({"adv_estimator": "turn_gae", "lam_actor": 0.5})
 
