@@ -74,6 +74,8 @@ def test_compare_matches_the_direct_sums_on_a_real_step(last_step):
         "td0": ref.td0_returns(rewards, values, mask, 1.0) - values,
         "nstep2": ref.nstep_returns(rewards, values, mask, 1.0, 2) - values,
         **{f"gae{lam:g}": ref.gae_advantages(rewards, values, mask, 1.0, lam) for lam in (0.0, 0.5, 1.0)},
+        # single-turn responses: every token gets the response's return minus its first value
+        "turn_gae": ref.turn_gae_advantages(rewards, values, mask, 1.0, 1.0),
     }
     assert result.labels == tuple(expected)  # the run's own estimator, mc, is already a column
     table = result.table.to_pandas()

@@ -190,7 +190,7 @@ def test_statistics_compare_the_estimators_and_locate_the_failures(source, view_
     trace = open_trace(view_trace)
     stats = source.statistics({"step": NAN_AT[0]}, check_trace(trace, [NAN_AT[0]]))
     assert [c["key"] for c in stats["comparison_columns"]] == ["var_batch", "var_within_group", "mean_abs"]
-    assert [row["estimator"] for row in stats["comparison"]] == ["mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95"]
+    assert [row["estimator"] for row in stats["comparison"]] == ["mc", "td0", "nstep3", "gae0.5", "gae0.9", "gae0.95", "turn_gae"]
     recorded = json.loads(Path(view_trace, "_run.json").read_text())["steps"][str(NAN_AT[0])]["whiten"]
     assert stats["whiten"] == {"mean": recorded["mean"], "sigma": math.sqrt(recorded["var"])}
     finite = [f for f in stats["check"] if f["identity"] == "finite"]
