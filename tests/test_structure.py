@@ -63,7 +63,7 @@ ALLOWED = {
     "integration": {"trace"},  # plugin.py activates the CPU backend only when its switch is set
     "view": {"trace", "inspect"},  # the browser view shows what the inspection computes
     "cpu": set(),  # the backend knows verl, not the tasks nor the apps that run on it
-    "tasks": {"inspect", "cpu"},  # value pretraining reports inspect's explained variance; assets feed a CPU run
+    "tasks": {"cpu"},  # a task's assets feed a CPU run; it never reads traces nor imports inspect
     "apps": {"trace", "inspect", "view", "cpu", "tasks"},  # they call the inspection directly, never the CLI
 }
 #: Activation, behind its switches: VERL_USE_EXTERNAL_MODULES=verl_ext, VERL_EXT_CPU=1.

@@ -227,7 +227,7 @@ def _fit(critic, responses: _Responses) -> CriticFit:
 
 
 def _explained_variance(values, returns) -> float | None:
-    from verl_ext.inspect.critic import explained_variance
+    from verl_ext.step_metrics import explained_variance
 
     ev = explained_variance(values.double().numpy(), returns.double().numpy())
     return None if ev is None else round(ev, 4)
