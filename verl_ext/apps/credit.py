@@ -60,6 +60,7 @@ def step_credit(trace, step: int, labels: tuple[str, ...] = ()) -> StepCredit:
     compare columns whose verdict share to re-estimate (e.g. :func:`side_by_side`)."""
     table = trace.read_step(step, [*LAYOUT_COLUMNS, "token_id", "score", "advantage", "reward", "value"])
     data = StepData.from_table(step, table, ("score", "advantage", "reward", "value"))
+    algorithm = RecordedAlgorithm.from_record(trace.record)
     layout = data.layout
     token_index = layout.token_index[layout.valid_rows]
     verdict_of_token, verdicts = _verdicts(table.column("token_id").to_numpy()[layout.valid_rows], token_index, layout)
@@ -70,13 +71,13 @@ def step_credit(trace, step: int, labels: tuple[str, ...] = ()) -> StepCredit:
     scores = layout.sample_sums(data.columns["score"])[sampled]
     ev_after = ev_before = None
     if data.columns["value"] is not None:
-        values, returns = data.columns["value"], monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
+        values, returns = data.columns["value"], monte_carlo_returns(data, algorithm.gamma)
         after = (verdict_of_token >= 0) & (token_index > verdict_of_token)
         before = (verdict_of_token >= 0) & ~after
         ev_after, ev_before = explained_variance(values[after], returns[after]), explained_variance(values[before], returns[before])
     shares = {}
     if labels and data.columns["value"] is not None:  # without a critic there is nothing to re-estimate from
-        estimates, _ = step_estimates(data, RecordedAlgorithm.from_record(trace.record), DEFAULT_N, (SIDE_BY_SIDE_LAMBDA,), labels)
+        estimates, _ = step_estimates(data, algorithm, DEFAULT_N, (SIDE_BY_SIDE_LAMBDA,), labels)
         shares = {label: _share(np.abs(raw), at_verdict) for label, raw in estimates.items()}
     return StepCredit(
         step=step,

@@ -96,7 +96,7 @@ def traced_step_metrics(trace, step: int) -> dict[str, float]:
         returns = monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
     scores = None
     if columns["score"] is not None:
-        scores = np.bincount(layout.valid_sample_index(), weights=columns["score"], minlength=layout.samples)
+        scores = layout.sample_sums(columns["score"])
     uid = trace.read_step(step, ["uid"]).column("uid").to_pylist()
     raw = columns["advantage_raw"] if columns["advantage_raw"] is not None else columns["advantage"]
     has_tokens = layout.valid_counts > 0

@@ -6,12 +6,12 @@ and whitening, the spread of the scores within prompt groups, and where the cred
 ``verl_ext/…`` in verl's metrics, so every logger of ``trainer.logger`` shows them
 (docs/definitions.md §11). The patches in :mod:`verl_ext.integration.patches` call in here:
 
-* ``session(trainer)`` around ``fit()`` (legacy and V1 trainer): ``verl_ext.metrics`` of the run, and
-  how to get the raw advantage of verl's own estimators (returns − values for ``gae``; for the others,
-  such as ``grpo``, whose normalization is their own, the advantage itself). Outside ``fit()`` nothing
-  is computed: no logger would receive it.
+* ``session(trainer)`` around ``fit()`` (legacy and V1 trainer): ``verl_ext.metrics`` of the run.
+  Outside ``fit()`` nothing is computed: no logger would receive it.
 * ``after_advantage(data, gamma, advantage_raw)`` at the end of ``compute_advantage``, which both
-  trainers call: the step's metrics, computed once and held.
+  trainers call: the step's metrics, computed once and held. The seam gives the raw advantage (for
+  verl's ``gae``, returns − values); where there is none (``grpo``, whose normalization is its own)
+  the advantage itself stands for it.
 * ``take()``: the held metrics, once. The legacy trainer's step metrics are a local of ``fit()``; they
   reach it through the dict ``compute_data_metrics`` returns there (ray_trainer.py:1772). The V1
   trainer hands its step metrics to ``_compute_advantage`` (trainer_base.py:600).
@@ -24,45 +24,34 @@ tokens (one index, then a take each), and a few passes over those in float64, al
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 from verl_ext.options import metrics_enabled
 
 
-@dataclass(frozen=True)
-class _Session:
-    enabled: bool
-    #: verl computed the advantage with an estimator whose raw advantage is returns − values (verl's GAE)
-    raw_is_returns_minus_values: bool
-
-
-_active: _Session | None = None
+#: ``verl_ext.metrics`` of the run in ``fit()``; None outside it.
+_enabled: bool | None = None
 _held: dict[str, float] = {}
 
 
 @contextlib.contextmanager
 def session(trainer: Any) -> Iterator[None]:
     """The run's ``verl_ext.metrics`` for the duration of ``fit()``."""
-    global _active, _held
-    from verl_ext.integration.trace_hook import run_estimator
-
-    estimator, settings = run_estimator(trainer.config.algorithm)
-    outer = _active
-    _active = _Session(metrics_enabled(trainer.config), estimator is not None and estimator.is_returns_minus_values(settings))
+    global _enabled, _held
+    outer, _enabled = _enabled, metrics_enabled(trainer.config)
     try:
         yield
     finally:
-        _active, _held = outer, {}
+        _enabled, _held = outer, {}
 
 
 def after_advantage(data: Any, gamma: float, advantage_raw: Any = None) -> None:
-    """Compute and hold the step's metrics; ``advantage_raw``: what verl-ext's estimator computed
-    before whitening, None when verl computed the advantage."""
+    """Compute and hold the step's metrics; ``advantage_raw``: the advantage before whitening, None
+    where there is none (module docstring)."""
     global _held
-    if _active is None or not _active.enabled:
+    if not _enabled:
         return
-    _held = live_metrics(data, gamma, advantage_raw, _active.raw_is_returns_minus_values)
+    _held = live_metrics(data, gamma, advantage_raw)
 
 
 def take() -> dict[str, float]:
@@ -72,7 +61,7 @@ def take() -> dict[str, float]:
     return held
 
 
-def live_metrics(data: Any, gamma: float, advantage_raw: Any, raw_is_returns_minus_values: bool) -> dict[str, float]:
+def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float]:
     """``verl_ext/…`` -> value for a verl ``DataProto`` holding rewards, advantages (and values,
     returns), computed from its valid tokens by :func:`verl_ext.step_metrics.step_metrics`."""
     import numpy as np
@@ -87,7 +76,7 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any, raw_is_returns_min
     valid = mask.bool()
     values = batch["values"] if "values" in keys else None
     if advantage_raw is None:
-        advantage_raw = batch["returns"] - values if raw_is_returns_minus_values and values is not None else batch["advantages"]
+        advantage_raw = batch["advantages"]
     returns = None
     if values is not None:
         mc = registry.get("mc")

@@ -42,6 +42,18 @@ def compute_registered_advantage(data: Any, name: str, gamma: float, lam: float,
     return result
 
 
+def _verl_advantage_raw(data: Any, name: str, gamma: float, lam: float, config: Any):
+    """The raw advantage of verl's own estimator where it is returns − values (verl's GAE: verl keeps
+    only the whitened advantage), for the trace and the live metrics; None where the batch cannot
+    tell (grpo, an estimator verl-ext knows nothing about)."""
+    from verl_ext import registry
+
+    estimator = registry.lookup(name)
+    if estimator is None or not estimator.is_returns_minus_values(estimator.settings(config, gamma=gamma, lam=lam)):
+        return None
+    return data.batch["returns"] - data.batch["values"]
+
+
 def wrap_compute_advantage(original: Callable) -> Callable:
     from verl_ext import registry
     from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook
@@ -59,7 +71,7 @@ def wrap_compute_advantage(original: Callable) -> Callable:
             advantage_raw = result.advantage_raw
         else:
             data = original(*args, **kwargs)
-            advantage_raw = None
+            advantage_raw = _verl_advantage_raw(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
         trace_hook.after_advantage(data, advantage_raw=advantage_raw)
         metrics_hook.after_advantage(data, gamma=arguments["gamma"], advantage_raw=advantage_raw)
         nonfinite_hook.after_advantage(data)  # after the capture: a traced step is kept when this raises

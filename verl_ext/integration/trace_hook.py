@@ -39,9 +39,6 @@ class _Session:
     kind: str  # "legacy" or "v1"
     writer: Any
     options: TraceOptions
-    #: verl computed the advantage with an estimator whose raw advantage is returns − values (verl's
-    #: GAE), so the trace can have the raw advantage that verl does not keep
-    raw_is_returns_minus_values: bool = False
     pending: dict = field(default_factory=dict)  # what earlier hooks of this step left for the capture
 
     @property
@@ -66,10 +63,8 @@ def session(trainer: Any, kind: str) -> Iterator[None]:
 
     record = run_record(trainer.config, kind, options)
     _say_where_a_cluster_writes(options.dir, record.node)
-    estimator, settings = run_estimator(trainer.config.algorithm)
-    raw_from_returns = estimator is not None and estimator.is_returns_minus_values(settings)
     with TraceWriter(options, record) as writer:  # never hides fit()'s error
-        _active = _Session(trainer, kind, writer, options, raw_from_returns)
+        _active = _Session(trainer, kind, writer, options)
         try:
             yield
         finally:
@@ -115,12 +110,11 @@ def record_kl(data: Any, beta: float, kl_penalty: str) -> None:
 
 
 def after_advantage(data: Any, advantage_raw: torch.Tensor | None) -> None:
-    """``advantage_raw``: what verl-ext's estimator computed; None when verl computed the advantage."""
+    """``advantage_raw``: the step's advantage before whitening (the seam's: verl-ext's estimator's, or
+    returns − values of verl's GAE); None where there is none to record (verl's grpo, …)."""
     if _active is None or not _active.traces_current_step():
         return
     batch = data.batch
-    if advantage_raw is None and _active.raw_is_returns_minus_values:
-        advantage_raw = batch["returns"] - batch["values"]
     if _active.kind == "v1":
         _active.pending["advantage_raw"] = advantage_raw  # captured once V1 has stored its results
         return
@@ -258,7 +252,7 @@ def run_record(config: Any, kind: str, options: TraceOptions):
     algorithm = config.algorithm
     name = registry.name_of(algorithm.adv_estimator)
     settings: dict[str, Any] = {"adv_estimator": name, "gamma": float(algorithm.gamma), "lam": float(algorithm.lam)}
-    estimator, parsed = run_estimator(algorithm)
+    estimator, parsed = _run_estimator(algorithm)
     if estimator is None:
         settings["whiten_advantages"] = None  # a verl estimator verl-ext knows nothing about
     else:
@@ -289,7 +283,7 @@ def run_record(config: Any, kind: str, options: TraceOptions):
     )
 
 
-def run_estimator(algorithm: Any):
+def _run_estimator(algorithm: Any):
     """The registry's entry for the run's estimator and its settings; (None, None) for an estimator
     verl-ext knows nothing about."""
     from verl_ext import registry
