@@ -140,10 +140,11 @@ def deterministic_sampling(assets, tokenizer, prompts, config) -> dict:
 
     async def together(server, order):
         outputs = await asyncio.gather(*[server.generate(ids[i], contexts[i], short) for i in order])
-        return {ids[i]: o.token_ids for i, o in zip(order, outputs)}
+        return {ids[i]: (o.token_ids, o.log_probs) for i, o in zip(order, outputs)}
 
     async def one_by_one(server, order):
-        return {ids[i]: (await server.generate(ids[i], contexts[i], short)).token_ids for i in order}
+        outputs = [await server.generate(ids[i], contexts[i], short) for i in order]
+        return {ids[i]: (o.token_ids, o.log_probs) for i, o in zip(order, outputs)}
 
     forward = list(range(len(ids)))
     server = fresh()
@@ -166,10 +167,12 @@ def deterministic_sampling(assets, tokenizer, prompts, config) -> dict:
     probabilities = torch.softmax(logits.double(), dim=-1)
     candidates = [tokenizer.convert_tokens_to_ids(ch) for ch in ("是", "不")]
     return {
-        "det_batched": [batched[i] for i in ids],
-        "det_alone": [alone[i] for i in ids],
-        "det_repeated": [repeated[i] for i in ids],
-        "det_other_stream": [other_stream[i] for i in ids],
+        "det_batched": [batched[i][0] for i in ids],
+        "det_alone": [alone[i][0] for i in ids],
+        "det_batched_log_probs": [batched[i][1] for i in ids],
+        "det_alone_log_probs": [alone[i][1] for i in ids],
+        "det_repeated": [repeated[i][0] for i in ids],
+        "det_other_stream": [other_stream[i][0] for i in ids],
         "verdict_frequency": [drawn.count(token) / len(drawn) for token in candidates],
         "verdict_probability": [float(probabilities[token]) for token in candidates],
     }

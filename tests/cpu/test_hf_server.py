@@ -44,6 +44,12 @@ def test_a_deterministic_request_samples_the_same_alone_or_batched(server_run):
     assert server_run["det_other_stream"] != server_run["det_repeated"]
 
 
+def test_a_requests_log_probs_do_not_depend_on_its_batch(server_run):
+    """The same tokens are not enough: the samples follow the logits, so a logit that moves with the
+    batch's size or padding flips a sample now and then (float32: up to 4e-6 in log-prob here)."""
+    assert server_run["det_batched_log_probs"] == server_run["det_alone_log_probs"]
+
+
 def test_samples_follow_the_models_distribution(server_run):
     """3000 verdicts drawn at one position against the softmax of the model's logits there (4 σ)."""
     for frequency, probability in zip(server_run["verdict_frequency"], server_run["verdict_probability"], strict=True):
