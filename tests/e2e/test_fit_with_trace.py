@@ -2,8 +2,9 @@
 and grpo, and the README's example of a user's estimator, loaded through VERL_USE_EXTERNAL_MODULES),
 with KL in the reward and the per-token trace on, its update tables included: two PPO epochs of two
 shuffled mini-batches of two micro-batches each, a large actor learning rate and a small clip ratio,
-so that ratios move away from 1 and clipping happens. One fresh interpreter per scenario (the platform, registries and
-patches are process-global).
+so that ratios move away from 1 and clipping happens; and verl's gae once more with the batch
+settings of GPU runs (micro-batches packed by token count, no batch balancing). One fresh
+interpreter per scenario (the platform, registries and patches are process-global).
 
 What each run is checked against, independently of verl-ext's own code:
 * the batch the trainer actually used at each step, copied by the runner's ``on_batch`` hook;
@@ -31,14 +32,28 @@ from tests.cpu.helpers import SCENARIOS, read_batches, run
 ROOT = Path(__file__).resolve().parents[2]
 GAMMA, LAM = 0.99, 0.9
 
-SCENARIO_OVERRIDES = {
-    "mc": [],
-    "td0": [],
-    "nstep": ["algorithm.n_step=3"],
-    "gae_ext": ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.8"],
-    "gae": [],
-    "grpo": [],
-    "td_half": [],  # the README's example, tests/integration/test_user_estimator.py
+#: sequences (prompt and response) per micro-batch without dynamic_bsz: UPDATE_OVERRIDES' actor, the
+#: CPU recipe's critic; and the token budgets of the dynamic_bsz run (a sequence is ~20 tokens)
+FIXED_MICRO_BATCH = {"actor": 2, "critic": 4}
+TOKEN_BUDGET = {"actor": 32, "critic": 40}
+#: scenario -> (estimator, its overrides)
+RUNS = {
+    "mc": ("mc", []),
+    "td0": ("td0", []),
+    "nstep": ("nstep", ["algorithm.n_step=3"]),
+    "gae_ext": ("gae_ext", ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.8"]),
+    "gae": ("gae", []),
+    "grpo": ("grpo", []),
+    "td_half": ("td_half", []),  # the README's example, tests/integration/test_user_estimator.py
+    # the batch settings of GPU runs: micro-batches packed by token count (actor, critic and every
+    # log-prob and value pass, verl reorders the rows and restores them after) and no balancing;
+    # the other scenarios run verl's default, trainer.balance_batch=True, which reorders the batch
+    "gae+dynamic_bsz": ("gae", [
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",  # the critic, log-prob and ref passes follow it
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={TOKEN_BUDGET['actor']}",
+        f"critic.ppo_max_token_len_per_gpu={TOKEN_BUDGET['critic']}",
+        "trainer.balance_batch=False",
+    ]),
 }
 UPDATE_OVERRIDES = [
     "actor_rollout_ref.actor.ppo_epochs=2",
@@ -87,11 +102,11 @@ def fit_group(run: str):
     return pytest.mark.xdist_group(f"fit_with_trace-{run}")
 
 
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=fit_group(name)) for name in SCENARIO_OVERRIDES])
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=fit_group(name)) for name in RUNS])
 def finished_run(request, tmp_path_factory):
-    estimator = request.param
+    estimator, overrides = RUNS[request.param]
     rollout_n = 4 if estimator == "grpo" else 1
-    out = scenario(tmp_path_factory, estimator, SCENARIO_OVERRIDES[estimator], rollout_n)
+    out = scenario(tmp_path_factory, estimator, overrides, rollout_n)
     return estimator, out, read_batches(out)
 
 
@@ -303,6 +318,30 @@ def test_update_rows_cover_every_trained_token_once_per_epoch(finished_run):
         np.testing.assert_array_equal(actor["advantage"].to_numpy(np.float32), batch["advantages"].numpy()[positions])
         np.testing.assert_array_equal(actor["old_log_prob"].to_numpy(np.float32), batch["old_log_probs"].numpy()[positions])
         assert actor["entropy"].notna().all()
+
+
+def test_the_batch_settings_took_effect(finished_run, request):
+    """The tests above show that the rows join exactly either way. Fixed micro-batches are of one
+    size; under use_dynamic_bsz, of at most the token budget (verl's max sum of attention_mask per
+    micro-batch). verl logs global_seqlen/* when it balanced (reordered) the batch."""
+    from verl_ext.apps.learning import read_metrics
+    from verl_ext.trace.reader import open_trace
+
+    estimator, out, batches = finished_run
+    trace = open_trace(str(out / "trace"))
+    dynamic = "dynamic_bsz" in request.node.callspec.params["finished_run"]
+    for kind in ["actor"] + ([] if estimator == "grpo" else ["critic"]):
+        sizes = []
+        for step in trace.steps:
+            sequence_lengths = batches["steps"][step]["attention_mask"].sum(-1).numpy()
+            table = trace.update_table(kind, step).to_pandas()
+            samples = table.groupby(["epoch", "minibatch", "microbatch"])["sample"].unique()
+            sizes += [len(rows) for rows in samples]
+            if dynamic:
+                assert max(sequence_lengths[rows].sum() for rows in samples) <= TOKEN_BUDGET[kind], kind
+        assert (set(sizes) == {FIXED_MICRO_BATCH[kind]}) != dynamic, (kind, sizes)
+    trained = [metrics for metrics in read_metrics(out).values() if "critic/score/mean" in metrics]
+    assert len(trained) == 2 and all(("global_seqlen/min" in metrics) != dynamic for metrics in trained)
 
 
 def test_the_update_moves_ratios_and_clips(finished_run):
