@@ -5,6 +5,7 @@ step of the run record missing on disk fails it."""
 import shutil
 from dataclasses import replace
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tests.inspect.inspect_helpers import (
 from verl_ext import registry
 from verl_ext.inspect.identities import IDENTITIES as RECORDS
 from verl_ext.inspect.check import check_trace
+from verl_ext.trace.schema import TOKEN_SCHEMA
 
 IDENTITIES = tuple(record.name for record in RECORDS if record.table != "update")  # without update tables
 
@@ -101,7 +103,8 @@ def test_passes_turn_gae_with_several_turns_a_response(tmp_path):
     algo = algorithm("turn_gae", gamma=0.95, lam=0.8, kl="kl")
     defined = {step: by_definition(random_batch(step, T=40, kl_coef=0.1, holes=4), "turn_gae", 0.95, lam=0.8) for step in (1, 2)}
     assert max(len(ref.turns_of_row(row)) for row in defined[1].mask.tolist()) >= 4
-    assert check_trace(write_trace(tmp_path / "defined", algo, defined)).passed
+    report = check_trace(write_trace(tmp_path / "defined", algo, defined))
+    assert report.passed and report["turns"].status == "pass"
     estimator = registry.get("turn_gae")
     settings = estimator.settings({"gamma": 0.95, "lam": 0.8})
     produced = {}
@@ -253,6 +256,29 @@ def test_catches_rows_past_the_last_valid_token(tmp_path):
     assert result.status == "fail"
     assert result.first.location.step == 2 and result.first.location.sample == 0
     assert "last valid token" in result.first.detail
+
+
+def test_catches_a_wrong_turn_and_skips_a_trace_without_turns(tmp_path):
+    """The first hole of sample 1 (random_batch's holes) given the turn after it; then the column
+    null, as in a trace before format 4."""
+    algo = algorithm("mc")
+    batch = by_definition(random_batch(1, T=30, holes=3), "mc", 1.0)
+    path = write_trace(tmp_path / "trace", algo, {1: batch})
+    mask = batch.mask[1].bool().tolist()
+    hole = next(t for t in range(1, len(mask)) if mask[t - 1] and not mask[t] and any(mask[t:]))
+    turn_index = TOKEN_SCHEMA.get_field_index("turn")
+
+    def into_the_next_turn(table):
+        hit = pc.and_(pc.equal(table["sample"], 1), pc.equal(table["token_index"], hole))
+        return table.set_column(turn_index, "turn", pc.if_else(hit, pc.add(table["turn"], 1), table["turn"]))
+
+    rewrite_step(path, 1, table=into_the_next_turn)
+    result = check_trace(path)["turns"]
+    assert (result.status, result.violations) == ("fail", 1)
+    assert (result.first.location.sample, result.first.location.token_index) == (1, hole)
+    assert (result.first.actual, result.first.expected) == (1.0, 0.0)
+    rewrite_step(path, 1, table=lambda table: table.set_column(turn_index, "turn", pa.nulls(table.num_rows, pa.int32())))
+    assert check_trace(path)["turns"].status == "skipped"
 
 
 def test_catches_a_non_finite_value(tmp_path):

@@ -78,6 +78,8 @@ def reference_rows(capture, max_samples=None) -> list[dict]:
                 "token_index": t,
                 "token_id": None if capture.token_id is None else int(capture.token_id[i, t]),
                 "mask": bool(mask[i][t]),
+                # the holes (runs of masked tokens between two valid ones) that end before t
+                "turn": sum(1 for u in range(1, t + 1) if mask[i][u] and not mask[i][u - 1] and any(mask[i][:u])),
             }
             for column in FLOAT_COLUMN_NAMES:
                 tensor = capture.floats.get(column)
@@ -153,7 +155,7 @@ def rewrite_in_the_old_layout(directory, version: int = 2) -> None:
     named ``step=<n>`` (a hive partition: ``step`` only in the folder name, not in the token and update
     files), every file and the run record of schema ``version``. Version 1 also had no
     ``rollout_log_prob``, no end flags in the prompt table, no update tables, no ``update``/``host``
-    in the run record. Written out by hand, without the package's names, like an old trace on disk."""
+    in the run record. Neither had the turns (format 4). Written out by hand, without the package's names, like an old trace on disk."""
     import json
     import re
     import shutil
@@ -179,9 +181,9 @@ def rewrite_in_the_old_layout(directory, version: int = 2) -> None:
         if version == 1 and (root / folder).exists():
             shutil.rmtree(root / folder)
     for path in sorted(root.rglob("step-*/part-0.parquet")):
-        rewrite(path, ["step"] + (["rollout_log_prob"] if version == 1 else []))
+        rewrite(path, ["step", "turn"] + (["rollout_log_prob"] if version == 1 else []))
     for path in sorted((root / "_prompts").glob("step-*.parquet")):
-        rewrite(path, ["response_length", "eos", "truncated"] if version == 1 else [])
+        rewrite(path, ["assistant_turns"] + (["response_length", "eos", "truncated"] if version == 1 else []))
     record = json.loads(old((root / "_run.json").read_text()))
     record["schema_version"] = version
     if version == 1:

@@ -127,6 +127,21 @@ def test_prompt_table_says_how_each_response_ended():
     assert prompt_table(take_snapshot(make_capture(), None))["eos"].null_count == len(MASK)  # no EOS ids: null
 
 
+def test_turns_are_counted_from_the_holes():
+    """By hand from MASK: row 1 (1 0 0 1 1) has a hole before token 3, so tokens 3-4 (and the hole's
+    tokens 1-2 keep turn 0) are turn 1 and the response has 2 assistant turns; row 4's masked tokens
+    before its only valid token open no turn."""
+    snapshot = take_snapshot(make_capture(), None)
+    table = token_table(snapshot)
+    by_sample = {}
+    for row in table.select(["sample", "turn"]).to_pylist():
+        by_sample.setdefault(row["sample"], []).append(row["turn"])
+    assert by_sample == {0: [0, 0, 0], 1: [0, 0, 0, 1, 1], 3: [0] * 6, 4: [0, 0, 0]}
+    assert prompt_table(snapshot)["assistant_turns"].to_pylist() == [1, 2, 0, 1, 1]
+    several = make_capture(mask=[[1, 0, 1, 0, 1, 1, 0, 0, 1]])
+    assert token_table(take_snapshot(several, None))["turn"].to_pylist() == [0, 0, 1, 1, 2, 2, 2, 2, 3]
+
+
 def test_prompt_table_without_mask_or_without_prompts():
     capture = make_capture()
     capture.prompt_mask = None

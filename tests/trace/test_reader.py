@@ -230,7 +230,7 @@ def test_empty_trace(tmp_path):
 
 def test_a_version_1_trace_stays_readable(tmp_path):
     """A trace as verl-ext 0.1 wrote it (schema version 1: step=<n> folders, no rollout_log_prob, no
-    end flags, no update tables): the new columns read as null, nothing else changes."""
+    end flags, no update tables, no turns): the new columns read as null, nothing else changes."""
     directory = tmp_path / "v1"
     capture = make_capture(1)
     with TraceWriter(TraceOptions(dir=str(directory)), run_record()) as writer:
@@ -241,20 +241,22 @@ def test_a_version_1_trace_stays_readable(tmp_path):
     trace = open_trace(str(directory))
     assert trace.record.schema_version == 1 and trace.update_steps == {"actor": [], "critic": []}
     table = trace.read_step(1)
-    assert table["rollout_log_prob"].null_count == table.num_rows
-    assert table.drop_columns(["step", "rollout_log_prob"]).to_pylist() == [
-        {k: v for k, v in row.items() if k != "rollout_log_prob"} for row in reference_rows(capture)
+    newer = ["rollout_log_prob", "turn"]
+    assert all(table[name].null_count == table.num_rows for name in newer)
+    assert table.drop_columns(["step", *newer]).to_pylist() == [
+        {k: v for k, v in row.items() if k not in newer} for row in reference_rows(capture)
     ]
     assert trace.prompts(1)["eos"].null_count == trace.prompts(1).num_rows
 
 
 def test_the_columns_a_version_1_file_lacks_are_the_ones_version_2_added():
     """Each column says the version it appeared in: version 2 added rollout_log_prob and the end flags
-    (READABLE_SCHEMA_VERSIONS' note); format 3 changed the layout, no column."""
+    (READABLE_SCHEMA_VERSIONS' note); format 3 changed the layout, no column; format 4 added the turns."""
     from verl_ext.trace.schema import added_after
 
-    assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"}
-    assert added_after(2) == added_after(3) == frozenset()
+    turns = {"turn", "assistant_turns"}
+    assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"} | turns
+    assert added_after(2) == added_after(3) == turns and added_after(4) == frozenset()
 
 
 def test_the_v1_trainer_is_read_back_under_its_own_field_names():

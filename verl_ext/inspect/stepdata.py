@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -163,8 +164,9 @@ class StepData:
     columns: dict[str, np.ndarray | None]
 
     @classmethod
-    def read(cls, trace, step: int, columns: Sequence[str]) -> "StepData":
-        table = trace.read_step(step, columns=[*LAYOUT_COLUMNS, *columns])
+    def read(cls, trace, step: int, columns: Sequence[str], rows_only: Sequence[str] = ()) -> "StepData":
+        """``columns`` as float64 at the valid tokens; ``rows_only`` only in ``table``."""
+        table = trace.read_step(step, columns=[*LAYOUT_COLUMNS, *columns, *rows_only])
         return cls.from_table(step, table, columns)
 
     @classmethod
@@ -303,6 +305,25 @@ class StepLayout:
     @property
     def samples(self) -> int:
         return len(self.starts)
+
+    @cached_property
+    def turn_starts(self) -> np.ndarray:
+        """(N,) bool at the valid tokens: the first token of an assistant turn (docs/definitions.md
+        §10), i.e. its sample's first valid token or one right after a masked row."""
+        rows = self.valid_rows
+        inner = self.position[rows] > 0
+        starts = np.ones(len(rows), bool)
+        starts[inner] = ~self.mask[rows[inner] - 1]
+        return starts
+
+    def row_turns(self) -> np.ndarray:
+        """(rows,) int64: the assistant turn of every row, holes included (the turn before the hole;
+        0 before the first valid token), from the mask alone."""
+        begins = np.zeros(len(self.mask), np.int64)
+        begins[self.valid_rows] = self.turn_starts
+        begun = np.cumsum(begins)
+        before_sample = np.repeat(begun[self.starts] - begins[self.starts], self.row_counts)
+        return np.maximum(begun - before_sample - 1, 0)
 
     def valid_sample_index(self) -> np.ndarray:
         """Sample index (0 … B-1) of every valid token."""

@@ -50,7 +50,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from verl_ext.inspect.results import ATOL, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped
-from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, step_beta
+from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, floats, step_beta
 from verl_ext.torch_threads import one_torch_thread
 
 #: The token-table columns the identities read.
@@ -277,6 +277,19 @@ class TokenStep:
         return Finding(
             "fail" if problems else "pass", checked=len(self.data.layout.mask), violations=violations, first=first
         )
+
+    def turns(self) -> Finding:
+        if "turn" not in self.data.table.column_names or self.data.table.column("turn").null_count == self.data.table.num_rows:
+            return Finding("skipped", note="no turn column (a trace written before format 4)")
+        stored = floats(self.data.table.column("turn"))
+        expected = self.data.layout.row_turns()
+        wrong = np.flatnonzero(stored != expected)  # a null (NaN) is wrong too
+        first = None
+        if len(wrong):
+            row = int(wrong[0])
+            sample, token = self.data.row_location(row)
+            first = Violation(Location(self.step, sample, token), "turn", float(stored[row]), float(expected[row]))
+        return Finding("fail" if len(wrong) else "pass", checked=len(stored), violations=len(wrong), first=first)
 
     def finite(self) -> Finding:
         a = self.algorithm

@@ -33,6 +33,7 @@ import pyarrow as pa
 import torch
 
 from verl_ext.estimators import whitening_moments
+from verl_ext.kernels import turn_starts
 from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import (
     FLOAT_COLUMN_NAMES,
@@ -205,10 +206,18 @@ def token_table(snapshot: StepSnapshot) -> pa.Table:
             token_index,
             gather(snapshot.token_id, pa.int32()),
             gather(snapshot.mask, pa.bool_()),
+            gather(turns(snapshot.mask), pa.int32()),
             *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMN_NAMES),
         ],
         schema=TOKEN_SCHEMA,
     )
+
+
+def turns(mask: np.ndarray) -> np.ndarray:
+    """(N, W) bool -> (N, W) int32: the assistant turn of every position (schema.TURN_DOC): the turns
+    begun up to it, less one; 0 before the first."""
+    begun = np.cumsum(turn_starts(torch.from_numpy(mask)).numpy(), axis=1, dtype=np.int32)
+    return np.maximum(begun - 1, 0)
 
 
 def prompt_table(snapshot: StepSnapshot) -> pa.Table:
@@ -229,6 +238,7 @@ def prompt_table(snapshot: StepSnapshot) -> pa.Table:
             snapshot.lengths.astype(np.int32),
             pa.nulls(samples, pa.bool_()) if snapshot.eos is None else pa.array(snapshot.eos),
             pa.nulls(samples, pa.bool_()) if snapshot.truncated is None else pa.array(snapshot.truncated),
+            turn_starts(torch.from_numpy(snapshot.mask)).sum(-1).numpy().astype(np.int32),
         ],
         schema=PROMPT_SCHEMA,
     )

@@ -1,7 +1,7 @@
 """The trace format: layout, columns, the run record. This is a public contract; bump
 :data:`SCHEMA_VERSION` on any change a reader could notice.
 
-Layout of a trace directory (local path or fsspec URL), format 3::
+Layout of a trace directory (local path or fsspec URL), formats 3 and 4 (4 added the turns)::
 
     TRACE/
       _run.json                   the run record (:class:`RunRecord`)
@@ -63,7 +63,7 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Schema versions this code reads: every one so far. A column missing from an older file (its
 #: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
 #: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
@@ -122,7 +122,7 @@ class Layout:
         return table.replace_schema_metadata({**(table.schema.metadata or {}), **version})
 
 
-#: The layout of format 3: ``step-<n>``, ``step`` stored in every file.
+#: The layout of formats 3 and 4: ``step-<n>``, ``step`` stored in every file.
 LAYOUT = Layout("-", SCHEMA_VERSION)
 #: The layout of formats 1 and 2: ``step=<n>``, a hive partition (``step`` only in the folder name).
 HIVE_LAYOUT = Layout("=", 2)
@@ -201,6 +201,11 @@ FLOAT_COLUMNS = (
 )  # fmt: skip
 FLOAT_COLUMN_NAMES = tuple(column.name for column in FLOAT_COLUMNS)
 
+#: Multi-turn responses (an agent loop's tool answers are mask-0 holes inside the response).
+TURN_DOC = (
+    "k: the assistant turn of token t (docs/definitions.md §10): 0 up to the end of the first run of "
+    "valid tokens, then 1 from the first valid token after a hole, …; a hole's tokens keep the turn before it"
+)
 #: The first column of every table of the trace, stored in every file (format 3; formats 1 and 2 kept
 #: it in the folder name of the token and update files).
 STEP_COLUMN = Column("step", pa.int64(), "the training step (verl's global_steps, from 1)", nullable=False)
@@ -212,6 +217,7 @@ TOKEN_COLUMNS = (
     Column("token_index", pa.int32(), "t, the position in the response (0 = first response token)", nullable=False),
     Column("token_id", pa.int32(), "y_t, the response token", "responses"),
     Column("mask", pa.bool_(), "true on trainable tokens (response_mask)", "response_mask", nullable=False),
+    Column("turn", pa.int32(), TURN_DOC, since=4),
     *FLOAT_COLUMNS,
 )
 
@@ -226,6 +232,7 @@ PROMPT_COLUMNS = (
     Column("response_length", pa.int32(), "L: last valid response position + 1 (0 without a valid token)", since=2),
     Column("eos", pa.bool_(), "the last valid token is an EOS token of the tokenizer", since=2),
     Column("truncated", pa.bool_(), "cut at max_response_length: the last valid token is at the last position and is not EOS", since=2),
+    Column("assistant_turns", pa.int32(), "K: the response's assistant turns (maximal runs of valid tokens)", since=4),
 )
 PROMPT_SCHEMA = pa.schema([c.field for c in PROMPT_COLUMNS], metadata=_VERSION)
 
