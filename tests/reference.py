@@ -135,8 +135,10 @@ def live_metrics(rewards, values, advantage_raw, advantages, scores, mask, uid, 
     1 − Var(G − V)/Var(G) (n − 1) against G = mc_row over all valid tokens, at each response's last
     one and per decile ⌊10·i/L⌋; std (n − 1) of the raw advantage, mean and std of the advantage;
     the mean over uid groups of ≥ 2 responses of the std of their summed scores; the mean over
-    responses of max|A|/Σ|A| and the share of Σ|A| on ranks 2i < L (raw advantage). ``values`` None:
-    no critic entries. Undefined entries are left out, as verl-ext leaves them out."""
+    responses of max|A|/Σ|A| and the share of Σ|A| on ranks 2i < L (raw advantage). When a response
+    has a hole (§10): the explained variance at the first token of each assistant turn k (turn{k})
+    and of all turns k ≥ 1 (after_hole), and the share of Σ|A| on each turn. ``values`` None: no
+    critic entries. Undefined entries are left out, as verl-ext leaves them out."""
     import statistics
 
     def ev(pairs):
@@ -148,6 +150,8 @@ def live_metrics(rewards, values, advantage_raw, advantages, scores, mask, uid, 
     out = {}
     rows = [(b, valid_positions(mask[b])) for b in range(len(mask))]
     rows = [(b, idx) for b, idx in rows if len(idx)]
+    turn_of = {b: [sum(1 for j in range(1, i + 1) if idx[j] != idx[j - 1] + 1) for i in range(len(idx))] for b, idx in rows}
+    multi_turn = any(max(turns) > 0 for turns in turn_of.values())
     if values is not None:
         buckets = {key: [] for key in ["all", "last", *(f"d{k}" for k in range(10))]}
         for b, idx in rows:
@@ -159,6 +163,16 @@ def live_metrics(rewards, values, advantage_raw, advantages, scores, mask, uid, 
             buckets["last"].append((g[-1], v[-1]))
         out["critic/ev_mc"], out["critic/ev_mc_last"] = ev(buckets["all"]), ev(buckets["last"])
         out |= {f"critic/ev_mc/d{k}": ev(buckets[f"d{k}"]) for k in range(10)}
+        if multi_turn:
+            firsts = {}
+            for b, idx in rows:
+                g = mc_row([float(rewards[b, t]) for t in idx], gamma)
+                for i, turn in enumerate(turn_of[b]):
+                    if i == 0 or turn != turn_of[b][i - 1]:
+                        firsts.setdefault(f"turn{turn}", []).append((g[i], float(values[b, idx[i]])))
+                        if turn:
+                            firsts.setdefault("after_hole", []).append((g[i], float(values[b, idx[i]])))
+            out |= {f"critic/ev_mc/{bucket}": ev(pairs) for bucket, pairs in firsts.items()}
     raw = [float(advantage_raw[b, t]) for b, idx in rows for t in idx]
     adv = [float(advantages[b, t]) for b, idx in rows for t in idx]
     out["adv/raw_std"] = statistics.stdev(raw)
@@ -177,4 +191,9 @@ def live_metrics(rewards, values, advantage_raw, advantages, scores, mask, uid, 
         total += sum(a)
     out["credit/top_token_share"] = statistics.fmean(top) if top else None
     out["credit/first_half_share"] = first_half / total if total > 0 else None
+    if multi_turn and total > 0:
+        for b, idx in rows:
+            for i, t in enumerate(idx):
+                key = f"credit/share/turn{turn_of[b][i]}"
+                out[key] = out.get(key, 0.0) + abs(float(advantage_raw[b, t])) / total
     return {key: value for key, value in out.items() if value is not None}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import tests.reference as ref
+from verl_ext import kernels
 from verl_ext.step_metrics import Responses, critic_by_group, credit_shares, prefixed, step_metrics
 
 
@@ -41,12 +43,14 @@ def test_against_the_direct_sums(seed):
     lengths = mask.sum(1)
     g = compacted(ref.mc_returns(rewards, mask, gamma), mask)
     has = lengths > 0
+    turn_starts = compacted(kernels.turn_starts(torch.from_numpy(mask)).numpy(), mask) > 0
     got = step_metrics(
-        Responses.of(lengths), returns=g, values=compacted(values, mask), advantage_raw=compacted(raw, mask),
+        Responses.of(lengths, turn_starts), returns=g, values=compacted(values, mask), advantage_raw=compacted(raw, mask),
         advantage=compacted(advantages, mask), scores=(scores * mask).sum(1)[has], uid=np.array(uid)[has],
     )  # fmt: skip
     want = ref.live_metrics(rewards, values, raw, advantages, scores, mask, uid, gamma)
-    assert sorted(got) == sorted(want) and len(want) == 18
+    # the hole at 4-5 of rows 3+: two turns, so turn0, turn1, after_hole and two turn shares
+    assert sorted(got) == sorted(want) and len(want) == 18 + 5
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
@@ -92,3 +96,22 @@ def test_the_group_std_does_not_depend_on_the_uids_names():
     assert group_score_std(scores, renamed) == group_score_std(scores, named)
     by_hand = np.mean([scores[groups == g].std(ddof=1) for g in range(16)])
     assert group_score_std(scores, named) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_turns_by_hand():
+    # response 0: valid tokens 0, 1 | hole | 2 (turns 0, 0, 1); response 1: tokens 3, 4 (one turn)
+    from verl_ext.step_metrics import critic_by_turn, turn_shares
+
+    responses = Responses.of([3, 2], [True, False, True, True, False])
+    assert responses.turn.tolist() == [0, 0, 1, 0, 0] and responses.multi_turn
+    g, v = np.array([1.0, 9, 0.5, 3.0, 9]), np.array([0.0, 9, 0.25, 2.0, 9])
+    by_turn = critic_by_turn(v, g, responses)
+    assert list(by_turn) == ["turn0", "turn1", "after_hole"]
+    # turn0: the first tokens 0 and 3: G = [1, 3], V = [0, 2]: G − V = [1, 1] does not vary: EV = 1
+    assert by_turn["turn0"]["tokens"] == 2 and by_turn["turn0"]["explained_var"] == pytest.approx(1.0)
+    assert by_turn["turn1"] == by_turn["after_hole"] == {
+        "tokens": 1, "explained_var": None, "mean_abs_error": 0.25, "mean_return": 0.5, "mean_value": 0.25,
+    }  # fmt: skip
+    assert turn_shares(np.array([1.0, -1, 2, 1, -1]), responses) == pytest.approx({"turn0": 4 / 6, "turn1": 2 / 6})
+    assert not Responses.of([3, 2], [True, False, False, True, False]).multi_turn
+    assert not Responses.of([3, 2]).multi_turn

@@ -10,9 +10,10 @@ step's live metrics are its post-hoc numbers.
 
 Positions: the valid token of rank i (0-based) of a response with L valid tokens is in decile
 ``d{⌊10·i/L⌋}``; ``last`` is each response's last valid token; the first half is d0–d4 (2i < L).
-A grouping of the tokens (deciles here; turns once the trace has them) is an int array of group ids:
-per-turn explained variances are :func:`critic_by_group` over turn ids, and a per-turn credit share
-the same run-wise sum :func:`_first_half` does, over turn runs instead of decile runs.
+Turns (docs/definitions.md §10; a multi-turn response's holes are not among its valid tokens, so
+``Responses`` says where each assistant turn starts): ``turn{k}`` is the first token of each
+response's turn k, the state after the k-th hole (a tool's answer); ``after_hole`` all of those with
+k ≥ 1. A step whose responses all have one turn has no turn metrics.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ CRITIC_STATISTICS = ("tokens", "explained_var", "mean_abs_error", "mean_return",
 
 #: The live metrics' names (under verl_ext/ in verl's metrics), each a quantity of :func:`step_metrics`.
 EV_ALL, EV_LAST = "critic/ev_mc", "critic/ev_mc_last"
-EV_BUCKET = "critic/ev_mc/{bucket}"  # d0 … d9, later turn0, turn1, …
+EV_BUCKET = "critic/ev_mc/{bucket}"  # d0 … d9, and on multi-turn steps turn0, turn1, …, after_hole
+TURN_SHARE = "credit/share/{turn}"  # turn0, turn1, …: the share of the step's Σ|A| on each turn
 RAW_STD, WHITEN_MEAN, WHITEN_STD = "adv/raw_std", "adv/whiten_mean", "adv/whiten_std"
 GROUP_STD = "reward/group_std"
 TOP_TOKEN_SHARE, FIRST_HALF_SHARE = "credit/top_token_share", "credit/first_half_share"
@@ -43,10 +45,12 @@ class Responses:
     """The valid tokens of a step's responses: ``lengths[b]`` = L of response b (0 for none)."""
 
     lengths: np.ndarray
+    #: (N,) bool: True at the first valid token of each assistant turn; None: one turn each.
+    turn_starts: np.ndarray | None = None
 
     @classmethod
-    def of(cls, lengths: Sequence[int] | np.ndarray) -> "Responses":
-        return cls(np.asarray(lengths, dtype=np.int64))
+    def of(cls, lengths: Sequence[int] | np.ndarray, turn_starts: np.ndarray | None = None) -> "Responses":
+        return cls(np.asarray(lengths, dtype=np.int64), None if turn_starts is None else np.asarray(turn_starts, bool))
 
     @property
     def tokens(self) -> int:
@@ -73,6 +77,20 @@ class Responses:
         ends = np.concatenate((first[:, 1:], (self.starts + self.lengths)[:, None]), axis=1)
         nonempty = (ends > first).reshape(-1)
         return first.reshape(-1)[nonempty], np.broadcast_to(k, first.shape).reshape(-1)[nonempty]
+
+    @cached_property
+    def turn(self) -> np.ndarray:
+        """(N,) the assistant turn k of each valid token (0 everywhere without ``turn_starts``)."""
+        if self.turn_starts is None:
+            return np.zeros(self.tokens, np.int64)
+        begun = np.cumsum(self.turn_starts)
+        present = self.lengths > 0
+        first = np.repeat(begun[self.starts[present]], self.lengths[present])
+        return begun - first
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.tokens > 0 and int(self.turn.max()) > 0
 
     @cached_property
     def last(self) -> np.ndarray:
@@ -152,6 +170,19 @@ def _critic_by_runs(
     return rows
 
 
+def critic_by_turn(values: np.ndarray, returns: np.ndarray, responses: Responses) -> dict[str, dict]:
+    """``turn{k}`` -> the statistics of :func:`critic_by_group` at the first token of every response's
+    turn k, for k = 0 … K−1 (K: the most turns of a response), and ``after_hole`` -> the same over the
+    first tokens of all turns k ≥ 1."""
+    first = np.flatnonzero(responses.turn_starts) if responses.turn_starts is not None else responses.starts[responses.lengths > 0]
+    turn = responses.turn[first]
+    turns = int(turn.max()) + 1 if len(turn) else 0
+    by_turn = critic_by_group(values[first], returns[first], turn, turns)
+    later = turn > 0
+    (after_hole,) = critic_by_group(values[first][later], returns[first][later], np.zeros(int(later.sum()), np.int64), 1)
+    return {**{f"turn{k}": stats for k, stats in enumerate(by_turn)}, "after_hole": after_hole}
+
+
 # --------------------------------------------------------------------------- the credit
 
 
@@ -173,6 +204,16 @@ def credit_shares(advantage: np.ndarray, responses: Responses) -> dict[str, floa
         "top_token_share": float((largest[credited] / total[credited]).mean()) if credited.any() else None,
         "first_half_share": float(_first_half(magnitude, responses) / step_total) if step_total > 0 else None,
     }
+
+
+def turn_shares(advantage: np.ndarray, responses: Responses) -> dict[str, float]:
+    """``turn{k}`` -> the share of the step's Σ|A| on the tokens of turn k (of every response);
+    {} where no token carries credit."""
+    magnitude = np.abs(np.asarray(advantage, dtype=np.float64))
+    total = float(magnitude.sum())
+    if total <= 0:
+        return {}
+    return {f"turn{k}": float(share) for k, share in enumerate(np.bincount(responses.turn, weights=magnitude) / total)}
 
 
 def _first_half(x: np.ndarray, responses: Responses) -> float:
@@ -230,6 +271,9 @@ def step_metrics(
         metrics[EV_ALL] = by_position["all"]["explained_var"]
         metrics[EV_LAST] = by_position["last"]["explained_var"]
         metrics |= {EV_BUCKET.format(bucket=d): by_position[d]["explained_var"] for d in DECILES}
+        if responses.multi_turn:
+            by_turn = critic_by_turn(values, returns, responses)
+            metrics |= {EV_BUCKET.format(bucket=bucket): stats["explained_var"] for bucket, stats in by_turn.items()}
     metrics[RAW_STD] = standard_deviation(advantage_raw)
     metrics[WHITEN_MEAN], metrics[WHITEN_STD] = mean(advantage), standard_deviation(advantage)
     if scores is not None and uid is not None and len(uid):
@@ -237,6 +281,8 @@ def step_metrics(
     if advantage_raw is not None:
         shares = credit_shares(advantage_raw, responses)
         metrics[TOP_TOKEN_SHARE], metrics[FIRST_HALF_SHARE] = shares["top_token_share"], shares["first_half_share"]
+        if responses.multi_turn:
+            metrics |= {TURN_SHARE.format(turn=turn): share for turn, share in turn_shares(advantage_raw, responses).items()}
     return {name: value for name, value in metrics.items() if value is not None}
 
 

@@ -24,21 +24,30 @@ GAMMA = 0.9
 
 def expected_rows(step: int, batch: Batch, gamma: float) -> list[dict]:
     """Per bucket: tokens, EV, mean |V − G|, mean G, mean V; G_t = Σ_{k≥t} γ^{k−t} r_k summed
-    directly over each response's valid tokens (interior holes skipped), decile ⌊10·i/L⌋."""
+    directly over each response's valid tokens (interior holes skipped), decile ⌊10·i/L⌋; where a
+    response has a hole, turn k's first valid token (the k-th after a masked position) in turn{k}
+    and, for k ≥ 1, in after_hole."""
     members = {bucket: [] for bucket in BUCKETS}  # (G, V) pairs
     for b in range(len(batch.mask)):
         valid = [t for t in range(batch.mask.shape[1]) if batch.mask[b, t] != 0]
         r = [float(batch.rewards[b, t]) for t in valid]
         v = [float(batch.values[b, t]) for t in valid]
         L = len(valid)
+        turn = -1
         for i in range(L):
             g = sum(gamma ** (k - i) * r[k] for k in range(i, L))
             members[f"d{10 * i // L}"].append((g, v[i]))
             members["all"].append((g, v[i]))
             if i == L - 1:
                 members["last"].append((g, v[i]))
+            if i == 0 or valid[i - 1] != valid[i] - 1:  # a turn begins
+                turn += 1
+                members.setdefault(f"turn{turn}", []).append((g, v[i]))
+                if turn:
+                    members.setdefault("after_hole", []).append((g, v[i]))
+    turns = [bucket for bucket in members if bucket.startswith("turn")]
     rows = []
-    for bucket in BUCKETS:
+    for bucket in [*BUCKETS, *(sorted(turns, key=lambda b: int(b[4:])) + ["after_hole"] if "turn1" in members else [])]:
         g = [pair[0] for pair in members[bucket]]
         v = [pair[1] for pair in members[bucket]]
         n = len(g)
@@ -100,7 +109,13 @@ def critic_free_trace(directory) -> str:
 
 def test_by_hand(tmp_path):
     rows = {row["bucket"]: row for row in critic_diagnostics(hand_trace(tmp_path / "t")).to_pylist()}
-    assert list(rows) == list(BUCKETS)
+    assert list(rows) == [*BUCKETS, "turn0", "turn1", "after_hole"]
+    # turns: response 1's hole makes its last token the first of its turn 1: turn0 G = [.25, .25],
+    # V = [.2, .1]; turn1 and after_hole G = [.5], V = [.3]
+    assert (rows["turn0"]["tokens"], rows["turn0"]["explained_var"]) == (2, None)
+    assert rows["turn0"]["mean_abs_error"] == pytest.approx(0.1)
+    for bucket in ("turn1", "after_hole"):
+        assert (rows[bucket]["tokens"], rows[bucket]["mean_return"], rows[bucket]["mean_value"]) == pytest.approx((1, 0.5, 0.3))
     # all: G = [.25, .5, 1, .25, .5], V = [.2, .4, .6, .1, .3]; G − V = [.05, .1, .4, .15, .2]
     # Var(G) = (.0625 + 0 + .25 + .0625 + 0)/4 = .09375; Var(G − V) = (.0169 + .0064 + .0484 + .0009 + .0004)/4 = .01825
     assert rows["all"]["explained_var"] == pytest.approx(1 - 0.01825 / 0.09375)
@@ -111,7 +126,7 @@ def test_by_hand(tmp_path):
     assert rows["last"]["explained_var"] == pytest.approx(1 - 0.02 / 0.125)
     assert rows["last"]["mean_abs_error"] == pytest.approx(0.3)
     # deciles: response 0 (L = 3) ranks 0, 1, 2 -> d0, d3, d6; response 1 (L = 2) ranks 0, 1 -> d0, d5
-    assert {b: r["tokens"] for b, r in rows.items() if r["tokens"]} == {"d0": 2, "d3": 1, "d5": 1, "d6": 1, "last": 2, "all": 5}
+    assert {b: r["tokens"] for b, r in rows.items() if r["tokens"] and b in BUCKETS} == {"d0": 2, "d3": 1, "d5": 1, "d6": 1, "last": 2, "all": 5}
     assert rows["d0"]["explained_var"] is None  # G = [.25, .25] does not vary
     assert rows["d0"]["mean_abs_error"] == pytest.approx((0.05 + 0.15) / 2)
     assert rows["d3"]["explained_var"] is None and rows["d3"]["mean_abs_error"] == pytest.approx(0.1)  # one token
@@ -148,7 +163,7 @@ def test_the_yardstick_is_the_mc_return_whatever_the_estimator(tmp_path, batches
 def test_steps_by_bucket(mc_trace, batches):
     diagnostics = critic_diagnostics(mc_trace)
     wide = steps_by_bucket(diagnostics, "mean_abs_error")
-    assert wide.column_names == ["step", *BUCKETS]
+    assert wide.column_names == ["step", *BUCKETS, "turn0", "turn1", "after_hole"]  # random_batch: one hole
     assert wide.column("step").to_pylist() == [1, 2, 3]
     for i, step in enumerate((1, 2, 3)):
         for row in expected_rows(step, batches[step], GAMMA):
@@ -183,13 +198,13 @@ def test_summary_critic_command(tmp_path, run_cli):
     # text drops the columns that are null in every step: d0 (G does not vary) and the empty deciles
     assert ev.splitlines() == ["step    last     all", f"   7  0.8400  {1 - 0.01825 / 0.09375:.4f}"]
     assert mae_title == "mean |V − G| by position:"
-    assert mae.splitlines()[0].split() == ["step", "d0", "d3", "d5", "d6", "last", "all"]
-    assert mae.splitlines()[1].split() == ["7", "0.1000", "0.1000", "0.2000", "0.4000", "0.3000", "0.1800"]
+    assert mae.splitlines()[0].split() == ["step", "d0", "d3", "d5", "d6", "last", "all", "turn0", "turn1", "after_hole"]
+    assert mae.splitlines()[1].split() == ["7", "0.1000", "0.1000", "0.2000", "0.4000", "0.3000", "0.1800", "0.1000", "0.2000", "0.2000"]
 
     code, out, _ = run_cli("summary", path, "--critic", "--format", "csv")
     lines = out.splitlines()
     assert lines[0] == "step,bucket,tokens,explained_var,mean_abs_error,mean_return,mean_value"
-    assert [line.split(",")[1] for line in lines[1:]] == list(BUCKETS)
+    assert [line.split(",")[1] for line in lines[1:]] == [*BUCKETS, "turn0", "turn1", "after_hole"]
     assert lines[1 + BUCKETS.index("d1")] == "7,d1,0,,,,"
 
     code, out, _ = run_cli("summary", path, "--critic", "--format", "markdown", "--digits", "2")
@@ -203,7 +218,7 @@ def test_plot_draws_the_matrix(mc_trace, batches, tmp_path, run_cli):
     ev_axis, mae_axis = [axis for axis in figure.axes if axis.images]
     ev_image, mae_image = ev_axis.images[0], mae_axis.images[0]
     assert ev_image.norm.vmin == -1 and ev_image.norm.vmax == 1 and ev_image.get_cmap().name.startswith("RdBu")
-    assert [t.get_text() for t in ev_axis.get_xticklabels()] == list(BUCKETS)
+    assert [t.get_text() for t in ev_axis.get_xticklabels()] == [*BUCKETS, "turn0", "turn1", "after_hole"]
     for i, step in enumerate((1, 2, 3)):
         for j, row in enumerate(expected_rows(step, batches[step], GAMMA)):
             for image, metric in ((ev_image, "explained_var"), (mae_image, "mean_abs_error")):
@@ -225,3 +240,20 @@ def test_a_run_without_a_critic_is_a_clear_error(tmp_path, run_cli):
     code, out, err = run_cli("summary", path, "--critic")
     assert code == 2 and out == ""
     assert err.startswith("verl-ext summary: step 1 has no values") and len(err.strip().splitlines()) == 1
+
+
+def test_the_traced_metrics_of_a_multi_turn_step_follow_the_definitions(tmp_path):
+    """Up to four turns a response: the post-hoc live metrics (turn{k}, after_hole, the turn shares
+    among them) against tests/reference.py's direct sums on the tensors written."""
+    import tests.reference as ref
+    from verl_ext.inspect.critic import traced_step_metrics
+
+    batch = by_definition(random_batch(1, B=8, T=30, holes=3), "mc", GAMMA)
+    path = write_trace(tmp_path / "t", algorithm("mc", gamma=GAMMA), {1: batch})
+    got = traced_step_metrics(path, 1)
+    arrays = [None if x is None else x.double().numpy() for x in (batch.rewards, batch.values, batch.advantage_raw, batch.advantages, batch.scores, batch.mask)]
+    want = ref.live_metrics(*arrays[:5], arrays[5], [f"u{i}" for i in range(8)], GAMMA)
+    assert {"critic/ev_mc/turn1", "critic/ev_mc/after_hole", "credit/share/turn2"} <= set(want), sorted(want)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key  # the trace holds float32

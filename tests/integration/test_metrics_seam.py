@@ -89,7 +89,9 @@ def test_every_step_gets_the_metrics(compose, trainer_kind, estimator):
     else:  # grpo: the advantage itself
         raw = batch.batch["advantages"].numpy()
     want = expected(batch, np.nan_to_num(raw))
-    assert len(want) == (18 if estimator != "grpo" else 6)
+    # make_step's responses have a hole at positions 3-4: two turns each, so 3 more explained variances
+    # (turn0, turn1, after_hole) and 2 turn shares
+    assert len(want) == (18 + 5 if estimator != "grpo" else 6 + 2)
     assert_metrics(metrics, want)
     assert trainer_kind == "v1" or metrics["critic/score/mean"] == 0.5  # verl's own metrics kept
 

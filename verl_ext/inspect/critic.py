@@ -11,7 +11,9 @@ ready?"):
 Buckets by position: the valid token of rank i (0-based) of a response with L valid tokens is in
 the decile ``d{⌊10·i/L⌋}`` (``d0`` … ``d9``; a response shorter than 10 tokens leaves some empty);
 ``last`` holds each response's last valid token (i = L−1, which is also in its decile); ``all``
-every valid token. Per (step, bucket), over the bucket's n tokens of the step:
+every valid token. On a multi-turn step (docs/definitions.md §10) also by turn: ``turn{k}`` holds the
+first token of each response's assistant turn k, the state after its k-th hole (a tool's answer),
+and ``after_hole`` those of every turn k ≥ 1. Per (step, bucket), over the bucket's n tokens of the step:
 
 * ``explained_var`` = 1 − Var(G − V) / Var(G), variances with n − 1 as verl's
   ``critic/vf_explained_var``; null when n < 2 or Var(G) = 0;
@@ -31,13 +33,22 @@ import pyarrow as pa
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
-from verl_ext.step_metrics import BUCKETS, DECILES, Responses, critic_by_position, explained_variance, step_metrics
+from verl_ext.step_metrics import (
+    BUCKETS,
+    DECILES,
+    Responses,
+    critic_by_position,
+    critic_by_turn,
+    explained_variance,
+    step_metrics,
+)
 
 __all__ = [
     "BUCKETS", "DECILES", "critic_diagnostics", "explained_variance", "step_diagnostics", "steps_by_bucket", "traced_step_metrics",
 ]  # fmt: skip
 
-#: One row per (step, bucket), every bucket of every step (a bucket without tokens has nulls).
+#: One row per (step, bucket), every bucket of BUCKETS of every step (a bucket without tokens has
+#: nulls), and the turn buckets of a multi-turn step.
 CRITIC_SCHEMA = pa.schema(
     [("step", pa.int64()), ("bucket", pa.string()), ("tokens", pa.int64())]
     + [(name, pa.float64()) for name in ("explained_var", "mean_abs_error", "mean_return", "mean_value")]
@@ -71,10 +82,14 @@ def critic_diagnostics(trace, steps: Iterable[int] | None = None, progress: Prog
 
 
 def step_diagnostics(data: StepData, gamma: float) -> list[dict]:
-    """The CRITIC_SCHEMA rows of one step (``data`` with ``reward`` and ``value``), in BUCKETS order
-    (computed by :func:`verl_ext.step_metrics.critic_by_position`, as the live metrics are)."""
-    by_position = critic_by_position(data.columns["value"], monte_carlo_returns(data, gamma), responses(data.layout))
-    return [{"step": data.step, "bucket": bucket, **by_position[bucket]} for bucket in BUCKETS]
+    """The CRITIC_SCHEMA rows of one step (``data`` with ``reward`` and ``value``), in BUCKETS order,
+    then turn0, turn1, …, after_hole on a multi-turn step (computed by
+    :func:`verl_ext.step_metrics.critic_by_position` and ``critic_by_turn``, as the live metrics are)."""
+    values, returns, step_responses = data.columns["value"], monte_carlo_returns(data, gamma), responses(data.layout)
+    by_bucket = critic_by_position(values, returns, step_responses)
+    if step_responses.multi_turn:
+        by_bucket |= critic_by_turn(values, returns, step_responses)
+    return [{"step": data.step, "bucket": bucket, **stats} for bucket, stats in by_bucket.items()]
 
 
 def traced_step_metrics(trace, step: int) -> dict[str, float]:
@@ -122,19 +137,22 @@ def monte_carlo_returns(data: StepData, gamma: float) -> np.ndarray:
 
 
 def responses(layout: StepLayout) -> Responses:
-    """The step's responses as :mod:`verl_ext.step_metrics` takes them: the valid tokens of each."""
-    return Responses.of(layout.valid_counts)
+    """The step's responses as :mod:`verl_ext.step_metrics` takes them: the valid tokens of each, and
+    where each assistant turn starts."""
+    return Responses.of(layout.valid_counts, layout.turn_starts)
 
 
 def steps_by_bucket(diagnostics: pa.Table, metric: str = "explained_var") -> pa.Table:
     """The wide form of one metric of :func:`critic_diagnostics`: one row per step, columns
-    ``step`` then one per bucket present (BUCKETS order), null where the bucket has no value."""
+    ``step`` then one per bucket present (BUCKETS order, then the turns in order, then
+    after_hole), null where the bucket has no value."""
     if metric not in METRICS:
         raise UsageError(f"unknown metric {metric!r}; expected one of {', '.join(METRICS)}")
     rows = diagnostics.select(["step", "bucket", metric]).to_pylist()
     steps = sorted({row["step"] for row in rows})
     present = {row["bucket"] for row in rows}
-    buckets = [bucket for bucket in BUCKETS if bucket in present]
+    turns = sorted((b for b in present if b.startswith("turn")), key=lambda b: int(b[4:]))
+    buckets = [b for b in BUCKETS if b in present] + turns + [b for b in ("after_hole",) if b in present]
     cell = {(row["step"], row["bucket"]): row[metric] for row in rows}
     kind = CRITIC_SCHEMA.field(metric).type
     columns = {"step": pa.array(steps, pa.int64())}

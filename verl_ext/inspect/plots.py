@@ -376,11 +376,11 @@ def critic_heatmap(trace, progress: Progress | None = None) -> Figure:
                 if np.isfinite(value):
                     ink = "white" if sum(image.cmap(image.norm(value))[:3]) < 1.2 else "black"
                     axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6.5, color=ink)
-        for edge in (buckets.index("last") - 0.5, buckets.index("all") - 0.5):  # deciles | last | all
+        for edge in (buckets.index("last") - 0.5, buckets.index("all") - 0.5, buckets.index("all") + 0.5):  # deciles | last | all | turns
             axis.axvline(edge, color="white", linewidth=2)
         axis.set_xticks(range(len(buckets)), buckets)
         axis.set_yticks(*_step_ticks(steps))
-        axis.set_xlabel("position: deciles of each response's valid tokens, its last valid token, all")
+        axis.set_xlabel("position: deciles of each response's valid tokens, its last valid token, all; each turn's first token")
         axis.set_ylabel("training step")
         axis.set_title(title, fontsize=10)
         fig.colorbar(image, ax=axis, label=unit, extend="both" if scale else "neither", shrink=0.9)

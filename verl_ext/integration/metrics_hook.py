@@ -1,8 +1,9 @@
 """Where verl's trainers meet the live metrics (:mod:`verl_ext.step_metrics`), trace or no trace.
 
 Every step, on the driver, from the batch verl holds once it has its advantages: the critic against
-the Monte-Carlo return (overall, at each response's last token, by decile), the advantage's spread
-and whitening, the spread of the scores within prompt groups, and where the credit lands; named
+the Monte-Carlo return (overall, at each response's last token, by decile and, on multi-turn steps,
+at the start of each assistant turn), the advantage's spread
+and whitening, the spread of the scores within prompt groups, and where the credit lands (on multi-turn steps also per turn); named
 ``verl_ext/…`` in verl's metrics, so every logger of ``trainer.logger`` shows them
 (docs/definitions.md §11). The patches in :mod:`verl_ext.integration.patches` call in here:
 
@@ -68,6 +69,7 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float
     import torch
 
     from verl_ext import registry
+    from verl_ext.kernels import turn_starts
     from verl_ext.step_metrics import Responses, prefixed, step_metrics
 
     batch = data.batch
@@ -99,7 +101,7 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float
     if data.non_tensor_batch.get("uid") is not None:
         uid = np.asarray(data.non_tensor_batch["uid"])[has_tokens]
     metrics = step_metrics(
-        Responses.of(lengths),
+        Responses.of(lengths, at_valid_tokens(turn_starts(mask)) > 0),
         returns=at_valid_tokens(returns),
         values=at_valid_tokens(values),
         advantage_raw=at_valid_tokens(advantage_raw),
