@@ -29,6 +29,8 @@ def in_process(args: argparse.Namespace, extra: list[str]):
     from verl_ext.cpu.in_process import BatchRecorder, run_in_process
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides
 
+    import observation_agent  # noqa: F401  registers the two-turn agent loop (default_agent_loop=observation_agent)
+
     overrides = cpu_overrides(
         build_assets(),
         args.output_dir,

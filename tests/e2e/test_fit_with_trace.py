@@ -2,9 +2,11 @@
 and grpo, and the README's example of a user's estimator, loaded through VERL_USE_EXTERNAL_MODULES),
 with KL in the reward and the per-token trace on, its update tables included: two PPO epochs of two
 shuffled mini-batches of two micro-batches each, a large actor learning rate and a small clip ratio,
-so that ratios move away from 1 and clipping happens; and verl's gae once more with the batch
-settings of GPU runs (micro-batches packed by token count, no batch balancing). One fresh
-interpreter per scenario (the platform, registries and patches are process-global).
+so that ratios move away from 1 and clipping happens; verl's gae once more with the batch settings
+of GPU runs (micro-batches packed by token count, no batch balancing); and ``turn_gae`` on
+multi-turn responses (an agent loop that puts an observation the policy did not write between two
+assistant turns: holes in the mask, as verl's tool agent loop makes). One fresh interpreter per
+scenario (the platform, registries and patches are process-global).
 
 What each run is checked against, independently of verl-ext's own code:
 * the batch the trainer actually used at each step, copied by the runner's ``on_batch`` hook;
@@ -36,6 +38,7 @@ GAMMA, LAM = 0.99, 0.9
 #: CPU recipe's critic; and the token budgets of the dynamic_bsz run (a sequence is ~20 tokens)
 FIXED_MICRO_BATCH = {"actor": 2, "critic": 4}
 TOKEN_BUDGET = {"actor": 32, "critic": 40}
+MULTI_TURN = "turn_gae+observation"
 #: scenario -> (estimator, its overrides)
 RUNS = {
     "mc": ("mc", []),
@@ -48,6 +51,9 @@ RUNS = {
     # the batch settings of GPU runs: micro-batches packed by token count (actor, critic and every
     # log-prob and value pass, verl reorders the rows and restores them after) and no balancing;
     # the other scenarios run verl's default, trainer.balance_batch=True, which reorders the batch
+    # multi-turn responses through verl's agent-loop worker: the policy writes, an observation it did
+    # not write follows (mask 0), the policy writes on (tests/cpu/observation_agent.py)
+    MULTI_TURN: ("turn_gae", ["actor_rollout_ref.rollout.agent.default_agent_loop=observation_agent"]),
     "gae+dynamic_bsz": ("gae", [
         "actor_rollout_ref.actor.use_dynamic_bsz=True",  # the critic, log-prob and ref passes follow it
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={TOKEN_BUDGET['actor']}",
@@ -167,6 +173,9 @@ def test_returns_and_advantages_follow_the_definitions(finished_run):
         elif estimator == "td_half":
             raw = ref.gae_advantages(rewards, values, mask, GAMMA, 0.5)
             returns = raw + values64
+        elif estimator == "turn_gae":  # one advantage per assistant turn; token-level GAE(λ) returns
+            raw = ref.turn_gae_advantages(rewards, values, mask, GAMMA, LAM)
+            returns = ref.gae_advantages(rewards, values, mask, GAMMA, LAM) + values64
         else:  # verl's gae
             raw = ref.gae_advantages(rewards, values, mask, GAMMA, LAM)
             returns = raw + values64
@@ -208,7 +217,10 @@ def test_trace_equals_what_the_trainer_used(finished_run):
             raw = (batch["returns"] - batch["values"]).numpy()[positions]
             if estimator == "gae_ext":  # decoupled λ: the raw advantage is GAE(λ_actor), not returns − values
                 raw = ref.gae_advantages(batch["token_level_rewards"], batch["values"], batch["response_mask"], GAMMA, 0.8)[positions]
-            np.testing.assert_allclose(table["advantage_raw"].to_numpy(), raw, rtol=1e-4, atol=1e-5)
+            if estimator == "turn_gae":
+                raw = ref.turn_gae_advantages(batch["token_level_rewards"], batch["values"], batch["response_mask"], GAMMA, LAM)[positions]
+            valid_rows = table["mask"].to_numpy()  # a hole's numbers are not part of the contract
+            np.testing.assert_allclose(table["advantage_raw"].to_numpy()[valid_rows], raw[valid_rows], rtol=1e-4, atol=1e-5)
         assert trace.step_record(step).kl_coef == pytest.approx(0.05)
 
 
@@ -318,6 +330,29 @@ def test_update_rows_cover_every_trained_token_once_per_epoch(finished_run):
         np.testing.assert_array_equal(actor["advantage"].to_numpy(np.float32), batch["advantages"].numpy()[positions])
         np.testing.assert_array_equal(actor["old_log_prob"].to_numpy(np.float32), batch["old_log_probs"].numpy()[positions])
         assert actor["entropy"].notna().all()
+
+
+@pytest.mark.parametrize("finished_run", [pytest.param(MULTI_TURN, marks=fit_group(MULTI_TURN))], indirect=True)
+def test_the_observation_agent_gives_multi_turn_responses_and_metrics_by_turn(finished_run):
+    """The multi-turn run is one: responses of two assistant turns around an observation the update
+    does not train (the update tables above hold the valid tokens only), their turns in the trace,
+    and the live metrics by turn in verl's metrics (equal to the trace's numbers, above)."""
+    from verl_ext.apps.learning import read_metrics
+    from verl_ext.trace.reader import open_trace
+
+    _, out, batches = finished_run
+    trace = open_trace(str(out / "trace"))
+    for step, batch in batches["steps"].items():
+        turns = trace.prompts(step)["assistant_turns"].to_numpy()
+        expected = [len(ref.turns_of_row(row)) for row in batch["response_mask"].numpy()]
+        assert turns.tolist() == expected and (turns == 2).sum() >= len(turns) // 2, turns
+        table = trace.read_step(step, ["sample", "token_index", "mask", "turn"]).to_pandas()
+        holes = table[~table["mask"]]
+        assert len(holes) and (holes["turn"] == 0).all()  # a hole keeps the turn before it
+        assert set(table["turn"]) == {0, 1}
+        metrics = read_metrics(out)[step]
+        assert {"verl_ext/critic/ev_mc/turn1", "verl_ext/credit/share/turn1"} <= set(metrics)
+        assert metrics["verl_ext/credit/share/turn0"] + metrics["verl_ext/credit/share/turn1"] == pytest.approx(1.0)
 
 
 def test_the_batch_settings_took_effect(finished_run, request):
