@@ -29,6 +29,8 @@ def test_summary_numbers_by_hand(tmp_path):
         "clip_low": None, "clip_high": None, "clip_dual": None, "adv_dlogp_corr": None,  # no update tables
         "ev_mc": 1 - 0.052 / 0.075,  # an mc run: the recorded returns are the MC returns
         "ev_mc_last": 1 - 0.02 / 0.125,  # last tokens: G = [1, 0.5], G − V = [0.4, 0.2]
+        # sample 1's hole makes two turns of it: 1.5 turns a sample; its last token (|A| = 0.2) is after the hole
+        "turns": 1.5, "adv_share_after_hole": 0.2 / 2.4,
     }  # fmt: skip
     assert row == pytest.approx(expected, abs=1e-6)
 
@@ -53,8 +55,19 @@ def test_summary_command(tmp_path, run_cli):
         "explained_var",
         "ev_mc",
         "ev_mc_last",
+        "turns",
+        "adv_share_after_hole",
     ]  # fmt: skip  (kl: none)
     assert line.split()[:4] == ["3", "2", "5", "0.7500"]
-    assert line.split()[-3:] == ["0.3067", "0.3067", "0.8400"]
+    assert line.split()[-5:] == ["0.3067", "0.3067", "0.8400", "1.5000", "0.0833"]
     code, out, _ = run_cli("summary", path, "--format", "csv")
     assert out.splitlines()[0].startswith("step,samples,tokens,score,reward,kl,")
+
+
+def test_a_single_turn_step_has_no_turn_statistics(tmp_path):
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])  # padding only: no hole
+    scores = torch.tensor([[0.0, 0, 1, 0], [0, 0.5, 0, 0]])
+    ids, prompt = torch.ones(2, 4, dtype=torch.long), torch.ones(2, 1, dtype=torch.long)
+    b = by_definition(Batch(mask, ids, prompt, torch.ones(2, 1) > 0, scores, None, scores.clone(), scores + 0.1), "mc", gamma=1.0)
+    row = summarize(write_trace(tmp_path / "t", algorithm("mc"), {1: b})).to_pylist()[0]
+    assert row["turns"] is None and row["adv_share_after_hole"] is None and row["tokens"] == 5

@@ -15,6 +15,9 @@
   recomputed from the rewards (the same yardstick whatever the estimator), over all valid tokens and
   over each response's last valid token (null without values); by position in
   :mod:`verl_ext.inspect.critic` (``verl-ext summary --critic``)
+* ``turns``, ``adv_share_after_hole``, on a step with multi-turn responses only (docs/definitions.md
+  §10): the mean number of assistant turns of the samples, and the share of the step's Σ|A| (raw
+  advantage) on the tokens after a hole (turns k ≥ 1); null on a single-turn step
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import pyarrow as pa
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.update import update_statistics
-from verl_ext.step_metrics import critic_by_position
+from verl_ext.step_metrics import critic_by_position, turn_shares
 
 SUMMARY_SCHEMA = pa.schema(
     [("step", pa.int64()), ("samples", pa.int64()), ("tokens", pa.int64())]
@@ -50,6 +53,8 @@ SUMMARY_SCHEMA = pa.schema(
             "adv_dlogp_corr",
             "ev_mc",
             "ev_mc_last",
+            "turns",
+            "adv_share_after_hole",
         )
     ]
 )
@@ -103,7 +108,20 @@ def step_summary(data: StepData, gamma: float) -> dict:
         "adv_std": std(col["advantage"]),
         "explained_var": explained_variance(col["value"], col["return"]),
         **monte_carlo_explained_variance(data, gamma),
+        **turn_statistics(data),
     }
+
+
+def turn_statistics(data: StepData) -> dict:
+    """``turns`` and ``adv_share_after_hole`` (module docstring); null on a single-turn step."""
+    step_responses = responses(data.layout)
+    if not step_responses.multi_turn:
+        return {"turns": None, "adv_share_after_hole": None}
+    present = step_responses.lengths > 0
+    turns = np.bincount(np.repeat(np.arange(len(present)), step_responses.lengths), weights=step_responses.turn_starts)
+    raw = data.columns["advantage_raw"] if data.columns["advantage_raw"] is not None else data.columns["advantage"]
+    shares = {} if raw is None else turn_shares(raw, step_responses)
+    return {"turns": float(turns[present].mean()), "adv_share_after_hole": (1.0 - shares["turn0"]) if shares else None}
 
 
 def monte_carlo_explained_variance(data: StepData, gamma: float) -> dict:
