@@ -98,6 +98,9 @@ def hf_server(output_dir: Path):
     sampled = asyncio.run(requests({"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}))
     greedy_a = asyncio.run(requests({"temperature": 0, "logprobs": False}))
     greedy_b = asyncio.run(requests({"temperature": 0, "logprobs": False}))
+    # a stop token (verl's stop_token_ids) ends the response like EOS, and is kept
+    stop = greedy_a[0].token_ids[1]
+    stopped = asyncio.run(server.generate("s", prompts[0], {"temperature": 0, "stop_token_ids": [stop]}))
     state = {name: torch.zeros_like(p) for name, p in server.model.state_dict().items()}
     asyncio.run(server.update_weights(state, global_steps=7))
     after = asyncio.run(requests({"temperature": 0, "logprobs": False}))
@@ -109,6 +112,7 @@ def hf_server(output_dir: Path):
         "sampled": [o.model_dump() for o in sampled],
         "greedy_a": [o.token_ids for o in greedy_a],
         "greedy_b": [o.token_ids for o in greedy_b],
+        "stopped": stopped.token_ids,
         "after_update": [o.model_dump() for o in after],
         "response_length": config.response_length,
         "prompt_lengths": [len(p) for p in prompts],
@@ -155,6 +159,21 @@ def deterministic_sampling(assets, tokenizer, prompts, config) -> dict:
     other_stream = asyncio.run(together(server, forward))
     alone = asyncio.run(one_by_one(fresh(), forward[::-1]))
 
+    # requests that may get different numbers of tokens (as the turns of a multi-turn rollout do)
+    asked = [(1, 2, 4, 3)[i % 4] for i in range(len(ids))]
+
+    async def of_mixed_lengths(server, order, together: bool):
+        requests = [server.generate(ids[i], contexts[i], {**sampling, "max_tokens": asked[i]}) for i in order]
+        outputs = await asyncio.gather(*requests) if together else [await r for r in requests]
+        return {ids[i]: (o.token_ids, o.log_probs) for i, o in zip(order, outputs)}
+
+    server = fresh()
+    calls = []
+    generate = server.model.generate
+    server.model.generate = lambda **kwargs: calls.append(kwargs["max_new_tokens"]) or generate(**kwargs)
+    mixed_batched = asyncio.run(of_mixed_lengths(server, forward, True))
+    mixed_alone = asyncio.run(of_mixed_lengths(fresh(), forward[::-1], False))
+
     # the verdict sampled 3000 times against the model's own probabilities there (one forward pass)
     server = fresh()
     one_token = {**sampling, "max_tokens": 1}
@@ -174,6 +193,10 @@ def deterministic_sampling(assets, tokenizer, prompts, config) -> dict:
         "det_batched_log_probs": [batched[i][1] for i in ids],
         "det_alone_log_probs": [alone[i][1] for i in ids],
         "det_repeated": [repeated[i][0] for i in ids],
+        "mixed_asked": asked,
+        "mixed_calls": calls,
+        "mixed_batched": [mixed_batched[i] for i in ids],
+        "mixed_alone": [mixed_alone[i] for i in ids],
         "det_other_stream": [other_stream[i][0] for i in ids],
         "verdict_frequency": [drawn.count(token) / len(drawn) for token in candidates],
         "verdict_probability": [float(probabilities[token]) for token in candidates],

@@ -20,10 +20,12 @@ def server_run(tmp_path_factory, assets, assets_dir):
 
 
 def test_concurrent_requests_share_one_generate_call(server_run):
-    # 4 rounds of 3 concurrent requests (sampled, greedy twice, greedy after update): 4 calls of 3 rows
-    assert [shape[0] for shape in server_run["generate_calls"]] == [3, 3, 3, 3]
-    # left-padded to the longest prompt of the batch
-    assert {shape[1] for shape in server_run["generate_calls"]} == {max(server_run["prompt_lengths"])}
+    # 4 rounds of 3 concurrent requests (sampled, greedy twice, greedy after update), 3 calls of 3 rows
+    # then the stop-token request alone, then the last round
+    assert [shape[0] for shape in server_run["generate_calls"]] == [3, 3, 3, 1, 3]
+    # left-padded to the longest prompt of the batch (the stop-token request: prompt 0 alone)
+    widths = [shape[1] for shape in server_run["generate_calls"]]
+    assert widths == [max(server_run["prompt_lengths"])] * 3 + [server_run["prompt_lengths"][0]] + [max(server_run["prompt_lengths"])]
 
 
 def test_responses_end_at_eos_or_the_length_limit(server_run):
@@ -48,6 +50,20 @@ def test_a_requests_log_probs_do_not_depend_on_its_batch(server_run):
     """The same tokens are not enough: the samples follow the logits, so a logit that moves with the
     batch's size or padding flips a sample now and then (float32: up to 4e-6 in log-prob here)."""
     assert server_run["det_batched_log_probs"] == server_run["det_alone_log_probs"]
+
+
+def test_requests_of_different_lengths_share_one_call_and_sample_as_alone(server_run):
+    """max_tokens differs per request in a multi-turn rollout: one generate call serves them all (at
+    the most any asks), each response is cut at its own length, and is what it would be alone."""
+    assert server_run["mixed_calls"] == [max(server_run["mixed_asked"])]
+    assert server_run["mixed_batched"] == server_run["mixed_alone"]
+    for (tokens, log_probs), asked in zip(server_run["mixed_batched"], server_run["mixed_asked"]):
+        assert 1 <= len(tokens) == len(log_probs) <= asked
+    assert {len(tokens) for tokens, _ in server_run["mixed_batched"]} >= {1, 2, 3}
+
+
+def test_a_stop_token_ends_the_response(server_run):
+    assert server_run["stopped"] == server_run["greedy_a"][0][:2]
 
 
 def test_samples_follow_the_models_distribution(server_run):

@@ -6,7 +6,9 @@ This backend plugs into the same two registries they use, under the name ``hf``
 
 * ``HFGenerationServer``: the token-in/token-out server verl's ``LLMServerClient`` calls
   (``generate(request_id, prompt_ids, sampling_params) -> TokenOutput``). It batches the requests
-  that arrive together into one ``generate`` call and reports the weights version in
+  that arrive together into one ``generate`` call (whatever number of tokens each may get, as the
+  turns of a multi-turn rollout differ; each ends at EOS or at one of verl's ``stop_token_ids``)
+  and reports the weights version in
   ``extra_fields["global_steps"]``, which verl's V1 trainer requires. Each request samples from its
   own random stream, and the model runs in float64, so what it gets does not depend on which
   requests share its batch (in float32 the batch's size and padding move a log-prob by up to
@@ -68,28 +70,37 @@ def locate_server(replica_rank: int) -> Any:
 
 @dataclass(frozen=True)
 class _Sampling:
-    """The sampling settings one ``generate`` call can share (requests are grouped by them)."""
+    """The sampling settings one ``generate`` call can share (requests are grouped by them). How
+    many tokens a request may get is its own (:func:`_max_new_tokens`): the call generates the
+    group's most, and each row is cut at its own (a row's tokens do not depend on how long the
+    others run: its noise stream advances one draw a step)."""
 
     greedy: bool
     temperature: float
     top_p: float
     top_k: int
-    max_new_tokens: int
     logprobs: bool
+    #: ids that end a response besides the model's EOS (verl's ``stop_token_ids``, set by some tool parsers)
+    stop_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_request(cls, sampling_params: dict[str, Any], room: int) -> "_Sampling":
-        """``room``: the most new tokens this prompt may get (response_length, model length)."""
+    def from_request(cls, sampling_params: dict[str, Any]) -> "_Sampling":
         temperature = float(sampling_params.get("temperature", 1.0))
-        requested = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
         return cls(
             greedy=temperature == 0.0,
             temperature=temperature,
             top_p=float(sampling_params.get("top_p", 1.0)),
             top_k=int(sampling_params.get("top_k", -1)),
-            max_new_tokens=room if requested is None else max(1, min(int(requested), room)),
             logprobs=bool(sampling_params.get("logprobs", False)),
+            stop_token_ids=tuple(int(i) for i in sampling_params.get("stop_token_ids") or ()),
         )
+
+
+def _max_new_tokens(sampling_params: dict[str, Any], room: int) -> int:
+    """The most new tokens a request gets: what it asks (``max_tokens``), within ``room`` (what the
+    response length and the model length leave after its prompt)."""
+    requested = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
+    return room if requested is None else max(1, min(int(requested), room))
 
 
 class HFGenerationServer:
@@ -118,7 +129,7 @@ class HFGenerationServer:
         self._stream = "training"
         self._repeats: dict[str, int] = {}  # seed/stream/version/request id -> times seen
         self.global_steps: int | None = None
-        self._pending: list[tuple[list[int], _Sampling, int, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], _Sampling, int, int, asyncio.Future]] = []  # prompt, sampling, most tokens, seed, future
         self._drainer: asyncio.Task | None = None
 
     # ---- token-in, token-out generation (called by verl's LLMServerClient) ----
@@ -130,8 +141,8 @@ class HFGenerationServer:
         if room < 1:
             raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room within {self.max_model_len}")
         future = asyncio.get_running_loop().create_future()
-        sampling = _Sampling.from_request(sampling_params, room)
-        self._pending.append((list(prompt_ids), sampling, self._request_seed(request_id), future))
+        request = (list(prompt_ids), _Sampling.from_request(sampling_params), _max_new_tokens(sampling_params, room))
+        self._pending.append((*request, self._request_seed(request_id), future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         token_ids, log_probs = await future
@@ -152,18 +163,19 @@ class HFGenerationServer:
                 break
         while self._pending:
             batch, self._pending = self._pending, []
-            groups: dict[_Sampling, list[tuple[list[int], int, asyncio.Future]]] = {}
-            for prompt, sampling, seed, future in batch:
-                groups.setdefault(sampling, []).append((prompt, seed, future))
+            groups: dict[_Sampling, list[tuple[list[int], int, int, asyncio.Future]]] = {}
+            for prompt, sampling, most, seed, future in batch:
+                groups.setdefault(sampling, []).append((prompt, most, seed, future))
             for sampling, requests in groups.items():
+                prompts, most, seeds, futures = (list(column) for column in zip(*requests))
                 try:
-                    results = self._generate_batch([p for p, _, _ in requests], sampling, [s for _, s, _ in requests])
+                    results = self._generate_batch(prompts, sampling, seeds, most)
                 except Exception as exc:  # fail the waiting requests, not the server
-                    for _, _, future in requests:
+                    for future in futures:
                         if not future.done():
                             future.set_exception(exc)
                     continue
-                for (_, _, future), result in zip(requests, results, strict=True):
+                for future, result in zip(futures, results, strict=True):
                     if not future.done():  # a request cancelled by its caller
                         future.set_result(result)
 
@@ -184,8 +196,12 @@ class HFGenerationServer:
         return int.from_bytes(digest[:8], "little") >> 2
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], sampling: _Sampling, seeds: list[int]):
+    def _generate_batch(self, prompts: list[list[int]], sampling: _Sampling, seeds: list[int], most: list[int]):
+        """Each prompt's response: sampled (or greedy), at most ``most[i]`` tokens, through the first
+        EOS or stop token; with its log-probs when the sampling asks for them."""
         width = max(len(p) for p in prompts)
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [i for i in (self.eos_token_id,) if i is not None]
+        stops = [*eos, *(i for i in sampling.stop_token_ids if i not in eos)]
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding, as decoder-only generation requires
@@ -194,8 +210,8 @@ class HFGenerationServer:
         output = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=self.eos_token_id,
+            max_new_tokens=max(most),
+            eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_logits=sampling.logprobs,
@@ -208,8 +224,8 @@ class HFGenerationServer:
             token_log_probs = torch.log_softmax(logits, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         results = []
         for row in range(len(prompts)):
-            tokens = generated[row].tolist()
-            length = _length_through_eos(tokens, self.eos_token_id)
+            tokens = generated[row, : most[row]].tolist()
+            length = _length_through_eos(tokens, stops)
             log_probs = token_log_probs[row, :length].tolist() if sampling.logprobs else None
             results.append((tokens[:length], log_probs))
         return results
