@@ -103,7 +103,7 @@ def test_turns_by_hand():
     from verl_ext.step_metrics import critic_by_turn, turn_shares
 
     responses = Responses.of([3, 2], [True, False, True, True, False])
-    assert responses.turn.tolist() == [0, 0, 1, 0, 0] and responses.multi_turn
+    assert responses.turn.tolist() == [0, 0, 1, 0, 0] and responses.turns.tolist() == [2, 1] and responses.multi_turn
     g, v = np.array([1.0, 9, 0.5, 3.0, 9]), np.array([0.0, 9, 0.25, 2.0, 9])
     by_turn = critic_by_turn(v, g, responses)
     assert list(by_turn) == ["turn0", "turn1", "after_hole"]

@@ -88,6 +88,13 @@ class Responses:
         first = np.repeat(begun[self.starts[present]], self.lengths[present])
         return begun - first
 
+    @cached_property
+    def turns(self) -> np.ndarray:
+        """(B,) the number of assistant turns of each response (0 without a valid token)."""
+        counts = np.zeros(len(self.lengths), np.int64)
+        counts[self.lengths > 0] = self.turn[self.last] + 1
+        return counts
+
     @property
     def multi_turn(self) -> bool:
         return self.tokens > 0 and int(self.turn.max()) > 0

@@ -2,8 +2,8 @@
 and grpo, and the README's example of a user's estimator, loaded through VERL_USE_EXTERNAL_MODULES),
 with KL in the reward and the per-token trace on, its update tables included: two PPO epochs of two
 shuffled mini-batches of two micro-batches each, a large actor learning rate and a small clip ratio,
-so that ratios move away from 1 and clipping happens; verl's gae once more with the batch settings
-of GPU runs (micro-batches packed by token count, no batch balancing); and ``turn_gae`` on
+so that ratios move away from 1 and clipping happens; verl's gae with the batch settings of GPU
+runs (micro-batches packed by token count, no batch balancing); and ``turn_gae`` on
 multi-turn responses (an agent loop that puts an observation the policy did not write between two
 assistant turns: holes in the mask, as verl's tool agent loop makes). One fresh interpreter per
 scenario (the platform, registries and patches are process-global).
@@ -45,21 +45,20 @@ RUNS = {
     "td0": ("td0", []),
     "nstep": ("nstep", ["algorithm.n_step=3"]),
     "gae_ext": ("gae_ext", ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.8"]),
-    "gae": ("gae", []),
-    "grpo": ("grpo", []),
-    "td_half": ("td_half", []),  # the README's example, tests/integration/test_user_estimator.py
-    # the batch settings of GPU runs: micro-batches packed by token count (actor, critic and every
-    # log-prob and value pass, verl reorders the rows and restores them after) and no balancing;
-    # the other scenarios run verl's default, trainer.balance_batch=True, which reorders the batch
-    # multi-turn responses through verl's agent-loop worker: the policy writes, an observation it did
-    # not write follows (mask 0), the policy writes on (tests/cpu/observation_agent.py)
-    MULTI_TURN: ("turn_gae", ["actor_rollout_ref.rollout.agent.default_agent_loop=observation_agent"]),
+    # verl's gae with the batch settings of GPU runs: micro-batches packed by token count (actor,
+    # critic and every log-prob and value pass; verl reorders the rows and restores them after), and
+    # no balancing; the other runs have verl's default, trainer.balance_batch=True (it reorders the batch)
     "gae+dynamic_bsz": ("gae", [
         "actor_rollout_ref.actor.use_dynamic_bsz=True",  # the critic, log-prob and ref passes follow it
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={TOKEN_BUDGET['actor']}",
         f"critic.ppo_max_token_len_per_gpu={TOKEN_BUDGET['critic']}",
         "trainer.balance_batch=False",
     ]),
+    "grpo": ("grpo", []),
+    "td_half": ("td_half", []),  # the README's example, tests/integration/test_user_estimator.py
+    # multi-turn responses through verl's agent-loop worker: the policy writes, an observation it did
+    # not write follows (mask 0), the policy writes on (tests/cpu/observation_agent.py)
+    MULTI_TURN: ("turn_gae", ["actor_rollout_ref.rollout.agent.default_agent_loop=observation_agent"]),
 }
 UPDATE_OVERRIDES = [
     "actor_rollout_ref.actor.ppo_epochs=2",

@@ -117,11 +117,10 @@ def turn_statistics(data: StepData) -> dict:
     step_responses = responses(data.layout)
     if not step_responses.multi_turn:
         return {"turns": None, "adv_share_after_hole": None}
-    present = step_responses.lengths > 0
-    turns = np.bincount(np.repeat(np.arange(len(present)), step_responses.lengths), weights=step_responses.turn_starts)
+    turns = step_responses.turns[step_responses.lengths > 0]
     raw = data.columns["advantage_raw"] if data.columns["advantage_raw"] is not None else data.columns["advantage"]
     shares = {} if raw is None else turn_shares(raw, step_responses)
-    return {"turns": float(turns[present].mean()), "adv_share_after_hole": (1.0 - shares["turn0"]) if shares else None}
+    return {"turns": float(turns.mean()), "adv_share_after_hole": (1.0 - shares["turn0"]) if shares else None}
 
 
 def monte_carlo_explained_variance(data: StepData, gamma: float) -> dict:

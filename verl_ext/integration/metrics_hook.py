@@ -2,8 +2,8 @@
 
 Every step, on the driver, from the batch verl holds once it has its advantages: the critic against
 the Monte-Carlo return (overall, at each response's last token, by decile and, on multi-turn steps,
-at the start of each assistant turn), the advantage's spread
-and whitening, the spread of the scores within prompt groups, and where the credit lands (on multi-turn steps also per turn); named
+at the start of each assistant turn), the advantage's spread and whitening, the spread of the
+scores within prompt groups, and where the credit lands (on multi-turn steps also per turn); named
 ``verl_ext/…`` in verl's metrics, so every logger of ``trainer.logger`` shows them
 (docs/definitions.md §11). The patches in :mod:`verl_ext.integration.patches` call in here:
 
