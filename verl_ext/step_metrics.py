@@ -97,7 +97,8 @@ class Responses:
 
     @property
     def multi_turn(self) -> bool:
-        return self.tokens > 0 and int(self.turn.max()) > 0
+        """Some response has more than one assistant turn."""
+        return self.turn_starts is not None and int(self.turn_starts.sum()) > int((self.lengths > 0).sum())
 
     @cached_property
     def last(self) -> np.ndarray:

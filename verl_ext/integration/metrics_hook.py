@@ -90,7 +90,7 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float
     def at_valid_tokens(tensor):
         if tensor is None:
             return None
-        exact = tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+        exact = tensor if tensor.dtype in (torch.float32, torch.float64, torch.bool) else tensor.float()
         return exact.reshape(-1).numpy().take(flat_valid)
 
     lengths = valid.sum(-1).numpy()
@@ -101,7 +101,7 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float
     if data.non_tensor_batch.get("uid") is not None:
         uid = np.asarray(data.non_tensor_batch["uid"])[has_tokens]
     metrics = step_metrics(
-        Responses.of(lengths, at_valid_tokens(turn_starts(mask)) > 0),
+        Responses.of(lengths, at_valid_tokens(turn_starts(mask))),
         returns=at_valid_tokens(returns),
         values=at_valid_tokens(values),
         advantage_raw=at_valid_tokens(advantage_raw),
