@@ -82,6 +82,7 @@ def synthetic_capture(batch: int, length: int, dtype: torch.dtype, seed: int = 0
         "old_log_prob": old_log_probs,
         "ref_log_prob": ref_log_prob,
         "kl": kl,
+        "rollout_log_prob": old_log_probs + 0.001 * noise(),
     }
     assert set(tensors) == set(FLOAT_COLUMN_NAMES)
     return StepCapture(
@@ -145,9 +146,9 @@ def main() -> None:
     if args.rss:
         measure_rss(args.rss, capture)
         return
-    rows = int(sum(int(row.nonzero().max()) + 1 for row in capture.response_mask if row.any()))
-    valid = int(capture.response_mask.sum())
-    print(f"B x T = {args.batch} x {args.length}, {args.dtype}; valid tokens {valid} ({valid / capture.response_mask.numel():.0%}), "
+    rows = int(sum(int(row.nonzero().max()) + 1 for row in capture.mask if row.any()))
+    valid = int(capture.mask.sum())
+    print(f"B x T = {args.batch} x {args.length}, {args.dtype}; valid tokens {valid} ({valid / capture.mask.numel():.0%}), "
           f"rows per step {rows} (positions up to each sample's last valid token); torch threads {torch.get_num_threads()}")
 
     with tempfile.TemporaryDirectory(prefix="bench-trace-") as scratch:
@@ -182,8 +183,8 @@ def main() -> None:
         print(f"on disk: {token_size / rows:.2f} bytes per token row (token file), {size / rows:.2f} with the prompt file; "
               f"{token_size / 2**20:.1f} MiB per step")
 
-    block_mib = (capture.response_mask.numel() * (9 * 4 + 4 + 1) + capture.prompts.numel() * (4 + 1)) / 2**20
-    print(f"one snapshot block: {block_mib:.0f} MiB (B x (41 T + 5 P) bytes); a writer keeps up to queue_size + 2 "
+    block_mib = (capture.mask.numel() * (len(FLOAT_COLUMN_NAMES) * 4 + 4 + 1) + capture.prompts.numel() * (4 + 1)) / 2**20
+    print(f"one snapshot block: {block_mib:.0f} MiB (B x ({len(FLOAT_COLUMN_NAMES) * 4 + 5} T + 5 P) bytes); a writer keeps up to queue_size + 2 "
           "blocks, plus one step's Arrow tables and Parquet buffers while writing it")
     for queue_size in (1, 2, 4):
         # A fresh interpreter per queue size: allocators (glibc, mimalloc) keep memory freed by an
