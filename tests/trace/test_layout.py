@@ -273,6 +273,29 @@ def test_verl_ext_check_reads_an_old_layout_trace(tmp_path, run_cli):
     assert run_cli("summary", str(path))[0] == 0
 
 
+def test_resuming_a_format_3_trace_goes_on_in_the_newest_format(tmp_path):
+    """Format 3 has format 4's folders, without the turns: a run resumed into it writes format 4 there,
+    silently, and its old steps read their turns as null."""
+    directory = tmp_path / "t"
+    write_trace(directory, (1, 2))
+    for path in directory.rglob("*.parquet"):  # what format 3 wrote: no turns, version 3 in every footer
+        table = pq.read_table(path)
+        metadata = {**table.schema.metadata, b"verl_ext.schema_version": b"3"}
+        kept = [name for name in table.column_names if name not in ("turn", "assistant_turns")]
+        pq.write_table(table.select(kept).replace_schema_metadata(metadata), path)
+    record = json.loads((directory / "_run.json").read_text())
+    (directory / "_run.json").write_text(json.dumps({**record, "schema_version": 3}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with TraceWriter(TraceOptions(dir=str(directory)), run_record()) as writer:
+            writer.submit(make_capture(3, seed=3))
+    assert sorted(p.name for p in directory.glob("step*")) == ["step-1", "step-2", "step-3"]
+    trace = open_trace(str(directory))
+    assert trace.record.schema_version == SCHEMA_VERSION and trace.steps == [1, 2, 3]
+    assert trace.read_step(1)["turn"].null_count == trace.read_step(1).num_rows
+    assert trace.read_step(3)["turn"].null_count == 0 and trace.prompts(3)["assistant_turns"].null_count == 0
+
+
 def test_resuming_an_old_layout_trace_keeps_its_layout(tmp_path):
     """One trace, one layout: a writer resuming into a trace of format 2 writes format 2 there, and
     replaces the steps it repeats."""

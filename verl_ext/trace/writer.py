@@ -71,6 +71,7 @@ from verl_ext.trace.schema import (
     TMP_DIR,
     Layout,
     RunRecord,
+    layout_of,
 )
 
 #: Parquet encoding of the token file, chosen by benchmarks/bench_trace.py: float columns as
@@ -309,8 +310,9 @@ class TraceWriter:
 
 def _layout_to_write(fs, root: str, shown_path: str, existing: RunRecord | None) -> Layout:
     """:data:`LAYOUT`, unless the directory holds a trace of format 1 or 2 with steps (in its run record
-    or on disk): that one goes on in its own layout (HIVE_LAYOUT), with a warning saying so."""
-    if existing is not None and existing.schema_version >= LAYOUT.schema_version:
+    or on disk): that one goes on in its own layout (HIVE_LAYOUT), with a warning saying so. A trace
+    of a later format than 2 has LAYOUT's folders, whatever its columns: it goes on in the newest format."""
+    if existing is not None and layout_of(existing.schema_version) == LAYOUT:
         return LAYOUT
     old = bool(existing is not None and existing.steps)
     if not old:
@@ -324,7 +326,7 @@ def _layout_to_write(fs, root: str, shown_path: str, existing: RunRecord | None)
     warnings.warn(
         f"trace dir {shown_path} holds a trace of format {existing.schema_version if existing else 2} "
         "(step=<n> folders): this run's steps go there in that layout (format 2, where pd.read_parquet "
-        "gives step as a category); a new trace dir gets format 3 (step-<n> folders, an integer step)",
+        f"gives step as a category); a new trace dir gets format {LAYOUT.schema_version} (step-<n> folders, an integer step)",
         UserWarning,
         stacklevel=3,
     )
