@@ -181,8 +181,8 @@ def _critic_by_runs(
 def critic_by_turn(values: np.ndarray, returns: np.ndarray, responses: Responses) -> dict[str, dict]:
     """``turn{k}`` -> the statistics of :func:`critic_by_group` at the first token of every response's
     turn k, for k = 0 … K−1 (K: the most turns of a response), and ``after_hole`` -> the same over the
-    first tokens of all turns k ≥ 1."""
-    first = np.flatnonzero(responses.turn_starts) if responses.turn_starts is not None else responses.starts[responses.lengths > 0]
+    first tokens of all turns k ≥ 1 (``responses`` with their ``turn_starts``)."""
+    first = np.flatnonzero(responses.turn_starts)
     turn = responses.turn[first]
     turns = int(turn.max()) + 1 if len(turn) else 0
     by_turn = critic_by_group(values[first], returns[first], turn, turns)

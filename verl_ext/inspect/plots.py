@@ -376,8 +376,9 @@ def critic_heatmap(trace, progress: Progress | None = None) -> Figure:
                 if np.isfinite(value):
                     ink = "white" if sum(image.cmap(image.norm(value))[:3]) < 1.2 else "black"
                     axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6.5, color=ink)
-        for edge in (buckets.index("last") - 0.5, buckets.index("all") - 0.5, buckets.index("all") + 0.5):  # deciles | last | all | turns
-            axis.axvline(edge, color="white", linewidth=2)
+        boundaries = [buckets.index("last"), buckets.index("all")] + ([buckets.index("all") + 1] if buckets[-1] != "all" else [])
+        for edge in boundaries:  # deciles | last | all | the turns, if any
+            axis.axvline(edge - 0.5, color="white", linewidth=2)
         axis.set_xticks(range(len(buckets)), buckets)
         axis.set_yticks(*_step_ticks(steps))
         axis.set_xlabel("position: deciles of each response's valid tokens, its last valid token, all; each turn's first token")

@@ -279,9 +279,10 @@ class TokenStep:
         )
 
     def turns(self) -> Finding:
-        if "turn" not in self.data.table.column_names or self.data.table.column("turn").null_count == self.data.table.num_rows:
+        column = self.data.table.column("turn")
+        if column.null_count == len(column):
             return Finding("skipped", note="no turn column (a trace written before format 4)")
-        stored = floats(self.data.table.column("turn"))
+        stored = floats(column)
         expected = self.data.layout.row_turns()
         wrong = np.flatnonzero(stored != expected)  # a null (NaN) is wrong too
         first = None

@@ -26,6 +26,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -97,6 +98,12 @@ class StepSnapshot:
     @property
     def rows(self) -> int:
         return int(self.lengths.sum())
+
+    @cached_property
+    def turn_starts(self) -> np.ndarray:
+        """(N, W) bool: the first token of every assistant turn (:func:`verl_ext.kernels.turn_starts`),
+        for the token table's ``turn`` and the prompt table's ``assistant_turns``."""
+        return turn_starts(torch.from_numpy(self.mask)).numpy()
 
 
 def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "SnapshotMemory | None" = None) -> StepSnapshot:
@@ -206,18 +213,17 @@ def token_table(snapshot: StepSnapshot) -> pa.Table:
             token_index,
             gather(snapshot.token_id, pa.int32()),
             gather(snapshot.mask, pa.bool_()),
-            gather(turns(snapshot.mask), pa.int32()),
+            gather(turns(snapshot.turn_starts), pa.int32()),
             *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMN_NAMES),
         ],
         schema=TOKEN_SCHEMA,
     )
 
 
-def turns(mask: np.ndarray) -> np.ndarray:
-    """(N, W) bool -> (N, W) int32: the assistant turn of every position (schema.TURN_DOC): the turns
-    begun up to it, less one; 0 before the first."""
-    begun = np.cumsum(turn_starts(torch.from_numpy(mask)).numpy(), axis=1, dtype=np.int32)
-    return np.maximum(begun - 1, 0)
+def turns(starts: np.ndarray) -> np.ndarray:
+    """(N, W) turn starts -> (N, W) int32: the assistant turn of every position (schema.TURN_DOC): the
+    turns begun up to it, less one; 0 before the first."""
+    return np.maximum(np.cumsum(starts, axis=1, dtype=np.int32) - 1, 0)
 
 
 def prompt_table(snapshot: StepSnapshot) -> pa.Table:
@@ -238,7 +244,7 @@ def prompt_table(snapshot: StepSnapshot) -> pa.Table:
             snapshot.lengths.astype(np.int32),
             pa.nulls(samples, pa.bool_()) if snapshot.eos is None else pa.array(snapshot.eos),
             pa.nulls(samples, pa.bool_()) if snapshot.truncated is None else pa.array(snapshot.truncated),
-            turn_starts(torch.from_numpy(snapshot.mask)).sum(-1).numpy().astype(np.int32),
+            snapshot.turn_starts.sum(-1, dtype=np.int32),
         ],
         schema=PROMPT_SCHEMA,
     )
