@@ -420,12 +420,16 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.apps.demo import TOOL_DEMO_STEPS
     from verl_ext.apps.learning import STEPS
+    from verl_ext.tasks import TASK_ASSETS
+
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"), help="default: outputs/demo")
-    parser.add_argument("--steps", type=_count(1), default=STEPS, help=f"training steps (default {STEPS})")
-    parser.add_argument("--estimator", default="mc", help="algorithm.adv_estimator (default mc)")
+    parser.add_argument("--steps", type=_count(1), default=None, help=f"training steps (default {STEPS}; {TOOL_DEMO_STEPS} with --task tool)")
+    parser.add_argument("--task", choices=tuple(TASK_ASSETS), default="arith", help="arith (default), or tool: the same question with a calculator the policy may call through verl's tool agent loop")
+    parser.add_argument("--estimator", default=None, help="algorithm.adv_estimator (default mc; grpo with --task tool)")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
-    parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a verdict and a score below 1)")
+    parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a verdict and a score below 1; with --task tool, one that called the tool)")
     parser.add_argument("overrides", nargs="*", help="more hydra overrides for the trainer; they win")
 
 

@@ -11,7 +11,9 @@ reward sits on the last token. A response whose token after "，" ends the seque
   at the states after the verdict and at those up to it: after it the outcome is decided, and a
   critic that has learned the task sees it;
 * on request, the verdict's share of Σ|raw A| under other estimators, re-estimated from the step's
-  recorded rewards and values (what ``verl-ext compare`` computes): mc, GAE(0.95) and td0 by default.
+  recorded rewards and values (what ``verl-ext compare`` computes): mc, GAE(0.95) and td0 by default;
+* on the tool task (:mod:`verl_ext.tasks.tool`), the other decision: the response's first token,
+  ``<tool_call>`` or not. The share of responses that call, and the first tokens' share of Σ|A|.
 """
 
 from __future__ import annotations
@@ -46,24 +48,31 @@ class StepCredit:
     ev_after_verdict: float | None  # None without a critic
     ev_before_verdict: float | None
     shares_by_estimator: dict[str, float] = field(default_factory=dict)  # label -> verdict share of Σ|raw A|
+    call_rate: float | None = None  # the share of responses that start with a tool call (tool task)
+    decision_share: float | None = None  # the first tokens' share of Σ|A| (tool task)
 
     def line(self) -> str:
         critic = f"   critic EV after the verdict {self.ev_after_verdict:+.2f}" if self.ev_after_verdict is not None else ""
+        tool = "" if self.call_rate is None else f"tool calls {self.call_rate:4.0%}   "
+        decision = "" if self.decision_share is None else f", call decision {self.decision_share:.2f}"
         return (
-            f"step {self.step:3d}  score {self.score:.3f}   mean |A|: verdict {self.verdict_abs:.3f}, "
-            f"rest {self.rest_abs:.3f}   verdict share of Σ|A| {self.verdict_share:.2f}{critic}"
+            f"step {self.step:3d}  score {self.score:.3f}   {tool}mean |A|: verdict {self.verdict_abs:.3f}, "
+            f"rest {self.rest_abs:.3f}   share of Σ|A|: verdict {self.verdict_share:.2f}{decision}{critic}"
         )
 
 
-def step_credit(trace, step: int, labels: tuple[str, ...] = ()) -> StepCredit:
+def step_credit(trace, step: int, labels: tuple[str, ...] = (), task: str = "arith") -> StepCredit:
     """The step's credit at the verdict (module docstring), the step read once; ``labels``: the
-    compare columns whose verdict share to re-estimate (e.g. :func:`side_by_side`)."""
+    compare columns whose verdict share to re-estimate (e.g. :func:`side_by_side`); ``task``: whose
+    tokenizer names the verdict's tokens (and, for ``tool``, the call)."""
     table = trace.read_step(step, [*LAYOUT_COLUMNS, "token_id", "score", "advantage", "reward", "value"])
     data = StepData.from_table(step, table, ("score", "advantage", "reward", "value"))
     algorithm = RecordedAlgorithm.from_record(trace.record)
     layout = data.layout
     token_index = layout.token_index[layout.valid_rows]
-    verdict_of_token, verdicts = _verdicts(table.column("token_id").to_numpy()[layout.valid_rows], token_index, layout)
+    token_ids = table.column("token_id").to_numpy()[layout.valid_rows]
+    tokens = _task_tokens(task)
+    verdict_of_token, verdicts = _verdicts(token_ids, token_index, layout, tokens["mark"], tokens["eos"])
     at_verdict = token_index == verdict_of_token
 
     magnitude = np.abs(data.columns["advantage"])
@@ -79,6 +88,11 @@ def step_credit(trace, step: int, labels: tuple[str, ...] = ()) -> StepCredit:
     if labels and data.columns["value"] is not None:  # without a critic there is nothing to re-estimate from
         estimates, _ = step_estimates(data, algorithm, DEFAULT_N, (SIDE_BY_SIDE_LAMBDA,), labels)
         shares = {label: _share(np.abs(raw), at_verdict) for label, raw in estimates.items()}
+    call_rate = decision_share = None
+    if "call" in tokens:
+        first = token_index == 0
+        call_rate = float(np.mean(token_ids[first] == tokens["call"])) if first.any() else float("nan")
+        decision_share = _share(magnitude, first)
     return StepCredit(
         step=step,
         score=float(scores.mean()) if len(scores) else float("nan"),
@@ -89,6 +103,8 @@ def step_credit(trace, step: int, labels: tuple[str, ...] = ()) -> StepCredit:
         ev_after_verdict=ev_after,
         ev_before_verdict=ev_before,
         shares_by_estimator=shares,
+        call_rate=call_rate,
+        decision_share=decision_share,
     )
 
 
@@ -97,13 +113,27 @@ def _share(magnitude: np.ndarray, at_verdict: np.ndarray) -> float:
     return float(magnitude[at_verdict].sum() / total) if total > 0 else float("nan")
 
 
-def _verdicts(token_ids: np.ndarray, token_index: np.ndarray, layout) -> tuple[np.ndarray, dict[int, int]]:
+def _task_tokens(task: str) -> dict[str, int]:
+    """The ids of the verdict mark and EOS in ``task``'s tokenizer, and of the tool call's first token."""
+    from verl_ext.tasks.arith.assets import EOS
+    from verl_ext.tasks.arith.task import VERDICT_MARK
+
+    if task == "tool":
+        from verl_ext.tasks.tool.assets import build_tool_tokenizer
+        from verl_ext.tasks.tool.task import CALL_START
+
+        tokenizer = build_tool_tokenizer()
+        return {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("mark", VERDICT_MARK), ("eos", EOS), ("call", CALL_START))}
+    from verl_ext.tasks.arith.assets import special_token_id, token_id
+
+    return {"mark": token_id(VERDICT_MARK), "eos": special_token_id(EOS)}
+
+
+def _verdicts(token_ids: np.ndarray, token_index: np.ndarray, layout, mark: int, eos: int) -> tuple[np.ndarray, dict[int, int]]:
     """((N,) the verdict token_index of each valid token's response, −1 without a verdict; sample ->
     verdict token_index), by the task's ``verdict_index`` on each response's valid tokens."""
-    from verl_ext.tasks.arith.assets import EOS, special_token_id, token_id
-    from verl_ext.tasks.arith.task import VERDICT_MARK, verdict_index
+    from verl_ext.tasks.arith.task import verdict_index
 
-    mark, eos = token_id(VERDICT_MARK), special_token_id(EOS)
     verdict_of_token = np.full(len(token_ids), -1, dtype=np.int64)
     verdicts = {}
     for sample, start, count in zip(layout.sample_ids, layout.valid_starts, layout.valid_counts):

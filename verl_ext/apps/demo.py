@@ -14,6 +14,11 @@
 5. Held-out accuracy before and after (verl's validation), the plots, and the page that shows the
    run token by token in a browser (``verl-ext view``).
 
+With ``--task tool`` (:mod:`verl_ext.tasks.tool`) the same five parts on the tool task: verl's own
+tool agent loop, a calculator the policy may call, ``grpo`` by default; every 10 steps the share of
+responses that call the tool, and one response with a call shown token by token, the tool's answer
+inline with mask 0.
+
 Exit code: the trainer's when it fails, else ``verl-ext check``'s (0 when every identity holds).
 """
 
@@ -28,18 +33,29 @@ from pathlib import Path
 from typing import Callable
 
 
+#: The tool demo's steps: 25 take it from 0.333 to 0.575 held-out accuracy (README).
+TOOL_DEMO_STEPS = 25
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    """The five parts (module docstring). ``args``: the CLI's (``verl-ext demo --help``); ``steps``
+    and ``estimator`` None take the task's defaults (arith: 40 steps of mc; tool: 25 of grpo)."""
+    from verl_ext.apps.learning import STEPS
     from verl_ext.inspect.check import check_trace
     from verl_ext.inspect.render import format_report
     from verl_ext.trace.reader import open_trace
     from verl_ext.view import write_page
 
+    if args.steps is None:
+        args.steps = TOOL_DEMO_STEPS if args.task == "tool" else STEPS
+    if args.estimator is None:
+        args.estimator = "grpo" if args.task == "tool" else "mc"
     started = time.monotonic()
     output = args.output_dir.resolve()
     trace_dir = output / "trace"
 
-    _say("1/5 the task, the warm-started policy and its pretrained critic")
-    status = _train(args, output, before=_describe_task)
+    _say("1/5 the task, the warm-started policy" + (" and its pretrained critic" if args.task == "arith" else ""))
+    status = _train(args, output, before=_describe_tool_task if args.task == "tool" else _describe_task)
     if status != 0:
         print(f"\n[demo] the trainer failed (exit {status}); its full output is in {output / 'train.log'}")
         return status
@@ -50,10 +66,15 @@ def run_demo(args: argparse.Namespace) -> int:
     print(format_report(report), flush=True)
 
     _say("4/5 where the credit lands: the verdict token against the rest of the response")
-    credits = _print_credit(trace)
+    credits = _print_credit(trace, args.task)
     last_step = max(credits)
     verdicts = credits[last_step].verdicts
-    sample = args.sample if args.sample is not None else _interesting_sample(trace, last_step, verdicts)
+    if args.sample is not None:
+        sample = args.sample
+    elif args.task == "tool":
+        sample = _sample_with_a_call(trace, last_step)
+    else:
+        sample = _interesting_sample(trace, last_step, verdicts)
     if credits[last_step].shares_by_estimator:
         _print_side_by_side(trace, credits, sample)
     else:
@@ -61,7 +82,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print()
     _show(trace, last_step, sample)
     _explain_verdict(trace, last_step, sample, args.estimator, verdicts)
-    _print_validation(output)
+    _print_validation(output, args.task)
 
     _say("5/5 plots, and the run token by token in a browser")
     _plot(trace, output / "plots", sample)
@@ -107,6 +128,36 @@ def _plot(trace, directory: Path, sample: int) -> None:
     print("\n".join(map(str, paths)), flush=True)
 
 
+def _describe_tool_task() -> None:
+    from verl_ext.tasks.arith.task import Problem
+    from verl_ext.tasks.tool.assets import build_assets
+    from verl_ext.tasks.tool.task import call_text
+
+    assets = build_assets()
+    report = json.loads(assets.warm_start_report.read_text())
+    problem = Problem(123, 456, 580)
+    print(f"  task: {problem.question()} -> {problem.answer()}, the sum of three-digit numbers, with a calculator to call:")
+    print(f"    {call_text(problem)}</s> <|tool|><tool_response>579</tool_response><|assistant|> {problem.answer()}</s>")
+    print("    (the tool's message and the next <|assistant|> are verl's tool agent loop's: mask 0, not trained)")
+    print("  reward on the last token, of the answer after the tool's: 1.0 fully right; else 0.2 right sum + 0.2 right verdict")
+    settings, held_out = report["settings"], report["held_out"]
+    print(
+        f"  warm start ({settings['steps']} supervised steps; tool prior {settings['tool_prior']}, verdict prior "
+        f"{settings['verdict_prior']}): held out, it calls the tool with probability {held_out['call_probability']:.2f};"
+        f" greedy sum right {held_out['tool_sum']:.2f} through the tool, {held_out['head_sum']:.2f} from its head"
+    )
+
+
+def _sample_with_a_call(trace, step: int) -> int:
+    """A response of ``step`` that called the tool (two assistant turns) with a score below 1, else
+    any that called, else 0."""
+    prompts = trace.prompts(step).to_pandas().set_index("sample")
+    scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()
+    called = [int(s) for s in scores.index if prompts.at[s, "assistant_turns"] == 2]
+    wrong = [s for s in called if scores[s] < 1.0]
+    return (wrong or called or [0])[0]
+
+
 def _describe_task() -> None:
     from verl_ext.tasks.arith.assets import build_assets
     from verl_ext.tasks.arith.task import Problem
@@ -139,7 +190,7 @@ def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -
     from verl_ext.apps.progress import follow
 
     command = [
-        sys.executable, "-m", "verl_ext.apps.learning", str(output),
+        sys.executable, "-m", "verl_ext.apps.learning", str(output), "--task", args.task,
         "--estimator", args.estimator, "--seed", str(args.seed), "--steps", str(args.steps),
         "--test-freq", str(args.steps), "--trace", "--", *args.overrides,
     ]  # fmt: skip
@@ -154,7 +205,7 @@ def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -
     return trainer.returncode
 
 
-def _print_credit(trace, every: int = 10, late: int = 10) -> dict:
+def _print_credit(trace, task: str, every: int = 10, late: int = 10) -> dict:
     """Every ``every``-th step (and the first and last): the verdict's share of the trained-on
     advantages and the critic's explained variance after the verdict. Returns step -> StepCredit
     of those steps and of the ``late`` last ones (with the side-by-side shares), each read once."""
@@ -164,7 +215,7 @@ def _print_credit(trace, every: int = 10, late: int = 10) -> dict:
     for step in steps:
         shown = step % every == 0 or step in (steps[0], steps[-1])
         if shown or step in steps[-late:]:
-            credits[step] = step_credit(trace, step, side_by_side() if step in steps[-late:] else ())
+            credits[step] = step_credit(trace, step, side_by_side() if step in steps[-late:] else (), task)
         if shown:
             print("  " + credits[step].line())
     return credits
@@ -209,16 +260,18 @@ def _interesting_sample(trace, step: int, verdicts: dict[int, int]) -> int:
 
 
 def _explain_verdict(trace, step: int, sample: int, estimator: str, verdicts: dict[int, int]) -> None:
+    import pandas as pd
+
     index = verdicts.get(sample)
     if index is None:
         print("(this response has no verdict token)")
         return
     table = trace.read_step(step, ["sample", "token_index", "advantage", "value", "score"]).to_pandas()
     rows = table[table["sample"] == sample].set_index("token_index")
-    score = rows["score"].sum()
+    score, value = rows["score"].sum(), rows.at[index, "value"]
+    value = "" if pd.isna(value) else f"value before it {value:.3f}, "
     print(
-        f"\nThe verdict is token {index}: advantage {rows.at[index, 'advantage']:+.3f} (whitened; value before it "
-        f"{rows.at[index, 'value']:.3f}, score {score:.1f})."
+        f"\nThe verdict is token {index}: advantage {rows.at[index, 'advantage']:+.3f} ({value}score {score:.1f})."
         + (
             " mc gives every token return − value; the tokens before the verdict were near-certain, so the "
             "verdict's log-probability is what the update moves."
@@ -228,7 +281,7 @@ def _explain_verdict(trace, step: int, sample: int, estimator: str, verdicts: di
     )
 
 
-def _print_validation(output: Path) -> None:
+def _print_validation(output: Path, task: str) -> None:
     """Held-out accuracy before training (step 0) and after the last step (verl's validation metrics)."""
     from verl_ext.apps.learning import read_metrics, validation_accuracy, validation_setting
 
@@ -236,7 +289,7 @@ def _print_validation(output: Path) -> None:
     if len(by_step) >= 2:
         first, last = min(by_step), max(by_step)
         print(
-            f"\nheld-out accuracy (verl's validation, {validation_setting()}): "
+            f"\nheld-out accuracy (verl's validation, {validation_setting(task)}): "
             f"{by_step[first]:.3f} before training, {by_step[last]:.3f} after step {last} "
             f"({100 * (by_step[last] - by_step[first]):+.1f} points)"
         )

@@ -16,7 +16,7 @@ prompts, responses per step, seeds and step budget.
 
 From a shell (one run per process: verl's registries and the CPU backend are process-global)::
 
-    python -m verl_ext.apps.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--trace] [--fresh-critic] [-- OVERRIDE ...]
+    python -m verl_ext.apps.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--task tool] [--trace] [--fresh-critic] [-- OVERRIDE ...]
 
 writes ``OUTPUT_DIR/metrics.jsonl`` (verl's metrics, one line per step), ``train.log`` and, with
 ``--trace``, the per-token trace in ``OUTPUT_DIR/trace``.
@@ -69,23 +69,25 @@ def learning_overrides(
     test_freq: int,
     pretrained_critic: bool = True,
     extra: list[str] = (),
+    task: str = "arith",
 ) -> list[str]:
     """The hydra overrides of one learning run (CPU settings from :func:`cpu_overrides` included),
     ``extra`` last (they win).
 
-    ``pretrained_critic``: start verl's critic from the value-pretrained one of the assets (else
-    from the warm start with a fresh value head, the control of the study). The mini- and
+    ``task``: whose assets (:data:`verl_ext.tasks.TASK_ASSETS`). ``pretrained_critic``: start verl's
+    critic from the value-pretrained one of the assets when they have one (else from the warm start
+    with a fresh value head, the control of the study). The mini- and
     micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
     (``data.train_batch_size`` and ``actor_rollout_ref.rollout.n`` in ``extra``), so that changing
     those alone gives a valid run."""
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides, override_key
-    from verl_ext.tasks.arith.assets import build_assets
+    from verl_ext.tasks import build_task_assets
 
     given = {override_key(o): o.split("=", 1)[1] for o in extra if "=" in o}
     prompts = _positive_int(given, "data.train_batch_size", PROMPTS_PER_STEP)
     samples = _positive_int(given, "actor_rollout_ref.rollout.n", SAMPLES_PER_PROMPT)
     mini_batch = prompts // 2 if prompts % 2 == 0 else prompts  # two updates per step when it divides
-    assets = build_assets()
+    assets = build_task_assets(task)
     base = cpu_overrides(
         assets,
         output_dir,
@@ -114,7 +116,7 @@ def learning_overrides(
         "trainer.val_before_train=True",
         f"trainer.test_freq={test_freq}",
     ]
-    if pretrained_critic:  # else the warm start with a fresh value head, at cpu_overrides' lr 1e-3
+    if pretrained_critic and hasattr(assets, "critic_dir"):  # else the warm start with a fresh value head, at cpu_overrides' lr 1e-3
         settings += [f"critic.model.path={assets.critic_dir}", f"critic.optim.lr={CRITIC_LR}"]
     return merge_overrides(base, settings, recipe(estimator), list(extra))
 
@@ -130,7 +132,7 @@ def _positive_int(given: dict[str, str], key: str, default: int) -> int:
 
 def run(
     output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int, trace: bool, extra: list[str],
-    pretrained_critic: bool = True,
+    pretrained_critic: bool = True, task: str = "arith",
 ) -> None:
     """Train in this process (the CPU backend is activated here)."""
     import numpy as np
@@ -145,7 +147,7 @@ def run(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / METRICS_FILE).unlink(missing_ok=True)
     os.environ["VERL_FILE_LOGGER_PATH"] = str(output_dir / METRICS_FILE)
-    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra)
+    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra, task)
     if trace:
         overrides = merge_overrides([f"verl_ext.trace.dir={output_dir / 'trace'}"], overrides)
     # verl seeds neither torch nor numpy for the FSDP engine: the critic's fresh value head would
@@ -169,11 +171,14 @@ def read_metrics(output_dir: Path) -> dict[int, dict]:
     return {record["step"]: record["data"] for record in map(json.loads, lines)}
 
 
-def validation_setting() -> str:
+def validation_setting(task: str = "arith") -> str:
     """How verl's validation samples, in words (for reports)."""
-    from verl_ext.tasks.arith.assets import AssetSpec
+    import importlib
 
-    return f"{AssetSpec.val_problems} prompts × {VAL_SAMPLES} samples at temperature 1"
+    from verl_ext.tasks import TASK_ASSETS
+
+    problems = importlib.import_module(TASK_ASSETS[task]).AssetSpec.val_problems
+    return f"{problems} prompts × {VAL_SAMPLES} samples at temperature 1"
 
 
 def validation_accuracy(metrics: dict[int, dict]) -> dict[int, float]:
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--estimator", default="mc")
+    parser.add_argument("--task", default="arith", help="arith (default) or tool")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--test-freq", type=int, default=TEST_FREQ, help="validate every N steps (and before training)")
@@ -203,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     run(
         args.output_dir.resolve(), args.estimator, args.seed, args.steps, args.test_freq, args.trace, extra,
-        pretrained_critic=not args.fresh_critic,
+        pretrained_critic=not args.fresh_critic, task=args.task,
     )  # fmt: skip
     return 0
 

@@ -27,7 +27,8 @@ METRICS_FILE = "metrics.jsonl"
 
 class RunAssets(Protocol):
     """What a CPU run needs from a task: a model directory (weights and tokenizer), verl's
-    RLHFDataset parquet files, a reward function verl loads by path, and the longest prompt."""
+    RLHFDataset parquet files, a reward function verl loads by path, and the longest prompt.
+    A task whose runs need more settings (verl's tool agent loop) lists them as ``overrides``."""
 
     max_prompt_length: int
     model_dir: Path
@@ -130,6 +131,7 @@ def cpu_overrides(
         # V1 only: one TransferQueue storage actor instead of 8 (each reserves a Ray CPU)
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
+    overrides = merge_overrides(overrides, list(getattr(assets, "overrides", ())))
     if use_ray and ray_address is not None:
         overrides.append(f"+ray_kwargs.ray_init.address={ray_address}")
     elif use_ray:

@@ -1,7 +1,8 @@
 """The per-token table of one sample, as the seed dialogues draw it by hand, with decoded tokens.
 
-Columns: t (token_index), token_id, token (decoded), mask, turn (only for a response of several
-assistant turns: the trace's ``turn``), score, kl, reward, value, delta, return, advantage_raw,
+The decoded response shows the tokens the policy did not write (mask 0 inside it: a tool's answer)
+inline, between ⟦ and ⟧. Columns: t (token_index), token_id, token (decoded), mask, turn (only for
+a response of several assistant turns: the trace's ``turn``), score, kl, reward, value, delta, return, advantage_raw,
 advantage. ``delta`` is the TD residual δ_t = r_t + γ·V_{t+1} − V_t on the
 sample's valid tokens (V of the next valid token, 0 after the last one); it is null on masked
 tokens and when the run has no values. Every other number is the trace's, unchanged.
@@ -22,6 +23,7 @@ following tokens show :data:`CONTINUATION`. Invisible characters are escaped (``
 
 from __future__ import annotations
 
+import itertools
 import unicodedata
 from dataclasses import dataclass
 from typing import Sequence
@@ -104,16 +106,30 @@ def sample_view(trace, step: int, sample: int, tokenizer=None, epoch: int | None
     if epoch is not None:
         table = _with_update(trace, step, sample, epoch, table)
     prompt_ids = _prompt_ids(trace, step, sample)
-    valid_ids = [i for i, valid in zip(token_ids, mask) if valid and i is not None]
     return SampleView(
         step=step,
         sample=sample,
         uid=rows.column("uid")[0].as_py(),
         table=table,
         prompt_text=decoder.text(prompt_ids) if prompt_ids is not None else None,
-        response_text=decoder.text(valid_ids),
+        response_text=_response_text(decoder, token_ids, mask),
         prompt_token_ids=prompt_ids,
     )
+
+
+#: Around the tokens of a response the policy did not write (mask 0 inside it: a tool's answer).
+NOT_WRITTEN = ("⟦", "⟧")
+
+
+def _response_text(decoder, token_ids: list, mask: np.ndarray) -> str | None:
+    """The response decoded; runs of tokens the policy did not write inline, between :data:`NOT_WRITTEN`."""
+    if not decoder.available:
+        return None
+    pieces = []
+    for written, run in itertools.groupby(zip(token_ids, mask.tolist()), key=lambda pair: bool(pair[1])):
+        text = decoder.text([token_id for token_id, _ in run if token_id is not None])
+        pieces.append(text if written else NOT_WRITTEN[0] + text + NOT_WRITTEN[1])
+    return "".join(pieces)
 
 
 def _with_update(trace, step: int, sample: int, epoch: int, table: pa.Table) -> pa.Table:

@@ -36,6 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from verl_ext.tasks.arith import reward
 from verl_ext.tasks.arith.task import Problem, balanced_sample, problem_sets
@@ -102,6 +103,14 @@ def default_cache_dir() -> Path:
 
 def build_assets(cache_dir: str | os.PathLike | None = None, spec: AssetSpec = AssetSpec()) -> CpuAssets:
     """Build the assets for ``spec`` under ``cache_dir`` unless they already exist; return their paths."""
+    return _paths(cached_build(cache_dir, spec, lambda staging: _build(staging, spec)))
+
+
+def cached_build(cache_dir: str | os.PathLike | None, spec, build: Callable[[Path], None]) -> Path:
+    """The directory of ``spec``'s assets under ``cache_dir`` (default :func:`default_cache_dir`):
+    ``build(staging)`` writes them once, into a staging directory published by an atomic rename
+    with ``spec.json`` (the dataclass ``spec``, whose ``key()`` names the directory) beside them.
+    A second caller waits for a build in progress (a lock file beside the cache) and then reads it."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / spec.key()
     if not (target / "spec.json").exists():
@@ -109,17 +118,16 @@ def build_assets(cache_dir: str | os.PathLike | None = None, spec: AssetSpec = A
         with open(root / f".{spec.key()}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits for the first build instead of building too
             if not (target / "spec.json").exists():
-                _build(target, spec)
-    return _paths(target)
+                _publish(target, spec, build)
+    return target
 
 
-def _build(target: Path, spec: AssetSpec) -> None:
+def _publish(target: Path, spec, build: Callable[[Path], None]) -> None:
     """Build into a staging directory beside ``target``, then publish it with an atomic rename."""
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the published assets are plain files
     try:
-        train, val = _write_prompts(staging, spec)
-        _write_model_and_tokenizer(staging, spec, train, val)
+        build(staging)
         (staging / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
         try:
             staging.rename(target)
@@ -128,6 +136,11 @@ def _build(target: Path, spec: AssetSpec) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build(staging: Path, spec: AssetSpec) -> None:
+    train, val = _write_prompts(staging, spec)
+    _write_model_and_tokenizer(staging, spec, train, val)
 
 
 def _paths(target: Path) -> CpuAssets:
@@ -153,21 +166,27 @@ def special_token_id(token: str) -> int:
     return (PAD, UNK, BOS, EOS, *ROLE_TOKENS).index(token)
 
 
-def build_tokenizer():
-    """The character-level tokenizer: every character in ``CHARACTERS`` is one token."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(
+    roles: tuple[str, ...] = ROLE_TOKENS, characters: str = CHARACTERS, plain_tokens: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
+):
+    """A character-level tokenizer: the special tokens and ``roles``, then one token per character of
+    ``characters``, then ``plain_tokens``: multi-character tokens that are not special, so that verl's
+    reward, which decodes without special tokens, still sees them (a tool's ``<tool_response>``)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = [PAD, UNK, BOS, EOS, *ROLE_TOKENS]
-    vocab = {token: index for index, token in enumerate(specials + list(CHARACTERS))}
+    specials = [PAD, UNK, BOS, EOS, *roles]
+    vocab = {token: index for index, token in enumerate(specials + list(characters))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
     backend.decoder = decoders.Fuse()  # join characters back without separators
     backend.add_special_tokens(specials)
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in plain_tokens])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=EOS
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -41,8 +41,23 @@ class Evaluation:
 def supervised_fine_tune(model, tokenizer, problems: list[Problem], settings: WarmStartSettings, seed: int) -> float:
     """Fine-tune ``model`` in place on ``problems`` (cycled, shuffled); return the last loss.
 
-    Loss: mean negative log-likelihood of the response tokens (answer and EOS). Adam, linear warm-up
-    then cosine decay to 0.1 of ``lr``, gradient norm clipped at 1.
+    Each answer has the right verdict with probability ``settings.verdict_prior``.
+    """
+
+    def batch(rng: random.Random) -> list[tuple[list[int], list[int]]]:
+        problems_ = [rng.choice(problems) for _ in range(settings.batch_size)]
+        return [(prompt_ids(tokenizer, p), _answer_ids(tokenizer, p, rng.random() < settings.verdict_prior)) for p in problems_]
+
+    return fine_tune(model, tokenizer.pad_token_id, batch, settings, seed)
+
+
+def fine_tune(model, pad_id: int, batch, settings, seed: int) -> float:
+    """Fine-tune ``model`` in place for ``settings.steps`` steps on ``batch(rng)`` (a list of rows
+    ``(prompt_ids, response_ids)`` or ``(prompt_ids, response_ids, loss_mask)``); return the last loss.
+
+    Loss: mean negative log-likelihood of the response tokens with loss (all of them when a row has
+    no ``loss_mask``). Adam, linear warm-up then cosine decay to 0.1 of ``settings.lr``, gradient
+    norm clipped at 1.
     """
     import torch
 
@@ -53,9 +68,7 @@ def supervised_fine_tune(model, tokenizer, problems: list[Problem], settings: Wa
     loss = torch.tensor(float("nan"))
     with one_torch_thread():
         for step in range(settings.steps):
-            batch = [rng.choice(problems) for _ in range(settings.batch_size)]
-            pairs = [(prompt_ids(tokenizer, p), _answer_ids(tokenizer, p, rng.random() < settings.verdict_prior)) for p in batch]
-            input_ids, attention_mask, response_mask = left_padded(pairs, tokenizer.pad_token_id)
+            input_ids, attention_mask, response_mask = left_padded(batch(rng), pad_id)
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
             target = response_mask[:, 1:]
@@ -119,19 +132,23 @@ def _answer_ids(tokenizer, problem: Problem, right_verdict: bool) -> list[int]:
     return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
-def left_padded(pairs: list[tuple[list[int], list[int]]], pad_id: int):
-    """(input_ids, attention_mask, response_mask) of prompt+response rows, left-padded as verl does."""
+def left_padded(rows: list[tuple], pad_id: int):
+    """(input_ids, attention_mask, response_mask) of prompt+response rows, left-padded as verl does.
+
+    A row is ``(prompt_ids, response_ids)``, or ``(prompt_ids, response_ids, response_mask)`` when
+    some response tokens are not the model's (a tool's answer: 0)."""
     import torch
 
-    width = max(len(p) + len(r) for p, r in pairs)
-    input_ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(pairs), width), dtype=torch.long)
-    response_mask = torch.zeros((len(pairs), width))
-    for row, (prompt, response) in enumerate(pairs):
+    width = max(len(row[0]) + len(row[1]) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    response_mask = torch.zeros((len(rows), width))
+    for index, (prompt, response, *mask) in enumerate(rows):
         start = width - len(prompt) - len(response)
-        input_ids[row, start:] = torch.tensor(prompt + response)
-        attention_mask[row, start:] = 1
-        response_mask[row, width - len(response) :] = 1.0
+        input_ids[index, start:] = torch.tensor(prompt + response)
+        attention_mask[index, start:] = 1
+        if response:
+            response_mask[index, width - len(response) :] = torch.tensor(mask[0] if mask else [1.0] * len(response))
     return input_ids, attention_mask, response_mask
 
 

@@ -1,0 +1,82 @@
+"""``verl-ext demo --task tool``, a few steps: verl's own tool agent loop on the HF rollout server, the
+calculator called through verl's hermes parser, the trace checked, shown and viewed.
+
+The run's responses are checked against what the task's definition says independently of the code
+under test: the question's numbers are read back from the prompt text, a call's from the call text,
+and the tool's message, the turns and the score follow from those by hand."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from tests.cpu.helpers import run
+
+STEPS = 3
+QUESTION = re.compile(r"请问(\d+)\+(\d+)=(\d+)？")
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # verl's hermes parser's
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory, cpu_env):
+    out = tmp_path_factory.mktemp("tool_demo")
+    command = [sys.executable, "-m", "verl_ext.cli", "demo", "--task", "tool", "--steps", str(STEPS), "--output-dir", str(out)]
+    return out, run(command, cpu_env(out), out, timeout=600).stdout
+
+
+def test_the_demo_passes_check_and_reports_the_tool_call_rate(demo):
+    out, stdout = demo
+    assert "PASS" in stdout and "tool calls" in stdout
+    assert re.search(r"step +1 .*tool calls +\d+%", stdout) and re.search(rf"step +{STEPS} .*tool calls", stdout)
+    # the response shown token by token called the tool, and its header shows the tool's message inline
+    assert re.search(r"response: <tool_call>.*</tool_call></s>⟦<\|tool\|><tool_response>\d+</tool_response><\|assistant\|>⟧等于", stdout)
+    assert re.search(r"held-out accuracy .*: [\d.]+ before training, [\d.]+ after step 3", stdout)
+    assert (out / "view.html").stat().st_size > 0
+
+
+def test_every_response_is_what_the_tool_agent_loop_makes_of_the_policys_turns(demo):
+    from verl_ext.tasks.tool.assets import build_tool_tokenizer
+    from verl_ext.trace.reader import open_trace
+
+    tokenizer = build_tool_tokenizer()
+    trace = open_trace(str(demo[0] / "trace"))
+    assert trace.steps == list(range(1, STEPS + 1))
+    calls = 0
+    for step in trace.steps:
+        tokens = trace.read_step(step, ["sample", "token_index", "token_id", "mask", "turn", "score"]).to_pandas()
+        prompts = trace.prompts(step).to_pandas().set_index("sample")
+        for sample, rows in tokens.groupby("sample"):
+            rows = rows.sort_values("token_index")
+            a, b, c = map(int, QUESTION.search(tokenizer.decode(prompts.at[sample, "prompt_token_ids"])).groups())
+            holes = rows[~rows["mask"]]
+            if len(holes):
+                calls += 1
+                # the first turn ends with EOS and holds a call as verl's hermes parser reads it (the first
+                # <tool_call>…</tool_call>, JSON); right after it, the mask-0 tokens: the calculator's answer
+                # to that call (its numbers as the policy wrote them) and the next assistant header
+                call_turn = rows["token_id"].tolist().index(tokenizer.eos_token_id) + 1
+                call = json.loads(CALL.search(tokenizer.decode(rows["token_id"].tolist()[:call_turn])).group(1))
+                assert call["name"] == "add"
+                assert holes["token_index"].tolist() == list(range(call_turn, call_turn + len(holes)))
+                assert tokenizer.decode(holes["token_id"].tolist()) == (
+                    f"<|tool|><tool_response>{int(call['arguments']['a']) + int(call['arguments']['b'])}</tool_response><|assistant|>"
+                )
+                answer_turn = call_turn + len(holes)
+                assert rows["turn"].tolist() == [0] * answer_turn + [1] * (len(rows) - answer_turn)
+                assert prompts.at[sample, "assistant_turns"] == 2
+            else:
+                assert prompts.at[sample, "assistant_turns"] == 1 and set(rows["turn"]) == {0}
+            # the reward: on the last token, of what follows the last </tool_response> in the response as
+            # verl decodes it for the reward (special tokens removed): 1.0 for exactly the expected
+            # answer, else 0.2 per right part
+            answer = tokenizer.decode(rows["token_id"].tolist(), skip_special_tokens=True).split("</tool_response>")[-1]
+            expected_sum, verdict = f"等于{a + b}，", "是的" if a + b == c else "不是"
+            if answer == f"{expected_sum}{verdict}！":
+                score = 1.0
+            else:
+                score = 0.2 * answer.startswith(expected_sum) + 0.2 * ("，" in answer and answer.partition("，")[2][:2] == verdict)
+            assert rows["score"].iloc[-1] == pytest.approx(score) and (rows["score"].iloc[:-1] == 0).all()
+    assert calls >= 10  # the warm start calls the tool about 3 times in 10: about 115 of the 384 responses

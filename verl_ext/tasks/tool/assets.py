@@ -1,0 +1,187 @@
+"""The tool task's assets, built at run time like the arithmetic task's (nothing downloaded).
+
+``build_assets()`` writes, once per spec, into the same cache as :mod:`verl_ext.tasks.arith.assets`:
+
+* ``model/``: the same tiny ``llama`` (hidden 128, 2 layers), warm-started on both paths
+  (:mod:`verl_ext.tasks.tool.warm_start`), with the tokenizer below;
+* ``warm_start.json``: its settings, loss, time, and the held-out evaluation (how often it calls,
+  how often its head and the tool path get the answer right);
+* ``train.parquet`` / ``val.parquet``: verl RLHFDataset rows with ``agent_name: tool_agent``, so
+  verl's own ``ToolAgentLoop`` runs every prompt.
+
+What the tokenizer and chat template give verl's tool agent loop (hermes format):
+
+* a ``tool`` role (``<|tool|>``), and a template that renders system, user, assistant (its
+  ``tool_calls`` ignored: verl never re-renders what the model wrote) and tool messages, and is
+  prefix-stable (verl renders a tool message as the difference of two renders);
+* ``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>`` as plain (not special)
+  tokens: the hermes parser finds calls in decoded text, and the reward, which decodes without
+  special tokens, finds the final answer after ``</tool_response>``;
+* an assistant turn ends with EOS: the hermes parser gives the server no stop tokens;
+* the call's fixed JSON pieces as single tokens (:data:`verl_ext.tasks.tool.task.CALL_PREFIX`, …),
+  so a call is a few tokens; every other character is one token.
+
+The template ignores the tool schemas verl passes: character tokens would make them hundreds of
+prompt tokens, and the model learns its one tool in the warm start.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from verl_ext.tasks.arith.assets import EOS, ROLE_TOKENS, build_tokenizer, cached_build
+from verl_ext.tasks.arith.assets import CHARACTERS as ARITH_CHARACTERS
+from verl_ext.tasks.arith.task import Problem
+from verl_ext.tasks.tool import reward
+from verl_ext.tasks.tool.task import (
+    CALL_END, CALL_PREFIX, CALL_SEPARATOR, CALL_START, CALL_SUFFIX, RESPONSE_END, RESPONSE_START, problem_sets,
+)  # fmt: skip
+from verl_ext.tasks.tool.warm_start import WarmStartSettings
+
+ASSETS_FORMAT = 1
+#: The file verl loads by path to register the calculator. Never imported here: verl's loader
+#: returns only the tools a load newly registers, so a process that imported it first gets none.
+TOOLS_FILE = Path(__file__).resolve().parent / "tools.py"
+TOOL_ROLE = "<|tool|>"
+PLAIN_TOKENS = (CALL_START, CALL_END, RESPONSE_START, RESPONSE_END, CALL_PREFIX, CALL_SEPARATOR, CALL_SUFFIX)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['role'] == 'tool' %}" + RESPONSE_START + "{{ message['content'] }}" + RESPONSE_END + ""
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}" + EOS + "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DATA_SOURCE = "verl_ext/sum_check_tool"
+AGENT_NAME = "tool_agent"
+
+
+@dataclass(frozen=True)
+class AssetSpec:
+    """Everything that determines the content of the assets (hashed into the cache key)."""
+
+    seed: int = 0
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    digits: int = 2
+    max_delta: int = 3
+    val_problems: int = 60
+    train_rows: int = 2048
+    #: Distinct problems the warm start sees (fewer than there are pairs: the head cannot memorise).
+    warm_start_problems: int = 8192
+    warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
+    format: int = ASSETS_FORMAT
+
+    def key(self) -> str:
+        import hashlib
+
+        return "tool-" + hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ToolAssets:
+    """Paths of one built asset set, and what a run on them needs (:class:`verl_ext.cpu.overrides.RunAssets`)."""
+
+    root: Path
+    model_dir: Path
+    train_file: Path
+    val_file: Path
+    reward_file: Path
+    tools_file: Path
+    warm_start_report: Path
+    reward_name: str = "compute_score"
+    #: "<|user|>请问123+456=579？<|assistant|>": 17 tokens.
+    max_prompt_length: int = 20
+    #: The tool path: a call of 12 tokens, the tool's message of 7, an answer of 10.
+    max_response_length: int = 32
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """verl's tool agent loop with the calculator (rows pick the loop with ``agent_name``)."""
+        return (
+            f"data.max_response_length={self.max_response_length}",
+            "actor_rollout_ref.rollout.multi_turn.enable=True",
+            "actor_rollout_ref.rollout.multi_turn.format=hermes",
+            f"actor_rollout_ref.rollout.multi_turn.function_tool_path={self.tools_file}",
+            # one call and the answer: a second call ends the response at the turn limit
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+            # verl's error texts (a malformed call) are ~60 characters, mostly unknown to the tokenizer
+            "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=16",
+            "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=right",
+        )
+
+
+def build_assets(cache_dir=None, spec: AssetSpec = AssetSpec()) -> ToolAssets:
+    """Build the assets for ``spec`` under ``cache_dir`` unless they already exist; return their paths."""
+    target = cached_build(cache_dir, spec, lambda staging: _build(staging, spec))
+    return ToolAssets(
+        root=target,
+        model_dir=target / "model",
+        train_file=target / "train.parquet",
+        val_file=target / "val.parquet",
+        reward_file=Path(reward.__file__).resolve(),
+        tools_file=TOOLS_FILE,
+        warm_start_report=target / "warm_start.json",
+    )
+
+
+def build_tool_tokenizer():
+    return build_tokenizer(
+        roles=(*ROLE_TOKENS, TOOL_ROLE), characters=ARITH_CHARACTERS, plain_tokens=PLAIN_TOKENS, chat_template=CHAT_TEMPLATE
+    )
+
+
+def prompt_row(p: Problem, split: str, index: int) -> dict:
+    return {
+        "data_source": DATA_SOURCE,
+        "agent_name": AGENT_NAME,
+        "prompt": [{"role": "user", "content": p.question()}],
+        "reward_model": {"style": "rule", "ground_truth": p.answer()},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def _build(staging: Path, spec: AssetSpec) -> None:
+    import pandas as pd
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verl_ext.tasks.tool.warm_start import evaluate, supervised_fine_tune
+
+    sets = problem_sets(spec.seed, spec.digits, spec.max_delta, spec.train_rows + spec.warm_start_problems, spec.val_problems)
+    train, warm_start_problems = sets.train[: spec.train_rows], sets.train
+    for split, problems in (("train", train), ("val", sets.val)):
+        pd.DataFrame([prompt_row(p, split, i) for i, p in enumerate(problems)]).to_parquet(staging / f"{split}.parquet")
+
+    tokenizer = build_tool_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=2 * spec.hidden_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_heads,
+        max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    settings = spec.warm_start
+    print(
+        f"[verl-ext] building the tool task's assets: warm start, {settings.steps} supervised steps (~40 s) ...",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    started = time.monotonic()
+    loss = supervised_fine_tune(model, tokenizer, warm_start_problems, settings, seed=spec.seed)
+    seconds = time.monotonic() - started
+    held_out = evaluate(model, tokenizer, sets.val)
+    model.save_pretrained(staging / "model")
+    tokenizer.save_pretrained(staging / "model")
+    report = {"settings": asdict(settings), "final_loss": loss, "seconds": round(seconds, 1), "held_out": asdict(held_out)}
+    (staging / "warm_start.json").write_text(json.dumps(report, indent=2))
+    print(
+        f"[verl-ext] warm start done in {seconds:.0f} s; held out: calls the tool with probability "
+        f"{held_out.call_probability:.2f}; greedy answer right {held_out.tool_acc:.2f} through the tool, "
+        f"{held_out.head_acc:.2f} from its head (sum right {held_out.tool_sum:.2f} / {held_out.head_sum:.2f})",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
