@@ -48,7 +48,7 @@ def test_decoded_tokens_and_text(tmp_path, char_tokenizer):
     view = sample_view(worked_example_trace(tmp_path / "t", char_tokenizer), 1, 0)  # the record's tokenizer
     assert view.table.column("token").to_pylist() == ["是", "的", "，", "等"]
     assert view.prompt_text == "请问1+1=2？"
-    assert view.response_text == "是，等"  # valid tokens only
+    assert view.response_text == "是⟦的⟧，等"  # a token the policy did not write (mask 0) inline, marked
 
 
 def test_a_character_split_over_byte_tokens_is_shown_once():
@@ -129,7 +129,7 @@ def test_show_command(tmp_path, char_tokenizer, run_cli):
     code, out, err = run_cli("show", path, "--step", "1", "--sample", "0")
     assert code == 0 and err == ""
     assert "prompt:   请问1+1=2？" in out
-    assert "response: 是，等" in out
+    assert "response: 是⟦的⟧，等" in out
     assert "gae_ext(γ=1, λ=0.95), not whitened, no KL in reward" in out
     assert "0.6510" in out
 
