@@ -51,6 +51,7 @@ V1_VERSIONS = ">=0.9.0," + SUPPORTED_VERL
 CPU_VERSIONS = SUPPORTED_VERL
 
 _PATCHES = "verl_ext.integration.patches"
+_AGENT_TURNS = "verl_ext.integration.agent_turns"
 _CPU = "verl_ext.cpu.patches"
 _IN_PROCESS = "verl_ext.cpu.in_process"
 
@@ -144,6 +145,26 @@ PLUGIN_TOUCHES = (
         "against the Monte-Carlo return, advantage and group statistics, credit shares), computed in "
         "compute_advantage, join them through the dict this call returns (ray_trainer.py:1772), once per step",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_compute_data_metrics",
+    ),
+    Touch(
+        "patch", "verl.experimental.agent_loop.agent_loop", "AgentLoopBase.ct_merge_assistant_token", "plugin",
+        why="verl's output does not say who wrote a mask-0 token (a tool's answer, a user message, a template marker); "
+        "on a traced run each merge of the model's tokens is recorded here, for the trace's role column "
+        "(verl_ext.integration.agent_turns)",
+        versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_ct_merge_assistant_token",
+    ),
+    Touch(
+        "patch", "verl.experimental.agent_loop.agent_loop", "AgentLoopBase.ct_merge_context_msg", "plugin",
+        why="as the assistant merge: each merge of appended messages is recorded with their role and the tool messages "
+        "among them (the trace's role and tool_calls)",
+        versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_ct_merge_context_msg",
+    ),
+    Touch(
+        "patch", "verl.experimental.agent_loop.tool_agent_loop", "ToolAgentLoop.run", "plugin",
+        why="the one per-sample point after the loop's last merge and before verl consumes extra_fields: on a traced "
+        "run it opens the sample's record, cuts it to the response and puts it in extra_fields['verl_ext_turns'] "
+        "(roles, tool calls, and whether the turn limit ended the response, in the loop's own order)",
+        versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_agent_loop_run",
     ),
 )  # fmt: skip
 

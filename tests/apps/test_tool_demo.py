@@ -46,7 +46,7 @@ def test_every_response_is_what_the_tool_agent_loop_makes_of_the_policys_turns(d
     assert trace.steps == list(range(1, STEPS + 1))
     calls = 0
     for step in trace.steps:
-        tokens = trace.read_step(step, ["sample", "token_index", "token_id", "mask", "turn", "score"]).to_pandas()
+        tokens = trace.read_step(step, ["sample", "token_index", "token_id", "mask", "turn", "role", "score"]).to_pandas()
         prompts = trace.prompts(step).to_pandas().set_index("sample")
         for sample, rows in tokens.groupby("sample"):
             rows = rows.sort_values("token_index")
@@ -66,9 +66,16 @@ def test_every_response_is_what_the_tool_agent_loop_makes_of_the_policys_turns(d
                 )
                 answer_turn = call_turn + len(holes)
                 assert rows["turn"].tolist() == [0] * answer_turn + [1] * (len(rows) - answer_turn)
-                assert prompts.at[sample, "assistant_turns"] == 2
+                assert prompts.at[sample, "assistant_turns"] == 2 and prompts.at[sample, "tool_calls"] == 1
+                # the tool's message is the tool's; the model's tokens are the assistant's
+                assert set(holes["role"]) == {"tool"} and set(rows[rows["mask"]]["role"]) == {"assistant"}
+                # max_assistant_turns=2: the second turn ends the response; at the turn limit if it calls again
+                second_call = CALL.search(tokenizer.decode(rows["token_id"].tolist()[answer_turn:]))
+                assert prompts.at[sample, "turn_limit"] == (second_call is not None and _parses(second_call.group(1)))
             else:
                 assert prompts.at[sample, "assistant_turns"] == 1 and set(rows["turn"]) == {0}
+                assert set(rows["role"]) == {"assistant"} and prompts.at[sample, "tool_calls"] == 0
+                assert not prompts.at[sample, "turn_limit"]
             # the reward: on the last token, of what follows the last </tool_response> in the response as
             # verl decodes it for the reward (special tokens removed): 1.0 for exactly the expected
             # answer, else 0.2 per right part
@@ -80,3 +87,12 @@ def test_every_response_is_what_the_tool_agent_loop_makes_of_the_policys_turns(d
                 score = 0.2 * answer.startswith(expected_sum) + 0.2 * ("，" in answer and answer.partition("，")[2][:2] == verdict)
             assert rows["score"].iloc[-1] == pytest.approx(score) and (rows["score"].iloc[:-1] == 0).all()
     assert calls >= 10  # the warm start calls the tool about 3 times in 10: about 115 of the 384 responses
+
+
+def _parses(call: str) -> bool:
+    """verl's hermes parser takes a call whose text is JSON with a name and arguments."""
+    try:
+        parsed = json.loads(call)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and {"name", "arguments"} <= set(parsed)

@@ -71,6 +71,8 @@ def reference_rows(capture, max_samples=None) -> list[dict]:
     rows = []
     for i in range(kept):
         valid = [t for t, flag in enumerate(mask[i]) if flag]
+        record = None if capture.agent_turns is None else capture.agent_turns[i]
+        roles = [name for name, count in record["roles"] for _ in range(count)] if record else None
         for t in range(valid[-1] + 1 if valid else 0):
             row = {
                 "sample": i,
@@ -80,6 +82,8 @@ def reference_rows(capture, max_samples=None) -> list[dict]:
                 "mask": bool(mask[i][t]),
                 # the holes (runs of masked tokens between two valid ones) that end before t
                 "turn": sum(1 for u in range(1, t + 1) if mask[i][u] and not mask[i][u - 1] and any(mask[i][:u])),
+                # the model's tokens are the assistant's; a hole's, the agent loop's record's (else unknown)
+                "role": "assistant" if mask[i][t] else (roles[t] if roles else None),
             }
             for column in FLOAT_COLUMN_NAMES:
                 tensor = capture.floats.get(column)
@@ -155,7 +159,7 @@ def rewrite_in_the_old_layout(directory, version: int = 2) -> None:
     named ``step=<n>`` (a hive partition: ``step`` only in the folder name, not in the token and update
     files), every file and the run record of schema ``version``. Version 1 also had no
     ``rollout_log_prob``, no end flags in the prompt table, no update tables, no ``update``/``host``
-    in the run record. Neither had the turns (format 4). Written out by hand, without the package's names, like an old trace on disk."""
+    in the run record. Neither had the turns (format 4) or the roles, tool calls and turn limits (format 5). Written out by hand, without the package's names, like an old trace on disk."""
     import json
     import re
     import shutil
@@ -181,9 +185,9 @@ def rewrite_in_the_old_layout(directory, version: int = 2) -> None:
         if version == 1 and (root / folder).exists():
             shutil.rmtree(root / folder)
     for path in sorted(root.rglob("step-*/part-0.parquet")):
-        rewrite(path, ["step", "turn"] + (["rollout_log_prob"] if version == 1 else []))
+        rewrite(path, ["step", "turn", "role"] + (["rollout_log_prob"] if version == 1 else []))
     for path in sorted((root / "_prompts").glob("step-*.parquet")):
-        rewrite(path, ["assistant_turns"] + (["response_length", "eos", "truncated"] if version == 1 else []))
+        rewrite(path, ["assistant_turns", "tool_calls", "turn_limit"] + (["response_length", "eos", "truncated"] if version == 1 else []))
     record = json.loads(old((root / "_run.json").read_text()))
     record["schema_version"] = version
     if version == 1:

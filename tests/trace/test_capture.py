@@ -142,6 +142,35 @@ def test_turns_are_counted_from_the_holes():
     assert token_table(take_snapshot(several, None))["turn"].to_pylist() == [0, 0, 1, 1, 2, 2, 2, 2, 3]
 
 
+def test_roles_come_from_the_mask_and_the_agent_loops_record():
+    """By hand from MASK: the model's tokens are the assistant's; row 1's hole (tokens 1-2) takes its
+    record's role; row 3 has no record, so its masked tokens stay unknown; row 4's record disagrees
+    with its mask (it calls token 2 a tool's), so it is not used; rows without a record have no
+    tool calls or turn limit."""
+    import dataclasses
+
+    records = [
+        {"roles": [["assistant", 3]], "tool_calls": 0, "turn_limit": False},
+        {"roles": [["assistant", 1], ["tool", 2], ["assistant", 2]], "tool_calls": 1, "turn_limit": True},
+        None,
+        None,
+        {"roles": [["other", 2], ["tool", 1]], "tool_calls": 1, "turn_limit": False},
+    ]
+    capture = dataclasses.replace(make_capture(), agent_turns=records)
+    snapshot = take_snapshot(capture, None)
+    roles = {}
+    for row in token_table(snapshot).select(["sample", "role"]).to_pylist():
+        roles.setdefault(row["sample"], []).append(row["role"])
+    assert roles[1] == ["assistant", "tool", "tool", "assistant", "assistant"]
+    assert roles[4] == [None, None, "assistant"]
+    assert table_rows(capture) == reference_rows(dataclasses.replace(capture, agent_turns=records[:4] + [None]))
+    prompts = prompt_table(snapshot)
+    assert prompts["tool_calls"].to_pylist() == [0, 1, None, None, None]
+    assert prompts["turn_limit"].to_pylist() == [False, True, None, None, None]
+    without = prompt_table(take_snapshot(make_capture(), None))  # no agent loop record at all
+    assert without["tool_calls"].null_count == without["turn_limit"].null_count == len(without)
+
+
 def test_prompt_table_without_mask_or_without_prompts():
     capture = make_capture()
     capture.prompt_mask = None

@@ -206,7 +206,7 @@ def test_every_file_stores_the_step_its_name_says(trace_dir):
         assert table.schema.field("step").type == pa.int64() and set(table["step"].to_pylist()) == {step}, relative
         assert table.schema.metadata[b"verl_ext.schema_version"] == str(SCHEMA_VERSION).encode()
     record = json.loads((root / "_run.json").read_text())
-    assert record["schema_version"] == SCHEMA_VERSION == 4
+    assert record["schema_version"] == SCHEMA_VERSION == 5
     entry = record["steps"]["11"]
     assert (entry["file"], entry["prompts_file"], entry["updates"]["actor"]["file"]) == (
         "step-11/part-0.parquet", "_prompts/step-11.parquet", "_actor_update/step-11/part-0.parquet"
@@ -225,14 +225,14 @@ def test_an_old_layout_trace_reads_the_same(trace_dir, tmp_path, version):
 
     new, before = open_trace(trace_dir), open_trace(str(old))
     assert before.record.schema_version == version and before.steps == new.steps == list(STEPS)
-    nulled = {"turn"} | ({"rollout_log_prob"} if version == 1 else set())  # the columns newer than the trace
+    nulled = {"turn", "role"} | ({"rollout_log_prob"} if version == 1 else set())  # the columns newer than the trace
     for step in STEPS:
         table = before.read_step(step)
         assert table.schema.equals(TOKEN_SCHEMA)
         assert table.drop_columns(sorted(nulled)).equals(new.read_step(step).drop_columns(sorted(nulled)))
         assert all(table[name].null_count == table.num_rows for name in nulled)
         assert before.read_step(step, ["step", "kl"]).equals(new.read_step(step, ["step", "kl"]))
-        flags = ["assistant_turns"] + (["response_length", "eos", "truncated"] if version == 1 else [])
+        flags = ["assistant_turns", "tool_calls", "turn_limit"] + (["response_length", "eos", "truncated"] if version == 1 else [])
         assert before.prompts(step).drop_columns(flags).equals(new.prompts(step).drop_columns(flags))
         assert before.prompts(step)["assistant_turns"].null_count == len(before.prompts(step))
         old_entry, new_entry = before.step_record(step), new.step_record(step)
@@ -253,7 +253,7 @@ def test_an_old_layout_trace_reads_the_same(trace_dir, tmp_path, version):
     # What the old README told a pandas user to type still works there.
     step_key = ds.partitioning(pa.schema([("step", pa.int64())]), flavor="hive")
     as_pandas_reads = pandas.read_parquet(old, partitioning=step_key).to_dict("records")
-    assert sorted_rows(as_pandas_reads, TOKEN_KEY) == [{k: v for k, v in row.items() if k != "turn"} for row in tokens(trace_dir)]
+    assert sorted_rows(as_pandas_reads, TOKEN_KEY) == [{k: v for k, v in row.items() if k not in ("turn", "role")} for row in tokens(trace_dir)]
 
 
 def test_verl_ext_check_reads_an_old_layout_trace(tmp_path, run_cli):
@@ -265,11 +265,11 @@ def test_verl_ext_check_reads_an_old_layout_trace(tmp_path, run_cli):
     rewrite_in_the_old_layout(path, 2)
     assert (path / "step=1" / "part-0.parquet").is_file() and (path / "_actor_update" / "step=1").is_dir()
     old_code, old_out, old_err = run_cli("check", str(path))
-    # the same report, but a trace before format 4 has no turns to check
-    turns = "turn = the holes before the token"
-    assert (old_code, old_err) == (0, err) and re.search(rf"{turns}.*skipped", old_out) and re.search(rf"{turns}.*pass", out)
-    same = lambda text: [line for line in text.splitlines() if not re.search(rf"{turns}|passed|format 4", line)]  # noqa: E731
-    assert same(old_out) == same(out) and "(11 passed, 0 failed, 5 skipped)" in old_out
+    # the same report, but a trace before format 4 has no turns to check, nor roles (format 5)
+    turns, roles = "turn = the holes before the token", "role = assistant exactly on valid tokens"
+    assert (old_code, old_err) == (0, err) and all(re.search(rf"{i}.*skipped", old_out) and re.search(rf"{i}.*pass", out) for i in (turns, roles))
+    same = lambda text: [line for line in text.splitlines() if not re.search(rf"{turns}|{roles}|passed|format [45]", line)]  # noqa: E731
+    assert same(old_out) == same(out) and "(11 passed, 0 failed, 6 skipped)" in old_out
     assert run_cli("summary", str(path))[0] == 0
 
 

@@ -241,7 +241,7 @@ def test_a_version_1_trace_stays_readable(tmp_path):
     trace = open_trace(str(directory))
     assert trace.record.schema_version == 1 and trace.update_steps == {"actor": [], "critic": []}
     table = trace.read_step(1)
-    newer = ["rollout_log_prob", "turn"]
+    newer = ["rollout_log_prob", "turn", "role"]
     assert all(table[name].null_count == table.num_rows for name in newer)
     assert table.drop_columns(["step", *newer]).to_pylist() == [
         {k: v for k, v in row.items() if k not in newer} for row in reference_rows(capture)
@@ -251,12 +251,13 @@ def test_a_version_1_trace_stays_readable(tmp_path):
 
 def test_the_columns_a_version_1_file_lacks_are_the_ones_version_2_added():
     """Each column says the version it appeared in: version 2 added rollout_log_prob and the end flags
-    (READABLE_SCHEMA_VERSIONS' note); format 3 changed the layout, no column; format 4 added the turns."""
+    (READABLE_SCHEMA_VERSIONS' note); format 3 changed the layout, no column; format 4 added the turns,
+    format 5 the agent loop's roles, tool calls and turn limits."""
     from verl_ext.trace.schema import added_after
 
-    turns = {"turn", "assistant_turns"}
-    assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"} | turns
-    assert added_after(2) == added_after(3) == turns and added_after(4) == frozenset()
+    turns, agents = {"turn", "assistant_turns"}, {"role", "tool_calls", "turn_limit"}
+    assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"} | turns | agents
+    assert added_after(2) == added_after(3) == turns | agents and added_after(4) == agents and added_after(5) == frozenset()
 
 
 def test_the_v1_trainer_is_read_back_under_its_own_field_names():

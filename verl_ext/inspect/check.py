@@ -36,7 +36,7 @@ def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | 
     per_step: list[StepResult] = []
     tokens = 0
     for done, step in enumerate(selected, start=1):
-        data = StepData.read(trace, step, QUANTITIES, rows_only=("turn",))
+        data = StepData.read(trace, step, QUANTITIES, rows_only=("turn", "role"))
         contexts = {TOKEN: TokenStep(algorithm, trace.step_record(step), data)}
         if with_updates:
             contexts[UPDATE] = update.UpdateStep(trace, step, data)

@@ -83,6 +83,7 @@ IDENTITIES = (
     ),
     Identity("mask_layout", "8.5", TOKEN, "rows 0…n−1 per sample, ending on a valid token", EXACT, TokenStep.mask_layout, counts="row"),
     Identity("turns", "8.5", TOKEN, "turn = the holes before the token (§10)", EXACT, TokenStep.turns, counts="row"),
+    Identity("roles", "8.5", TOKEN, "role = assistant exactly on valid tokens (§10)", EXACT, TokenStep.roles, counts="row"),
     Identity("finite", "8.5", TOKEN, "quantities present and finite on valid tokens", EXACT, TokenStep.finite),
     Identity("steps_on_disk", "8.5", RUN, "every step and update table of the run record is on disk", EXACT, steps_on_disk, counts="file"),
     Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update.update_rows),

@@ -52,6 +52,7 @@ import numpy as np
 from verl_ext.inspect.results import ATOL, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, floats, step_beta
 from verl_ext.torch_threads import one_torch_thread
+from verl_ext.trace.schema import ROLE_ASSISTANT
 
 #: The token-table columns the identities read.
 QUANTITIES = ("score", "reward", "value", "return", "advantage", "advantage_raw", "kl", "old_log_prob")
@@ -291,6 +292,21 @@ class TokenStep:
             sample, token = self.data.row_location(row)
             first = Violation(Location(self.step, sample, token), "turn", float(stored[row]), float(expected[row]))
         return Finding("fail" if len(wrong) else "pass", checked=len(stored), violations=len(wrong), first=first)
+
+    def roles(self) -> Finding:
+        column = self.data.table.column("role")
+        if column.null_count == len(column):
+            return Finding("skipped", note="no role column (a trace written before format 5)")
+        roles = column.to_numpy(zero_copy_only=False)
+        assistant = roles == ROLE_ASSISTANT
+        wrong = np.flatnonzero(assistant != self.data.layout.mask)  # a null role on a valid token is wrong too
+        first = None
+        if len(wrong):
+            row = int(wrong[0])
+            sample, token = self.data.row_location(row)
+            due = "assistant (mask true)" if self.data.layout.mask[row] else "not assistant (mask false)"
+            first = Violation(Location(self.step, sample, token), "role", detail=f"role {roles[row]!r}, expected {due}")
+        return Finding("fail" if len(wrong) else "pass", checked=len(roles), violations=len(wrong), first=first)
 
     def finite(self) -> Finding:
         a = self.algorithm

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
+from verl_ext.integration.agent_turns import TURNS_KEY
 from verl_ext.options import TraceOptions
 
 
@@ -118,7 +119,7 @@ def after_advantage(data: Any, advantage_raw: torch.Tensor | None) -> None:
     if _active.kind == "v1":
         _active.pending["advantage_raw"] = advantage_raw  # captured once V1 has stored its results
         return
-    _submit(batch, data.non_tensor_batch.get("uid"), advantage_raw)
+    _submit(batch, data.non_tensor_batch.get("uid"), advantage_raw, data.non_tensor_batch.get(TURNS_KEY))
     if _active.options.update:
         from verl_ext.integration.update_hook import ROW_KEY
 
@@ -138,8 +139,12 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
         wanted.remove("token_level_rewards")  # V1 stores rewards only when they differ from the scores
     if batch_meta.fields is not None:
         wanted = [name for name in wanted if name in batch_meta.fields or name == "uid"]
+        if "extra_fields" in batch_meta.fields:  # the agent loop's, with verl-ext's record of turns
+            wanted.append("extra_fields")
     stored = tq.kv_batch_get(keys=batch_meta.keys, partition_id=batch_meta.partition_id, select_fields=wanted)
     uid = stored.pop("uid").tolist()
+    extra_fields = stored.pop("extra_fields").tolist() if "extra_fields" in wanted else None
+    agent_turns = None if extra_fields is None else [e.get(TURNS_KEY) if isinstance(e, dict) else None for e in extra_fields]
     prompts = stored.pop("prompts")
     # under verl's batch keys, which the capture reads (the scores are rm_scores in V1)
     tensors = {column.verl_key: _padded(stored[column.v1_key]) for column in V1_COLUMNS if column.v1_key in stored.keys()}
@@ -147,7 +152,7 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
     tensors["prompts"] = _padded(prompts)  # right-padded here, unlike the legacy batch
     prompt_lengths = prompts.offsets().diff()
     tensors["prompt_mask"] = torch.arange(tensors["prompts"].shape[1]) < prompt_lengths.unsqueeze(1)
-    _submit(tensors, uid, _active.pending.get("advantage_raw"))
+    _submit(tensors, uid, _active.pending.get("advantage_raw"), agent_turns)
     if not _active.options.update:
         return batch_meta
     from tensordict import TensorDict
@@ -197,7 +202,8 @@ def _flatten(value: Any) -> Iterator[dict]:
             yield from _flatten(item)
 
 
-def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None) -> None:
+def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None, agent_turns: Any = None) -> None:
+    """``agent_turns``: the agent loop's record of each sample's turns (one per row, or None)."""
     from verl_ext.trace.capture import StepCapture
     from verl_ext.trace.schema import FLOAT_COLUMNS
 
@@ -225,6 +231,7 @@ def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None) -> None:
             kl_coef=pending.get("kl_coef"),
             eos_token_ids=_eos_token_ids(session.trainer),
             max_response_length=session.trainer.config.data.get("max_response_length"),
+            agent_turns=None if agent_turns is None else list(agent_turns),
         )
     )
 

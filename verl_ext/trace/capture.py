@@ -40,6 +40,7 @@ from verl_ext.trace.schema import (
     FLOAT_COLUMN_NAMES,
     LAYOUT,
     PROMPT_SCHEMA,
+    ROLE_CODES,
     STEP_RECORD_METADATA_KEY,
     TOKEN_SCHEMA,
     UPDATE_RECORD_METADATA_KEY,
@@ -70,6 +71,9 @@ class StepCapture:
     kl_coef: float | None = None  # β applied at this step
     eos_token_ids: Sequence[int] | None = None  # what ends a response (for the eos/truncated flags)
     max_response_length: int | None = None  # data.max_response_length (for the truncated flag)
+    #: B records of the agent loop ({"roles": [[role, tokens], ...], "tool_calls", "turn_limit"}, or
+    #: None for a sample without one: verl_ext.integration.agent_turns); None: no sample has one
+    agent_turns: Sequence[Mapping[str, Any] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class StepSnapshot:
     block: torch.Tensor  # the memory all arrays above live in (see SnapshotMemory)
     eos: np.ndarray | None = None  # (N,) bool: the last valid token is an EOS token
     truncated: np.ndarray | None = None  # (N,) bool: the last valid token is at max_response_length − 1, not EOS
+    role: np.ndarray | None = None  # (N, W) int8: index into ROLE_CODES, −1 where unknown
+    tool_calls: np.ndarray | None = None  # (N,) int32, −1 where unknown
+    turn_limit: np.ndarray | None = None  # (N,) int8: 1, 0, −1 where unknown
 
     @property
     def samples(self) -> int:
@@ -147,6 +154,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             whiten=whiten_stats(capture.floats.get("advantage_raw"), capture.mask),
             block=block.memory,
             **_end_flags(capture, lengths.numpy(), copies["token_id"]),
+            **_agent_turns(capture.agent_turns, copies["mask"], lengths.numpy()),
         )
 
 
@@ -214,6 +222,7 @@ def token_table(snapshot: StepSnapshot) -> pa.Table:
             gather(snapshot.token_id, pa.int32()),
             gather(snapshot.mask, pa.bool_()),
             gather(turns(snapshot.turn_starts), pa.int32()),
+            _codes(None if snapshot.role is None else snapshot.role[keep], ROLE_CODES, rows),
             *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMN_NAMES),
         ],
         schema=TOKEN_SCHEMA,
@@ -245,9 +254,54 @@ def prompt_table(snapshot: StepSnapshot) -> pa.Table:
             pa.nulls(samples, pa.bool_()) if snapshot.eos is None else pa.array(snapshot.eos),
             pa.nulls(samples, pa.bool_()) if snapshot.truncated is None else pa.array(snapshot.truncated),
             snapshot.turn_starts.sum(-1, dtype=np.int32),
+            _known(snapshot.tool_calls, pa.int32(), samples),
+            _known(snapshot.turn_limit, pa.bool_(), samples),
         ],
         schema=PROMPT_SCHEMA,
     )
+
+
+def _codes(codes: np.ndarray | None, names: tuple[str, ...], rows: int) -> pa.Array:
+    """Strings from their indices into ``names`` (−1: null)."""
+    if codes is None:
+        return pa.nulls(rows, pa.string())
+    indices = pa.array(codes.astype(np.int32), mask=codes < 0)
+    return pa.DictionaryArray.from_arrays(indices, pa.array(names)).cast(pa.string())
+
+
+def _known(values: np.ndarray | None, arrow_type: pa.DataType, samples: int) -> pa.Array:
+    """``values`` with −1 as null."""
+    if values is None:
+        return pa.nulls(samples, arrow_type)
+    return pa.array(values, mask=values < 0).cast(arrow_type)
+
+
+def _agent_turns(records: Sequence[Mapping[str, Any] | None] | None, mask: np.ndarray, lengths: np.ndarray) -> dict:
+    """The role codes (N, W), tool calls and turn limits (N,) of the kept samples (the last two only
+    with ``records``).
+
+    ``assistant`` wherever the mask is true: verl's response mask marks exactly the tokens the model
+    generated. A hole's tokens take the agent loop's record when it covers the response and agrees
+    with its mask; otherwise (no record, or one that disagrees) they stay unknown."""
+    role = np.where(mask, np.int8(0), np.int8(-1)).astype(np.int8)
+    if records is None:
+        return {"role": role}
+    kept = mask.shape[0]
+    tool_calls = np.full(kept, -1, np.int32)
+    turn_limit = np.full(kept, -1, np.int8)
+    index = {name: code for code, name in enumerate(ROLE_CODES)}
+    for row, record in enumerate(records[:kept]):
+        if not record:
+            continue
+        runs = record.get("roles") or []
+        codes = np.repeat(np.array([index.get(name, -1) for name, _ in runs], np.int8), [int(n) for _, n in runs])
+        length = int(lengths[row])
+        if len(codes) < length or not np.array_equal(codes[:length] == 0, mask[row, :length]) or (codes[:length] < 0).any():
+            continue
+        role[row, :length] = codes[:length]
+        tool_calls[row] = int(record.get("tool_calls", -1))
+        turn_limit[row] = int(record["turn_limit"]) if record.get("turn_limit") is not None else -1
+    return {"role": role, "tool_calls": tool_calls, "turn_limit": turn_limit}
 
 
 def _end_flags(capture: StepCapture, lengths: np.ndarray, token_id: np.ndarray | None) -> dict[str, np.ndarray | None]:

@@ -1,7 +1,8 @@
 """The trace format: layout, columns, the run record. This is a public contract; bump
 :data:`SCHEMA_VERSION` on any change a reader could notice.
 
-Layout of a trace directory (local path or fsspec URL), formats 3 and 4 (4 added the turns)::
+Layout of a trace directory (local path or fsspec URL), formats 3 to 5 (4 added the turns; 5 the roles,
+tool calls and turn limits of agent loops)::
 
     TRACE/
       _run.json                   the run record (:class:`RunRecord`)
@@ -63,7 +64,7 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: Schema versions this code reads: every one so far. A column missing from an older file (its
 #: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
 #: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
@@ -122,7 +123,7 @@ class Layout:
         return table.replace_schema_metadata({**(table.schema.metadata or {}), **version})
 
 
-#: The layout of formats 3 and 4: ``step-<n>``, ``step`` stored in every file.
+#: The layout of formats 3 to 5: ``step-<n>``, ``step`` stored in every file.
 LAYOUT = Layout("-", SCHEMA_VERSION)
 #: The layout of formats 1 and 2: ``step=<n>``, a hive partition (``step`` only in the folder name).
 HIVE_LAYOUT = Layout("=", 2)
@@ -206,6 +207,14 @@ TURN_DOC = (
     "k: the assistant turn of token t (docs/definitions.md §10): 0 up to the end of the first run of "
     "valid tokens, then 1 from the first valid token after a hole, …; a hole's tokens keep the turn before it"
 )
+#: ``role`` values: who wrote a response token, as the agent loop appended it
+#: (:mod:`verl_ext.integration.agent_turns`). The only place they are written.
+ROLE_CODES = (ROLE_ASSISTANT, ROLE_TOOL, ROLE_USER, ROLE_OTHER) = ("assistant", "tool", "user", "other")
+ROLE_DOC = (
+    f"who wrote token t: {ROLE_ASSISTANT} on the policy's tokens (mask true); on a hole's tokens the role of the "
+    f"messages the agent loop appended there ({ROLE_TOOL}, {ROLE_USER}; {ROLE_OTHER} for template or boundary tokens "
+    "and mixed groups), null when the agent loop did not say"
+)
 #: The first column of every table of the trace, stored in every file (format 3; formats 1 and 2 kept
 #: it in the folder name of the token and update files).
 STEP_COLUMN = Column("step", pa.int64(), "the training step (verl's global_steps, from 1)", nullable=False)
@@ -218,6 +227,7 @@ TOKEN_COLUMNS = (
     Column("token_id", pa.int32(), "y_t, the response token", "responses"),
     Column("mask", pa.bool_(), "true on trainable tokens (response_mask)", "response_mask", nullable=False),
     Column("turn", pa.int32(), TURN_DOC, since=4),
+    Column("role", pa.string(), ROLE_DOC, since=5),
     *FLOAT_COLUMNS,
 )
 
@@ -233,6 +243,9 @@ PROMPT_COLUMNS = (
     Column("eos", pa.bool_(), "the last valid token is an EOS token of the tokenizer", since=2),
     Column("truncated", pa.bool_(), "cut at max_response_length: the last valid token is at the last position and is not EOS", since=2),
     Column("assistant_turns", pa.int32(), "K: the response's assistant turns (maximal runs of valid tokens)", since=4),
+    Column("tool_calls", pa.int32(), "tool messages the agent loop merged into the response; null when it did not say", since=5),
+    Column("turn_limit", pa.bool_(), "the agent loop stopped at its turn limit (max_assistant_turns or max_user_turns) "
+           "while the last turn still called a tool; null when it did not say", since=5),
 )
 PROMPT_SCHEMA = pa.schema([c.field for c in PROMPT_COLUMNS], metadata=_VERSION)
 
