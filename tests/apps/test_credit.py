@@ -144,7 +144,7 @@ def test_the_verdict_positions_by_hand_on_a_made_up_step():
     ])  # fmt: skip
     layout = StepLayout(rows["sample"].to_numpy(), rows["token_index"].to_numpy(), rows["mask"].to_numpy())
     valid = layout.valid_rows
-    verdict_of_token, verdicts = _verdicts(rows["token_id"].to_numpy()[valid], layout.token_index[valid], layout)
+    verdict_of_token, verdicts = _verdicts(rows["token_id"].to_numpy()[valid], layout.token_index[valid], layout, token_id("，"), EOS_ID)
     assert verdicts == {0: 4, 2: 5}
     expected = [{0: 4, 2: 5}.get(sample, -1) for sample in rows["sample"].to_numpy()[valid]]
     assert verdict_of_token.tolist() == expected
@@ -155,7 +155,7 @@ def test_the_demo_prints_credit_every_tenth_step_and_the_estimators_side_by_side
     share under mc, GAE(0.95) and td0 and one response under each."""
     from verl_ext.apps import demo
 
-    credits = demo._print_credit(learning_trace)
+    credits = demo._print_credit(learning_trace, "arith")
     assert max(credits) == STEPS and all(credits[step].shares_by_estimator for step in range(STEPS - 9, STEPS + 1))
     lines = capsys.readouterr().out.splitlines()
     assert [int(line.split()[1]) for line in lines] == [1, 10, 20, STEPS]
@@ -176,7 +176,7 @@ def test_the_demo_credit_lines_work_without_a_critic(tmp_path, capsys):
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(critic_free_trace(tmp_path))
-    credits = demo._print_credit(trace)
+    credits = demo._print_credit(trace, "arith")
     assert list(credits) == [1] and credits[1].ev_after_verdict is None and credits[1].shares_by_estimator == {}
     line = capsys.readouterr().out
     assert line.startswith("  step   1") and "critic EV" not in line

@@ -96,3 +96,22 @@ def _parses(call: str) -> bool:
     except json.JSONDecodeError:
         return False
     return isinstance(parsed, dict) and {"name", "arguments"} <= set(parsed)
+
+
+def test_the_tool_call_rate_and_the_call_decisions_share_by_hand(demo):
+    """The demo's credit line on the tool task: the share of responses whose first token is <tool_call>,
+    and the first tokens' share of Σ|A|, counted here from the trace's rows."""
+    from verl_ext.apps.credit import step_credit
+    from verl_ext.tasks.tool.assets import build_tool_tokenizer
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(demo[0] / "trace"))
+    call = build_tool_tokenizer().convert_tokens_to_ids("<tool_call>")
+    for step in trace.steps:
+        rows = trace.read_step(step, ["sample", "token_index", "token_id", "mask", "advantage"]).to_pandas()
+        valid = rows[rows["mask"]]
+        first = valid[valid["token_index"] == 0]
+        credit = step_credit(trace, step, task="tool")
+        assert credit.call_rate == pytest.approx((first["token_id"] == call).mean(), abs=1e-12)
+        assert credit.decision_share == pytest.approx(first["advantage"].abs().sum() / valid["advantage"].abs().sum(), rel=1e-6)
+

@@ -18,6 +18,8 @@
 * ``turns``, ``adv_share_after_hole``, on a step with multi-turn responses only (docs/definitions.md
   §10): the mean number of assistant turns of the samples, and the share of the step's Σ|A| (raw
   advantage) on the tokens after a hole (turns k ≥ 1); null on a single-turn step
+* ``tool_calls``: the mean number of tool messages merged into a response, over the samples whose
+  agent loop said (the prompt table's ``tool_calls``, format 5); null when none did
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ SUMMARY_SCHEMA = pa.schema(
             "ev_mc_last",
             "turns",
             "adv_share_after_hole",
+            "tool_calls",
         )
     ]
 )
@@ -69,7 +72,7 @@ def summarize(trace, steps: Iterable[int] | None = None, progress: Progress | No
     rows, tokens = [], 0
     for done, step in enumerate(selected, start=1):
         data = StepData.read(trace, step, _COLUMNS)
-        rows.append(step_summary(data, gamma) | update_statistics(trace, step))
+        rows.append(step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(trace, step))
         tokens += data.tokens
         if progress is not None:
             progress(done, len(selected), tokens)
@@ -121,6 +124,12 @@ def turn_statistics(data: StepData) -> dict:
     raw = data.columns["advantage_raw"] if data.columns["advantage_raw"] is not None else data.columns["advantage"]
     shares = {} if raw is None else turn_shares(raw, step_responses)
     return {"turns": float(turns.mean()), "adv_share_after_hole": (1.0 - shares["turn0"]) if shares else None}
+
+
+def tool_statistics(trace, step: int) -> dict:
+    """``tool_calls`` (module docstring)."""
+    counts = trace.prompts(step).column("tool_calls").drop_null().to_numpy()
+    return {"tool_calls": float(counts.mean()) if len(counts) else None}
 
 
 def monte_carlo_explained_variance(data: StepData, gamma: float) -> dict:

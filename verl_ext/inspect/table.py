@@ -1,8 +1,8 @@
 """The per-token table of one sample, as the seed dialogues draw it by hand, with decoded tokens.
 
 The decoded response shows the tokens the policy did not write (mask 0 inside it: a tool's answer)
-inline, between ⟦ and ⟧. Columns: t (token_index), token_id, token (decoded), mask, turn (only for
-a response of several assistant turns: the trace's ``turn``), score, kl, reward, value, delta, return, advantage_raw,
+inline, between ⟦ and ⟧. Columns: t (token_index), token_id, token (decoded), mask, turn and role
+(only for a response of several assistant turns: the trace's ``turn`` and ``role``), score, kl, reward, value, delta, return, advantage_raw,
 advantage. ``delta`` is the TD residual δ_t = r_t + γ·V_{t+1} − V_t on the
 sample's valid tokens (V of the next valid token, 0 after the last one); it is null on masked
 tokens and when the run has no values. Every other number is the trace's, unchanged.
@@ -97,7 +97,7 @@ def sample_view(trace, step: int, sample: int, tokenizer=None, epoch: int | None
             "token_id": rows.column("token_id"),
             "token": pa.array(pieces, pa.string()),
             "mask": rows.column("mask"),
-            **({"turn": rows.column("turn")} if (pc.max(rows.column("turn")).as_py() or 0) > 0 else {}),
+            **({"turn": rows.column("turn"), "role": rows.column("role")} if (pc.max(rows.column("turn")).as_py() or 0) > 0 else {}),
             **{name: rows.column(name) for name in ("score", "kl", "reward", "value")},
             "delta": _td_residual(rows, mask, gamma),
             **{name: rows.column(name) for name in ("return", "advantage_raw", "advantage")},

@@ -11,10 +11,11 @@ only chooses what to send and encodes it: every number, flag and join comes from
 * :func:`run_info`: what the page says about the run (estimator, steps, tokenizer).
 * :class:`StepSource`: one step read once (token table, prompts, update tables), and from it
   - :meth:`~StepSource.overview`: every sample of the step with its flags (wrong answer, truncated,
-    clipped by PPO, non-finite), the PPO epochs, and the colour scale of each quantity over the step;
+    clipped by PPO, non-finite), its assistant turns and tool calls, the PPO epochs, and the colour
+    scale of each quantity over the step;
   - :meth:`~StepSource.chunk`: the tokens of some samples: decoded pieces, every column of the token
-    table, the estimators' raw advantages re-estimated (``td0``'s is δ_t), and per PPO epoch the
-    update rows of each token;
+    table (a token's role as its index in ``role_names``, NO_ROLE when unknown), the estimators' raw
+    advantages re-estimated (``td0``'s is δ_t), and per PPO epoch the update rows of each token;
   - :meth:`~StepSource.statistics`: the step's ``summary`` row, whitening μ/σ, the estimators
     compared (what ``verl-ext compare`` computes) and the ``check`` failures located in the step.
 
@@ -45,6 +46,8 @@ from verl_ext.trace.reader import listing
 CENTRES = {"ratio": 1.0}
 #: ``clip`` (any code column) as a small integer: the index in CLIP_CODES, NO_CODE when null or unknown.
 NO_CODE = 255
+#: ``role`` the same way: the index in ROLE_CODES, NO_ROLE when null (the agent loop did not say).
+NO_ROLE = NO_CODE
 #: Update-table columns the page does not show per token: where a row was trained beyond its
 #: mini-batch (the join keys and the token table's own columns are left out as well).
 UPDATE_NOT_SHOWN = ("epoch", "microbatch", "rank")
@@ -214,7 +217,7 @@ class StepSource:
         self._prompt_row = {int(s): i for i, s in enumerate(prompts.column("sample").to_pylist())}
         self._uid = prompts.column("uid").to_pylist()
         self._prompt_ids = prompts.column("prompt_token_ids").to_pylist()
-        self._prompt_flags = {name: prompts.column(name).to_pylist() for name in ("eos", "truncated")}
+        self._prompt_flags = {name: prompts.column(name).to_pylist() for name in ("eos", "truncated", "assistant_turns", "tool_calls")}
         self.whiten = trace.step_record(step).whiten
         self.updates = {kind: done[kind] for kind in kinds}  # in UPDATE_COLUMNS' order: the actor's first
         self.epochs = sorted({int(e) for rows in self.updates.values() for e in np.unique(rows.epoch)})
@@ -264,6 +267,8 @@ class StepSource:
                 "wrong": bool(best is not None and np.isfinite(score[i]) and score[i] < best),
                 "truncated": bool(row is not None and flags["truncated"][row]),
                 "eos": None if row is None else flags["eos"][row],
+                "turns": None if row is None else flags["assistant_turns"][row],
+                "tool_calls": None if row is None else flags["tool_calls"][row],
                 "clipped": bool(clipped[i]),
                 "nonfinite": bool(nonfinite[i]),
                 "prompt": None if row is None else keys[row],
@@ -296,6 +301,7 @@ class StepSource:
             sample_ids = ids[begin:end].tolist()
             pieces += self.decoder.pieces(sample_ids) if -1 not in sample_ids else ["?"] * (end - begin)
         mask = part.column("mask").to_numpy(zero_copy_only=False)
+        roles = pc.index_in(part.column("role"), pa.array(schema.ROLE_CODES)).fill_null(NO_ROLE).to_numpy(zero_copy_only=False)
         columns, nulls = {}, {}
         for name in self.present:
             column = part.column(name)
@@ -315,6 +321,9 @@ class StepSource:
             "token_index": encode(part.column("token_index").to_numpy(), "i4"),
             "token_id": encode(ids, "i4"),
             "mask": encode(mask, "u1"),
+            "turn": encode(part.column("turn").fill_null(0).to_numpy(zero_copy_only=False), "i4"),
+            "role": encode(roles, "u1"),
+            "role_names": list(schema.ROLE_CODES),
             "columns": columns,
             "nulls": nulls,
             "estimates": estimates,

@@ -25,7 +25,10 @@
     truncated: (s) => s.truncated,
     clipped: (s) => s.clipped,
     nonfinite: (s) => s.nonfinite,
+    tool: (s) => s.tool_calls > 0,
+    notool: (s) => s.tool_calls === 0,
   };
+  const NO_ROLE = 255;
   // Token colours are classes c-20 … c20 (see colourRules).
   const STEPS = 20;
 
@@ -417,6 +420,7 @@
     if (s.truncated) out.push(el("span", { class: "badge truncated", title: "cut at the length limit", text: "cut" }));
     if (s.clipped) out.push(el("span", { class: "badge clipped", title: "PPO clipped some of its tokens", text: "clip" }));
     if (s.nonfinite) out.push(el("span", { class: "badge nonfinite", title: "a value is NaN, infinite or missing", text: "NaN" }));
+    if (s.tool_calls > 0) out.push(el("span", { class: "badge tool", title: `${s.tool_calls} tool call(s), ${s.turns} assistant turns`, text: "tool" }));
     return out;
   }
 
@@ -529,6 +533,7 @@
     view.q = q;
     view.colourKey = q ? q.key : null;
     const mask = decode(chunk.mask), ids = decode(chunk.token_id), positions = decode(chunk.token_index);
+    const turns = decode(chunk.turn), roles = decode(chunk.role);
     // Every number of a token also goes into one attribute, data-q="score=0 reward=-0.01 … e1.ratio=1.02"
     // (for scripts and tests: one attribute per token instead of dozens keeps drawing fast).
     const fields = view.fields = tokenFields(chunk);
@@ -542,6 +547,11 @@
       span.setAttribute("data-t", positions[row]);
       if (!(idNull && idNull[row] === 1)) span.setAttribute("data-id", ids[row]);
       span.setAttribute("data-mask", valid ? "1" : "0");
+      span.setAttribute("data-turn", turns[row]);
+      if (roles[row] !== NO_ROLE) span.setAttribute("data-role", chunk.role_names[roles[row]]);
+      if (!valid && roles[row] !== NO_ROLE) span.classList.add(`role-${chunk.role_names[roles[row]]}`);
+      // the first token the policy wrote after a hole opens an assistant turn
+      if (valid && row > view.begin && turns[row] !== turns[row - 1]) span.classList.add("turn-start");
       span._row = row;
       const parts = [];
       let bad = false;
@@ -676,7 +686,9 @@
     const row = span._row;
     const values = view.fields.map((f) => [f, f.read(row)]).filter(([, v]) => v !== null);
     const id = span.getAttribute("data-id");
-    box.appendChild(el("div", {}, el("span", { class: "piece", text: span.textContent }), ` t = ${span.getAttribute("data-t")} · id ${id === null ? "—" : id}${span.getAttribute("data-mask") === "1" ? "" : " · masked (not trained)"}`));
+    const role = span.getAttribute("data-role");
+    const written = span.getAttribute("data-mask") === "1" ? "" : ` · masked (not trained)${role ? `, written by: ${role}` : ""}`;
+    box.appendChild(el("div", {}, el("span", { class: "piece", text: span.textContent }), ` t = ${span.getAttribute("data-t")} · id ${id === null ? "—" : id} · turn ${span.getAttribute("data-turn")}${written}`));
     const table = (rows, attrs) => {
       const t = el("table", attrs || {});
       for (const [f, v] of rows) t.appendChild(el("tr", {}, el("td", { text: f.label }), el("td", { class: "num", text: display(f, v) })));
