@@ -130,14 +130,14 @@ def _plot(trace, directory: Path, sample: int) -> None:
 
 def _describe_tool_task() -> None:
     from verl_ext.tasks.arith.task import Problem
-    from verl_ext.tasks.tool.assets import build_assets
+    from verl_ext.tasks.tool.assets import AssetSpec, build_assets
     from verl_ext.tasks.tool.task import call_text
 
     assets = build_assets()
     report = json.loads(assets.warm_start_report.read_text())
-    problem = Problem(123, 456, 580)
-    print(f"  task: {problem.question()} -> {problem.answer()}, the sum of three-digit numbers, with a calculator to call:")
-    print(f"    {call_text(problem)}</s> <|tool|><tool_response>579</tool_response><|assistant|> {problem.answer()}</s>")
+    problem = Problem(37, 48, 86)
+    print(f"  task: {problem.question()} -> {problem.answer()}, sums of {AssetSpec.digits}-digit numbers, with a calculator to call:")
+    print(f"    {call_text(problem)}</s> <|tool|><tool_response>{problem.a + problem.b}</tool_response><|assistant|> {problem.answer()}</s>")
     print("    (the tool's message and the next <|assistant|> are verl's tool agent loop's: mask 0, not trained)")
     print("  reward on the last token, of the answer after the tool's: 1.0 fully right; else 0.2 right sum + 0.2 right verdict")
     settings, held_out = report["settings"], report["held_out"]

@@ -192,12 +192,14 @@ def validation_accuracy(metrics: dict[int, dict]) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_ext.tasks import TASK_ASSETS
+
     argv = sys.argv[1:] if argv is None else argv
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--estimator", default="mc")
-    parser.add_argument("--task", default="arith", help="arith (default) or tool")
+    parser.add_argument("--task", choices=tuple(TASK_ASSETS), default="arith", help="whose assets (default arith)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--test-freq", type=int, default=TEST_FREQ, help="validate every N steps (and before training)")

@@ -190,14 +190,12 @@ def build_tokenizer(
     return tokenizer
 
 
-def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Problem], val: list[Problem]) -> None:
+def tiny_llama(tokenizer, spec):
+    """A ``llama`` initialised at random (seeded by ``spec.seed``) of ``spec``'s hidden size, layers and
+    heads, for ``tokenizer``'s vocabulary."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from verl_ext.tasks.arith.value_pretraining import pretrain_value
-    from verl_ext.tasks.arith.warm_start import evaluate, supervised_fine_tune
-
-    tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -212,7 +210,15 @@ def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Pro
         tie_word_embeddings=False,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Problem], val: list[Problem]) -> None:
+    from verl_ext.tasks.arith.value_pretraining import pretrain_value
+    from verl_ext.tasks.arith.warm_start import evaluate, supervised_fine_tune
+
+    tokenizer = build_tokenizer()
+    model = tiny_llama(tokenizer, spec)
     settings = spec.warm_start
     print(f"[verl-ext] building the CPU assets: warm start, {settings.steps} supervised steps (~20 s) ...", file=sys.stderr, flush=True)
     started = time.monotonic()

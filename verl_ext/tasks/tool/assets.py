@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verl_ext.tasks.arith.assets import EOS, ROLE_TOKENS, build_tokenizer, cached_build
+from verl_ext.tasks.arith.assets import EOS, ROLE_TOKENS, build_tokenizer, cached_build, tiny_llama
 from verl_ext.tasks.arith.assets import CHARACTERS as ARITH_CHARACTERS
 from verl_ext.tasks.arith.task import Problem
 from verl_ext.tasks.tool import reward
@@ -147,8 +147,6 @@ def prompt_row(p: Problem, split: str, index: int) -> dict:
 
 def _build(staging: Path, spec: AssetSpec) -> None:
     import pandas as pd
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from verl_ext.tasks.tool.warm_start import evaluate, supervised_fine_tune
 
@@ -158,14 +156,7 @@ def _build(staging: Path, spec: AssetSpec) -> None:
         pd.DataFrame([prompt_row(p, split, i) for i, p in enumerate(problems)]).to_parquet(staging / f"{split}.parquet")
 
     tokenizer = build_tool_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=2 * spec.hidden_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_heads,
-        max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(tokenizer, spec)
     settings = spec.warm_start
     print(
         f"[verl-ext] building the tool task's assets: warm start, {settings.steps} supervised steps (~40 s) ...",
