@@ -46,7 +46,7 @@ def supervised_fine_tune(model, tokenizer, problems: list[Problem], settings: Wa
 
     def batch(rng: random.Random) -> list[tuple[list[int], list[int]]]:
         problems_ = [rng.choice(problems) for _ in range(settings.batch_size)]
-        return [(prompt_ids(tokenizer, p), _answer_ids(tokenizer, p, rng.random() < settings.verdict_prior)) for p in problems_]
+        return [(prompt_ids(tokenizer, p), answer_ids(tokenizer, p, rng.random() < settings.verdict_prior)) for p in problems_]
 
     return fine_tune(model, tokenizer.pad_token_id, batch, settings, seed)
 
@@ -125,7 +125,8 @@ def prompt_ids(tokenizer, problem: Problem) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _answer_ids(tokenizer, problem: Problem, right_verdict: bool) -> list[int]:
+def answer_ids(tokenizer, problem: Problem, right_verdict: bool) -> list[int]:
+    """The answer with the right verdict or the wrong one, and EOS."""
     answer = problem.answer()
     if not right_verdict:
         answer = answer.replace(YES, NO) if problem.right else answer.replace(NO, YES)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from verl_ext.tasks.arith.task import NO, YES, Problem, score_response
-from verl_ext.tasks.arith.warm_start import fine_tune, left_padded, position_ids, prompt_ids
+from verl_ext.tasks.arith.task import Problem, score_response
+from verl_ext.tasks.arith.warm_start import answer_ids, fine_tune, left_padded, position_ids, prompt_ids
 from verl_ext.tasks.tool.task import call_text
 from verl_ext.torch_threads import one_torch_thread
 
@@ -64,13 +64,6 @@ def tool_message_ids(tokenizer, p: Problem) -> list[int]:
         [{"role": "tool", "content": str(p.a + p.b)}], tokenize=False, add_generation_prompt=True
     )
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def answer_ids(tokenizer, p: Problem, right_verdict: bool) -> list[int]:
-    answer = p.answer()
-    if not right_verdict:
-        answer = answer.replace(YES, NO) if p.right else answer.replace(NO, YES)
-    return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
 def example(tokenizer, p: Problem, use_tool: bool, right_verdict: bool) -> tuple[list[int], list[int], list[float]]:
