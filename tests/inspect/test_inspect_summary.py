@@ -31,6 +31,7 @@ def test_summary_numbers_by_hand(tmp_path):
         "ev_mc_last": 1 - 0.02 / 0.125,  # last tokens: G = [1, 0.5], G − V = [0.4, 0.2]
         # sample 1's hole makes two turns of it: 1.5 turns a sample; its last token (|A| = 0.2) is after the hole
         "turns": 1.5, "adv_share_after_hole": 0.2 / 2.4,
+        "tool_calls": None,  # no agent loop said how many
     }  # fmt: skip
     assert row == pytest.approx(expected, abs=1e-6)
 
@@ -71,3 +72,12 @@ def test_a_single_turn_step_has_no_turn_statistics(tmp_path):
     b = by_definition(Batch(mask, ids, prompt, torch.ones(2, 1) > 0, scores, None, scores.clone(), scores + 0.1), "mc", gamma=1.0)
     row = summarize(write_trace(tmp_path / "t", algorithm("mc"), {1: b})).to_pylist()[0]
     assert row["turns"] is None and row["adv_share_after_hole"] is None and row["tokens"] == 5
+
+
+def test_tool_calls_are_the_mean_over_the_responses_whose_agent_loop_said(tmp_path):
+    """tests/view/test_view_turns.py's step: records of 1, 0 and 1 tool calls, and one response without a record."""
+    from tests.view.test_view_turns import write_multi_turn_trace
+
+    row = summarize(write_multi_turn_trace(tmp_path / "t", "no-tokenizer")).to_pylist()[0]
+    assert row["tool_calls"] == pytest.approx(2 / 3)
+

@@ -89,6 +89,7 @@ def test_terminal_text_aligns_cjk_by_display_width(tmp_path, char_tokenizer):
         "token",
         "mask",
         "turn",  # the hole at t = 1 makes two assistant turns
+        "role",
         "score",
         "reward",
         "value",
@@ -98,7 +99,7 @@ def test_terminal_text_aligns_cjk_by_display_width(tmp_path, char_tokenizer):
         "advantage",
     ]  # fmt: skip  (kl: null everywhere, dropped)
     assert len({display_width(line) for line in lines}) == 1  # every row as wide as the header
-    assert lines[1].split()[:6] == ["0", str(ID), "是", "1", "0", "0.0000"]
+    assert lines[1].split()[:7] == ["0", str(ID), "是", "1", "0", "assistant", "0.0000"]
     assert display_width("是的2") == 5
     assert render(pa.table({"x": [-1e-9, -0.5]}), "text", digits=2).split() == ["x", "0.00", "-0.50"]
 
@@ -106,14 +107,16 @@ def test_terminal_text_aligns_cjk_by_display_width(tmp_path, char_tokenizer):
 def test_csv_and_markdown(tmp_path):
     view = sample_view(worked_example_trace(tmp_path / "t"), 1, 0, TokenDecoder())
     csv_lines = render(view.table, "csv").splitlines()
-    assert csv_lines[0] == "t,token_id,token,mask,turn,score,kl,reward,value,delta,return,advantage_raw,advantage"
+    assert csv_lines[0] == "t,token_id,token,mask,turn,role,score,kl,reward,value,delta,return,advantage_raw,advantage"
     # each float as the shortest text that reads back as the same float32 (0.3 − 0.3f32 rounding shows)
-    assert csv_lines[1] == f"0,{ID},#{ID},true,0,0.0,,0.0,0.3,0.099999994,0.951,0.65099996,0.65099996"
+    assert csv_lines[1] == f"0,{ID},#{ID},true,0,assistant,0.0,,0.0,0.3,0.099999994,0.951,0.65099996,0.65099996"
     assert [line.split(",")[4] for line in csv_lines[1:]] == ["0", "0", "1", "1"]  # the hole keeps turn 0
+    # the model's tokens are the assistant's; no agent loop said who wrote the hole's
+    assert [line.split(",")[5] for line in csv_lines[1:]] == ["assistant", "", "assistant", "assistant"]
     assert np.float32(csv_lines[1].split(",")[-1]) == view.table.column("advantage")[0].as_py()
     markdown = render(view.table, "markdown", digits=3).splitlines()
-    assert markdown[1].startswith("|---:|---:|:---|:---|---:|---:|")
-    assert markdown[2] == f"| 0 | {ID} | #{ID} | 1 | 0 | 0.000 | 0.000 | 0.300 | 0.100 | 0.951 | 0.651 | 0.651 |"
+    assert markdown[1].startswith("|---:|---:|:---|:---|---:|:---|---:|")
+    assert markdown[2] == f"| 0 | {ID} | #{ID} | 1 | 0 | assistant | 0.000 | 0.000 | 0.300 | 0.100 | 0.951 | 0.651 | 0.651 |"
 
 
 def test_unknown_step_or_sample_is_a_usage_error(tmp_path):
