@@ -1,7 +1,7 @@
-"""The hydra overrides (or the environment) of a CPU run of the example task, one per line, for a
+"""The hydra overrides (or the environment) of a CPU run of an example task, one per line, for a
 shell: ``recipes/cpu_demo.sh`` runs verl's own ``python -m verl.trainer.main_ppo`` with them::
 
-    python -m verl_ext.apps.overrides --output-dir outputs/cpu --steps 5 --estimator gae [-- OVERRIDE ...]
+    python -m verl_ext.apps.overrides --output-dir outputs/cpu --steps 5 --estimator gae [--task tool] [-- OVERRIDE ...]
     python -m verl_ext.apps.overrides --output-dir outputs/cpu --env
 """
 
@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 
 from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
-from verl_ext.tasks.arith.assets import build_assets
+from verl_ext.tasks import TASK_ASSETS, build_task_assets
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print the overrides of a verl CPU run, one per line.")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--assets-dir", default=None, help="asset cache (default: $VERL_EXT_CPU_ASSETS or ~/.cache)")
+    parser.add_argument("--task", choices=tuple(TASK_ASSETS), default="arith", help="whose model, prompts and reward (default arith)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--estimator", default="gae")
     parser.add_argument("--train-batch-size", type=int, default=8)
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(f"{name}={value}" for name, value in cpu_environment(args.output_dir).items()))
         return
     overrides = cpu_overrides(
-        build_assets(args.assets_dir),
+        build_task_assets(args.task, args.assets_dir),
         args.output_dir,
         steps=args.steps,
         estimator=args.estimator,
