@@ -18,6 +18,7 @@ reward sits on the last token. A response whose token after "，" ends the seque
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,6 +114,7 @@ def _share(magnitude: np.ndarray, at_verdict: np.ndarray) -> float:
     return float(magnitude[at_verdict].sum() / total) if total > 0 else float("nan")
 
 
+@functools.lru_cache(maxsize=None)  # the tool task's tokenizer is built once, not at every step read
 def _task_tokens(task: str) -> dict[str, int]:
     """The ids of the verdict mark and EOS in ``task``'s tokenizer, and of the tool call's first token."""
     from verl_ext.tasks.arith.assets import EOS

@@ -14,7 +14,7 @@ only chooses what to send and encodes it: every number, flag and join comes from
     clipped by PPO, non-finite), its assistant turns and tool calls, the PPO epochs, and the colour
     scale of each quantity over the step;
   - :meth:`~StepSource.chunk`: the tokens of some samples: decoded pieces, every column of the token
-    table (a token's role as its index in ``role_names``, NO_ROLE when unknown), the estimators' raw
+    table (a token's role as its index in ``role_names``, NO_CODE when unknown), the estimators' raw
     advantages re-estimated (``td0``'s is δ_t), and per PPO epoch the update rows of each token;
   - :meth:`~StepSource.statistics`: the step's ``summary`` row, whitening μ/σ, the estimators
     compared (what ``verl-ext compare`` computes) and the ``check`` failures located in the step.
@@ -44,10 +44,9 @@ from verl_ext.trace.reader import listing
 
 #: The value a quantity's colour scale is centred on (0 for every other one).
 CENTRES = {"ratio": 1.0}
-#: ``clip`` (any code column) as a small integer: the index in CLIP_CODES, NO_CODE when null or unknown.
+#: A code column (``clip``, ``role``) as small integers: the index in its codes (CLIP_CODES,
+#: ROLE_CODES), NO_CODE when null or unknown (:func:`code_indices`).
 NO_CODE = 255
-#: ``role`` the same way: the index in ROLE_CODES, NO_ROLE when null (the agent loop did not say).
-NO_ROLE = NO_CODE
 #: Update-table columns the page does not show per token: where a row was trained beyond its
 #: mini-batch (the join keys and the token table's own columns are left out as well).
 UPDATE_NOT_SHOWN = ("epoch", "microbatch", "rank")
@@ -108,6 +107,11 @@ def _kind(column: schema.Column) -> tuple[str, str]:
         if test(column.type):
             return kind, encoding
     raise TypeError(f"update column {column.name}: the view cannot show type {column.type}")
+
+
+def code_indices(column: pa.ChunkedArray | pa.Array, codes: Sequence[str]) -> np.ndarray:
+    """A string column as uint8 indices into ``codes``, NO_CODE where null or not one of them."""
+    return pc.index_in(column, value_set=pa.array(codes)).fill_null(NO_CODE).to_numpy(zero_copy_only=False).astype(np.uint8)
 
 
 def page_schema() -> dict:
@@ -301,7 +305,6 @@ class StepSource:
             sample_ids = ids[begin:end].tolist()
             pieces += self.decoder.pieces(sample_ids) if -1 not in sample_ids else ["?"] * (end - begin)
         mask = part.column("mask").to_numpy(zero_copy_only=False)
-        roles = pc.index_in(part.column("role"), pa.array(schema.ROLE_CODES)).fill_null(NO_ROLE).to_numpy(zero_copy_only=False)
         columns, nulls = {}, {}
         for name in self.present:
             column = part.column(name)
@@ -322,7 +325,7 @@ class StepSource:
             "token_id": encode(ids, "i4"),
             "mask": encode(mask, "u1"),
             "turn": encode(part.column("turn").fill_null(0).to_numpy(zero_copy_only=False), "i4"),
-            "role": encode(roles, "u1"),
+            "role": encode(code_indices(part.column("role"), schema.ROLE_CODES), "u1"),
             "role_names": list(schema.ROLE_CODES),
             "columns": columns,
             "nulls": nulls,
@@ -474,7 +477,7 @@ class _UpdateRows:
                 continue
             kind_shown, self.encodings[column.name] = _kind(column)
             if kind_shown == "code":
-                values = self.codes[column.name] = pc.index_in(data, value_set=pa.array(schema.CLIP_CODES)).fill_null(NO_CODE).to_numpy(zero_copy_only=False).astype(np.uint8)
+                values = self.codes[column.name] = code_indices(data, schema.CLIP_CODES)
             elif kind_shown == "flag":
                 values = data.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint8)
             elif kind_shown == "int":

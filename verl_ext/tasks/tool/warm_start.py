@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from verl_ext.tasks.arith import warm_start as arith_warm_start
 from verl_ext.tasks.arith.task import Problem, score_response
 from verl_ext.tasks.arith.warm_start import answer_ids, fine_tune, left_padded, position_ids, prompt_ids
 from verl_ext.tasks.tool.task import call_text
@@ -28,11 +29,10 @@ from verl_ext.torch_threads import one_torch_thread
 
 
 @dataclass(frozen=True)
-class WarmStartSettings:
+class WarmStartSettings(arith_warm_start.WarmStartSettings):
+    """The arithmetic task's settings, with the tool task's defaults and the prior on calling."""
+
     steps: int = 300
-    batch_size: int = 64
-    lr: float = 1e-3
-    warmup_steps: int = 20
     verdict_prior: float = 1.0
     tool_prior: float = 0.3
 

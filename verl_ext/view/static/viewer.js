@@ -28,7 +28,7 @@
     tool: (s) => s.tool_calls > 0,
     notool: (s) => s.tool_calls === 0,
   };
-  const NO_ROLE = 255;
+  const NO_ROLE = 255;  // payload.NO_CODE: a token whose role no agent loop recorded
   // Token colours are classes c-20 … c20 (see colourRules).
   const STEPS = 20;
 
