@@ -35,6 +35,7 @@ import torch
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RunRecord
+from verl_ext.turn_rewards import turn_ends
 from verl_ext.trace.reader import open_trace
 from verl_ext.trace.writer import TraceWriter
 
@@ -64,7 +65,8 @@ def synthetic_capture(batch: int, length: int, dtype: torch.dtype, seed: int = 0
     old_log_probs = -3 * torch.rand(batch, length, generator=generator)
     ref_log_prob = old_log_probs + 0.01 * noise()
     kl = old_log_probs - ref_log_prob
-    rewards = scores - 0.001 * kl
+    tool_reward = 0.1 * turn_ends(mask).float()  # a per-turn reward on every turn's last token (the mask's holes make turns)
+    rewards = scores + tool_reward - 0.001 * kl
     values = noise()
     returns = noise()
     advantage_raw = returns - values
@@ -83,6 +85,8 @@ def synthetic_capture(batch: int, length: int, dtype: torch.dtype, seed: int = 0
         "ref_log_prob": ref_log_prob,
         "kl": kl,
         "rollout_log_prob": old_log_probs + 0.001 * noise(),
+        "turn_score": torch.zeros(batch, length),
+        "tool_reward": tool_reward,
     }
     assert set(tensors) == set(FLOAT_COLUMN_NAMES)
     return StepCapture(

@@ -303,7 +303,7 @@ def test_check_output(tmp_path, run_cli):
 
     shown = verified_block("check-output").split("\n", 1)[1].rsplit("\n", 1)[0]  # inside the ``` fence
     assert without_errors(shown) == without_errors(out.split("\n\n")[1])
-    assert out.splitlines()[-1] == "PASS (10 passed, 0 failed, 0 skipped)"
+    assert out.splitlines()[-1] == "PASS (10 passed, 0 failed, 1 skipped)"
 
 
 def test_seed_004_update():

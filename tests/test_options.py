@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from verl_ext.options import ALGORITHM_KEYS, METRICS_DEFAULT, NONFINITE_DEFAULT, TRACE_KEYS, TraceOptions
+from verl_ext.options import ALGORITHM_KEYS, METRICS_DEFAULT, NONFINITE_DEFAULT, TRACE_KEYS, TURN_REWARDS_DEFAULT, TraceOptions
 
 YAML = Path(__file__).resolve().parents[1] / "verl_ext" / "configs" / "verl_ext_trainer.yaml"
 
@@ -18,7 +18,9 @@ YAML = Path(__file__).resolve().parents[1] / "verl_ext" / "configs" / "verl_ext_
 def test_the_yaml_declares_every_key_with_the_default_of_the_code():
     declared = yaml.safe_load(YAML.read_text())
     assert declared["algorithm"] == ALGORITHM_KEYS
-    assert declared["verl_ext"] == {"nonfinite": NONFINITE_DEFAULT, "metrics": METRICS_DEFAULT, "trace": TraceOptions().as_dict()}
+    assert declared["verl_ext"] == {
+        "nonfinite": NONFINITE_DEFAULT, "metrics": METRICS_DEFAULT, "turn_rewards": TURN_REWARDS_DEFAULT, "trace": TraceOptions().as_dict()
+    }  # fmt: skip
 
 
 def test_the_trace_keys_are_the_fields_of_trace_options_in_order():

@@ -430,6 +430,10 @@ def demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--estimator", default=None, help="algorithm.adv_estimator (default mc; grpo with --task tool)")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
     parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a verdict and a score below 1; with --task tool, one that called the tool)")
+    parser.add_argument(
+        "--turn-rewards", action="store_true",
+        help="add the agent loop's per-turn rewards to the rewards (verl_ext.turn_rewards=true; with --task tool, the calculator's 0.1 for a well-formed call)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="more hydra overrides for the trainer; they win")
 
 

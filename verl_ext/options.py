@@ -113,6 +113,11 @@ NONFINITE_DEFAULT = "warn"
 #: ``verl_ext.metrics``: the live metrics (critic and credit, docs/definitions.md §11) in verl's
 #: metrics of every step.
 METRICS_DEFAULT = True
+#: ``verl_ext.turn_rewards``: add the agent loop's per-turn scores (``turn_scores``, ``tool_rewards``) to
+#: the rewards of their turns' last tokens before any estimator runs (docs/definitions.md §10).
+TURN_REWARDS_DEFAULT = False
+#: The keys of the ``verl_ext`` node.
+VERL_EXT_KEYS = ("trace", "nonfinite", "metrics", "turn_rewards")
 
 
 def verl_ext_node(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -121,11 +126,9 @@ def verl_ext_node(config: Mapping[str, Any]) -> Mapping[str, Any]:
     node = {} if node is None else node
     if not isinstance(node, Mapping):
         raise ValueError(f"verl_ext must be a node of options (e.g. verl_ext.trace.dir=/runs/trace), got {node!r}")
-    unknown = sorted(set(node) - {"trace", "nonfinite", "metrics"})
+    unknown = sorted(set(node) - set(VERL_EXT_KEYS))
     if unknown:
-        raise ValueError(
-            f"unknown key(s) {', '.join('verl_ext.' + k for k in unknown)}; verl_ext takes trace, nonfinite, metrics"
-        )
+        raise ValueError(f"unknown key(s) {', '.join('verl_ext.' + k for k in unknown)}; verl_ext takes {', '.join(VERL_EXT_KEYS)}")
     return node
 
 
@@ -143,6 +146,12 @@ def metrics_enabled(config: Mapping[str, Any]) -> bool:
     """``verl_ext.metrics`` of the root config (default :data:`METRICS_DEFAULT`)."""
     value = verl_ext_node(config).get("metrics")
     return METRICS_DEFAULT if value is None else boolean("verl_ext.metrics", value)
+
+
+def turn_rewards_enabled(config: Mapping[str, Any]) -> bool:
+    """``verl_ext.turn_rewards`` of the root config (default :data:`TURN_REWARDS_DEFAULT`)."""
+    value = verl_ext_node(config).get("turn_rewards")
+    return TURN_REWARDS_DEFAULT if value is None else boolean("verl_ext.turn_rewards", value)
 
 
 # --------------------------------------------------------------------------- trace options

@@ -59,7 +59,8 @@ PLUGIN_TOUCHES = (
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "compute_advantage", "plugin",
         why="verl never passes `values` to a registered estimator: verl-ext's estimators (verl_ext.registry) are "
-        "computed here with the batch's values and whitened; every estimator's result is handed to the trace and "
+        "computed here with the batch's values and whitened; before any estimator, verl's or verl-ext's, the agent "
+        "loop's per-turn rewards are added on their turns' last tokens (verl_ext.turn_rewards); every estimator's result is handed to the trace and "
         "to the live metrics (verl_ext.metrics), then checked for non-finite rewards, values, returns, advantages and log-probs on valid tokens "
         "(verl_ext.nonfinite: one line naming step, sample, token and the first non-finite quantity upstream)",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_compute_advantage",
@@ -136,7 +137,9 @@ PLUGIN_TOUCHES = (
         why="the V1 trainer computes advantages on a reduced batch without token ids; after it stores them in "
         "TransferQueue, the trace reads back the tensors the trainer will use, with token ids and the step; "
         "verl_ext.nonfinite=raise stops the run here, once the trace has the step, before the updates; the "
-        "step's live metrics (verl_ext.metrics) go into the metrics dict V1 hands this method",
+        "step's live metrics (verl_ext.metrics) go into the metrics dict V1 hands this method; with "
+        "verl_ext.turn_rewards the samples' extra_fields are read first (V1's batch here has none) and the rewards "
+        "the estimator used written back",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_compute_advantage",
     ),
     Touch(
@@ -149,21 +152,22 @@ PLUGIN_TOUCHES = (
     Touch(
         "patch", "verl.experimental.agent_loop.agent_loop", "AgentLoopBase.ct_merge_assistant_token", "plugin",
         why="verl's output does not say who wrote a mask-0 token (a tool's answer, a user message, a template marker); "
-        "on a traced run each merge of the model's tokens is recorded here, for the trace's role column "
-        "(verl_ext.integration.agent_turns)",
+        "on a traced run (or one with verl_ext.turn_rewards) each merge of the model's tokens is recorded here, for the "
+        "trace's role column and the turn of each tool reward (verl_ext.integration.agent_turns)",
         versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_ct_merge_assistant_token",
     ),
     Touch(
         "patch", "verl.experimental.agent_loop.agent_loop", "AgentLoopBase.ct_merge_context_msg", "plugin",
         why="as the assistant merge: each merge of appended messages is recorded with their role and the tool messages "
-        "among them (the trace's role and tool_calls)",
+        "among them and the turn that called (the trace's role and tool_calls; the turn of each tool reward)",
         versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_ct_merge_context_msg",
     ),
     Touch(
         "patch", "verl.experimental.agent_loop.tool_agent_loop", "ToolAgentLoop.run", "plugin",
         why="the one per-sample point after the loop's last merge and before verl consumes extra_fields: on a traced "
-        "run it opens the sample's record, cuts it to the response and puts it in extra_fields['verl_ext_turns'] "
-        "(roles, tool calls, and whether the turn limit ended the response, in the loop's own order)",
+        "run (or one with verl_ext.turn_rewards) it opens the sample's record, cuts it to the response and puts it in "
+        "extra_fields['verl_ext_turns'] (roles, tool calls, whether the turn limit ended the response, in the loop's "
+        "own order, and the turn whose call earned each of the loop's tool_rewards)",
         versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_agent_loop_run",
     ),
 )  # fmt: skip

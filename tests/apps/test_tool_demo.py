@@ -1,9 +1,10 @@
-"""``verl-ext demo --task tool``, a few steps: verl's own tool agent loop on the HF rollout server, the
-calculator called through verl's hermes parser, the trace checked, shown and viewed.
+"""``verl-ext demo --task tool --turn-rewards``, a few steps: verl's own tool agent loop on the HF
+rollout server, the calculator called through verl's hermes parser, its reward for a well-formed call
+on the calling turn's last token, the trace checked, shown and viewed.
 
 The run's responses are checked against what the task's definition says independently of the code
 under test: the question's numbers are read back from the prompt text, a call's from the call text,
-and the tool's message, the turns and the score follow from those by hand."""
+and the tool's message, the turns, the score and the tool's reward follow from those by hand."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # verl's hermes p
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory, cpu_env):
     out = tmp_path_factory.mktemp("tool_demo")
-    command = [sys.executable, "-m", "verl_ext.cli", "demo", "--task", "tool", "--steps", str(STEPS), "--output-dir", str(out)]
+    command = [
+        sys.executable, "-m", "verl_ext.cli", "demo", "--task", "tool", "--turn-rewards", "--steps", str(STEPS), "--output-dir", str(out),
+    ]  # fmt: skip
     return out, run(command, cpu_env(out), out, timeout=600).stdout
 
 
@@ -42,21 +45,24 @@ def test_every_response_is_what_the_tool_agent_loop_makes_of_the_policys_turns(d
 
     trace = open_trace(str(demo[0] / "trace"))
     assert trace.steps == list(range(1, STEPS + 1))
-    assert count_checked_tool_calls(trace) >= 10  # the warm start calls about 3 times in 10: ~115 of 384 responses
+    assert count_checked_tool_calls(trace, turn_rewards=True) >= 10  # the warm start calls about 3 times in 10: ~115 of 384
 
 
-def count_checked_tool_calls(trace) -> int:
+def count_checked_tool_calls(trace, turn_rewards: bool = False) -> int:
     """Check every response of ``trace`` (a run of the tool task) against the task's definition;
-    return how many called the tool."""
+    return how many called the tool. ``turn_rewards``: the run placed per-turn rewards
+    (verl_ext.turn_rewards), so the calculator's reward sits on the calling turn's last token."""
     from verl_ext.tasks.tool.assets import build_tool_tokenizer
 
     tokenizer = build_tool_tokenizer()
     calls = 0
     for step in trace.steps:
-        tokens = trace.read_step(step, ["sample", "token_index", "token_id", "mask", "turn", "role", "score"]).to_pandas()
+        columns = ["sample", "token_index", "token_id", "mask", "turn", "role", "score", "reward", "kl", "turn_score", "tool_reward"]
+        tokens = trace.read_step(step, columns).to_pandas()
         prompts = trace.prompts(step).to_pandas().set_index("sample")
         for sample, rows in tokens.groupby("sample"):
             rows = rows.sort_values("token_index")
+            tool_reward = [0.0] * len(rows)  # by hand: the calculator's 0.1 for a call with integer arguments
             a, b, c = map(int, QUESTION.search(tokenizer.decode(prompts.at[sample, "prompt_token_ids"])).groups())
             holes = rows[~rows["mask"]]
             if len(holes):
@@ -67,6 +73,7 @@ def count_checked_tool_calls(trace) -> int:
                 call_turn = rows["token_id"].tolist().index(tokenizer.eos_token_id) + 1
                 call = json.loads(CALL.search(tokenizer.decode(rows["token_id"].tolist()[:call_turn])).group(1))
                 assert call["name"] == "add"
+                tool_reward[call_turn - 1] = 0.1 if all(type(call["arguments"][k]) is int for k in "ab") else 0.0
                 assert holes["token_index"].tolist() == list(range(call_turn, call_turn + len(holes)))
                 assert tokenizer.decode(holes["token_id"].tolist()) == (
                     f"<|tool|><tool_response>{int(call['arguments']['a']) + int(call['arguments']['b'])}</tool_response><|assistant|>"
@@ -93,6 +100,16 @@ def count_checked_tool_calls(trace) -> int:
             else:
                 score = 0.2 * answer.startswith(expected_sum) + 0.2 * ("，" in answer and answer.partition("，")[2][:2] == verdict)
             assert rows["score"].iloc[-1] == pytest.approx(score) and (rows["score"].iloc[:-1] == 0).all()
+            if not turn_rewards:
+                assert rows["tool_reward"].isna().all() and rows["turn_score"].isna().all()
+                continue
+            # verl's own tool agent loop fills no turn scores; the rewards are the score plus the tool's
+            # (no KL in the reward here)
+            assert rows["kl"].isna().all()
+            assert rows["tool_reward"].tolist() == pytest.approx(tool_reward) and (rows["turn_score"] == 0).all()
+            valid = rows["mask"].to_numpy()
+            expected_reward = (rows["score"] + rows["tool_reward"]).to_numpy()[valid]
+            assert rows["reward"].to_numpy()[valid] == pytest.approx(expected_reward, abs=1e-7)
     return calls
 
 

@@ -1,11 +1,14 @@
-"""The tool task on Ray with verl 0.9's default V1 trainer (recipes/cpu_demo.sh, ``TASK=tool V1=1``):
-verl's ToolAgentLoop in a Ray agent-loop worker, the agent loop's record of each sample's turns carried
-through TransferQueue's ``extra_fields`` into the trace. Every response is checked against the task's
-definition (tests/apps/test_tool_demo.py) and the trace passes the checker. (In process, the legacy
-trainer: tests/apps/test_tool_demo.py.)"""
+"""The tool task on Ray with verl 0.9's default V1 trainer (recipes/cpu_demo.sh, ``TASK=tool V1=1``),
+``turn_gae`` with per-turn rewards: verl's ToolAgentLoop in a Ray agent-loop worker, the agent loop's
+record of each sample's turns (and of the turns its tool rewards belong to) carried through
+TransferQueue's ``extra_fields``, the calculator's reward on the calling turn's last token before the
+estimator runs. Every response is checked against the task's definition (tests/apps/test_tool_demo.py)
+and the trace passes the checker, which recomputes turn_gae from the recorded rewards and values.
+(In process, the legacy trainer: tests/apps/test_tool_demo.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,13 +29,13 @@ def v1_tool_run(tmp_path_factory, assets_dir):
     out = tmp_path_factory.mktemp("v1_tool")
     env = {
         **os.environ, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
-        "TASK": "tool", "V1": "1", "ESTIMATOR": "grpo", "ROLLOUT_N": "4", "STEPS": "2",
+        "TASK": "tool", "V1": "1", "ESTIMATOR": "turn_gae", "ROLLOUT_N": "4", "STEPS": "2",
     }  # fmt: skip
-    run(["bash", str(RECIPE), f"+verl_ext.trace.dir={out / 'trace'}"], env, out, timeout=600)
+    run(["bash", str(RECIPE), f"+verl_ext.trace.dir={out / 'trace'}", "+verl_ext.turn_rewards=true"], env, out, timeout=600)
     return out
 
 
-def test_the_v1_trainer_traces_the_tool_loops_turns(v1_tool_run):
+def test_the_v1_trainer_runs_turn_gae_with_the_tools_rewards_on_their_turns(v1_tool_run):
     from tests.apps.test_tool_demo import count_checked_tool_calls
     from verl_ext.inspect.check import check_trace
     from verl_ext.trace.reader import open_trace
@@ -40,6 +43,15 @@ def test_the_v1_trainer_traces_the_tool_loops_turns(v1_tool_run):
     assert "(TaskRunnerV1 pid=" in (v1_tool_run / "train.log").read_text()
     trace = open_trace(str(v1_tool_run / "trace"))
     assert trace.record.trainer == "v1" and trace.steps == [1, 2]
-    assert count_checked_tool_calls(trace) >= 5  # of 64 responses, about 3 in 10 call
+    assert trace.record.algorithm["adv_estimator"] == "turn_gae"
+    assert count_checked_tool_calls(trace, turn_rewards=True) >= 5  # of 64 responses, about 3 in 10 call
     report = check_trace(trace)
-    assert report.passed and {"turns", "roles"} <= {r.identity for r in report.identities if r.status == "pass"}
+    passed = {r.identity for r in report.identities if r.status == "pass"}
+    assert report.passed and {"advantage_raw", "returns", "rewards", "turn_rewards", "turns", "roles"} <= passed
+    # the step's live metric: the tool rewards placed, per response, as the trace has them
+    metrics = [json.loads(line) for line in (v1_tool_run / "metrics.jsonl").read_text().splitlines()]
+    for step in trace.steps:
+        placed = trace.read_step(step, ["tool_reward"]).column("tool_reward").to_numpy()
+        logged = next(m["data"] for m in metrics if m["step"] == step and "verl_ext/turn_rewards/tool_reward" in m["data"])
+        logged = logged["verl_ext/turn_rewards/tool_reward"]
+        assert logged == pytest.approx(placed.sum() / trace.prompts(step).num_rows, rel=1e-5) and logged > 0

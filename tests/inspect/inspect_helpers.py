@@ -76,6 +76,8 @@ class Batch:
     advantages: torch.Tensor | None = None
     advantage_raw: torch.Tensor | None = None
     kl_coef: float | None = None
+    turn_score: torch.Tensor | None = None
+    tool_reward: torch.Tensor | None = None
 
 
 def random_batch(
@@ -86,6 +88,7 @@ def random_batch(
     interior: bool = True,
     dense_scores: bool = False,
     holes: int = 1,
+    turn_rewards: bool = False,
 ) -> Batch:
     """Responses of random lengths (trailing padding), a few interior masked tokens (tool output:
     ``holes`` spans of two in every other response, so up to ``holes`` + 1 assistant turns),
@@ -115,11 +118,20 @@ def random_batch(
     if kl_coef is not None:
         kl = torch.rand(B, T, generator=g).mul(0.2).sub(0.05) * mask  # kld * response_mask, as verl
         rewards = scores - kl_coef * kl
+    turn_score = tool_reward = None
+    if turn_rewards:
+        turn_score, tool_reward = torch.zeros(B, T), torch.zeros(B, T)
+        for b in range(B):
+            for t in range(T - 1):
+                if mask[b, t] and not mask[b, t + 1] and mask[b, t + 1 :].any():
+                    tool_reward[b, t] = 0.1
+            turn_score[b, int(last[b])] = 0.3
+        rewards = rewards + turn_score + tool_reward
     responses = torch.randint(7, 20, (B, T), generator=g)
     prompts = torch.randint(7, 20, (B, 5), generator=g)
     prompt_mask = torch.ones(B, 5, dtype=torch.bool)
     prompt_mask[:, :2] = torch.rand(B, 2, generator=g) > 0.5  # left padding
-    return Batch(mask, responses, prompts, prompt_mask, scores, kl, rewards, values, kl_coef=kl_coef)
+    return Batch(mask, responses, prompts, prompt_mask, scores, kl, rewards, values, kl_coef=kl_coef, turn_score=turn_score, tool_reward=tool_reward)
 
 
 def by_definition(
@@ -221,7 +233,7 @@ def write_trace(
         for step, b in batches.items():
             floats = dict(
                 score=b.scores, reward=b.rewards, value=b.values, advantage=b.advantages,
-                advantage_raw=b.advantage_raw, kl=b.kl,
+                advantage_raw=b.advantage_raw, kl=b.kl, turn_score=b.turn_score, tool_reward=b.tool_reward,
             )  # fmt: skip
             floats["return"] = b.returns
             writer.submit(
@@ -242,9 +254,10 @@ def write_trace(
 
 
 def good_trace(directory: Path, plant: bool = False) -> str:
-    """Three steps of td0 with KL in the reward (steps 1, 2, 3; step 3 also as the record's last), which
-    pass the checker; ``plant``: one advantage of step 2 nudged, which the checker catches."""
-    batches = {step: by_definition(random_batch(step, kl_coef=0.1), "td0", gamma=1.0) for step in (1, 2, 3)}
+    """Three steps of td0 with KL and per-turn rewards in the reward (steps 1, 2, 3; step 3 also as the
+    record's last), which pass the checker; ``plant``: one advantage of step 2 nudged, which the checker
+    catches."""
+    batches = {step: by_definition(random_batch(step, kl_coef=0.1, turn_rewards=True), "td0", gamma=1.0) for step in (1, 2, 3)}
     if plant:
         nudge(batches[2].advantages, 4, 6)
     return write_trace(directory, algorithm("td0", kl="kl"), batches)

@@ -50,10 +50,15 @@ DEFINED = {
 }  # fmt: skip
 
 
+#: The cases whose traces carry per-turn rewards (verl_ext.turn_rewards).
+WITH_TURN_REWARDS = ("td0", "turn_gae")
+
+
 def defined_trace(tmp_path, case: str, kl_coef: float | None = 0.05, **write) -> str:
     name, extra, args = DEFINED[case]
     algo = algorithm(name, kl="low_var_kl" if kl_coef is not None else None, **extra)
-    batches = {step: by_definition(random_batch(step, kl_coef=kl_coef), **args) for step in (1, 2)}
+    turn_rewards = case in WITH_TURN_REWARDS
+    batches = {step: by_definition(random_batch(step, kl_coef=kl_coef, turn_rewards=turn_rewards), **args) for step in (1, 2)}
     return write_trace(tmp_path / "trace", algo, batches, **write)
 
 
@@ -67,13 +72,15 @@ def test_passes_traces_built_from_the_definitions(tmp_path, case):
     expected = {key: "pass" for key in IDENTITIES}
     if case == "mc-not-whitened":
         expected["whitening_stats"] = "skipped"
+    if case not in WITH_TURN_REWARDS:
+        expected["turn_rewards"] = "skipped"
     assert statuses(report) == expected, [str(r.first) for r in report.identities if r.first]
     assert report.passed
     assert report.tokens == sum(int(random_batch(s).mask.sum()) for s in (1, 2))
 
 
-def test_passes_verl_gae_with_kl_interior_masks_and_padding(tmp_path):
-    batches = {step: by_verl_gae(random_batch(step, kl_coef=0.02), gamma=0.99, lam=0.95) for step in (1, 2, 3)}
+def test_passes_verl_gae_with_kl_interior_masks_padding_and_turn_rewards(tmp_path):
+    batches = {step: by_verl_gae(random_batch(step, kl_coef=0.02, turn_rewards=True), gamma=0.99, lam=0.95) for step in (1, 2, 3)}
     path = write_trace(tmp_path / "t", algorithm("gae", gamma=0.99, lam=0.95, kl="kl"), batches)
     report = check_trace(path)
     assert statuses(report) == {key: "pass" for key in IDENTITIES}
@@ -279,6 +286,25 @@ def test_catches_a_wrong_turn_and_skips_a_trace_without_turns(tmp_path):
     assert (result.first.actual, result.first.expected) == (1.0, 0.0)
     rewrite_step(path, 1, table=lambda table: table.set_column(turn_index, "turn", pa.nulls(table.num_rows, pa.int32())))
     assert check_trace(path)["turns"].status == "skipped"
+
+
+def test_catches_a_tool_reward_off_its_turn_end_and_rewards_without_it(tmp_path):
+    """Sample 1's tool reward moved one token before its turn's last token (the rewards moved with it:
+    rewards still = scores + turn rewards), then the rewards alone left without it."""
+    batch = by_definition(random_batch(1, T=30, holes=2, turn_rewards=True), "mc", 1.0)
+    end = int(torch.nonzero(batch.tool_reward[1]).flatten()[0])
+    assert batch.mask[1, end] and not batch.mask[1, end + 1]  # random_batch put it before a hole
+    moved = batch.tool_reward.clone()
+    moved[1, end - 1], moved[1, end] = moved[1, end], 0.0
+    shifted = replace(batch, tool_reward=moved, rewards=batch.rewards - batch.tool_reward + moved)
+    report = check_trace(write_trace(tmp_path / "moved", algorithm("mc"), {1: shifted}))
+    result = report["turn_rewards"]
+    assert (result.status, result.violations) == ("fail", 1) and report["rewards"].status == "pass"
+    assert (result.first.location.sample, result.first.location.token_index, result.first.column) == (1, end - 1, "tool_reward")
+    left_out = replace(batch, rewards=batch.rewards - batch.tool_reward)
+    report = check_trace(write_trace(tmp_path / "left_out", algorithm("mc"), {1: left_out}))
+    assert report["rewards"].status == "fail" and report["turn_rewards"].status == "pass"
+    assert (report["rewards"].first.location.sample, report["rewards"].first.location.token_index) == (1, end)
 
 
 def test_catches_a_non_finite_value(tmp_path):

@@ -65,14 +65,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, run_cli, command, case):
 def test_check_exit_codes_and_report(tmp_path, run_cli):
     code, out, err = run_cli("check", good_trace(tmp_path / "good"), "--quiet")
     assert code == 0 and err == ""
-    assert out.splitlines()[-1] == "PASS (10 passed, 0 failed, 0 skipped)"
+    assert out.splitlines()[-1] == "PASS (11 passed, 0 failed, 0 skipped)"
     assert "returns recomputed: td0(γ=1)" in out
 
     code, out, err = run_cli("check", good_trace(tmp_path / "bad", plant=True), "--quiet")
     assert code == 1
     assert "advantages = masked_whiten(raw advantage)" in out
     assert "§8.2 advantages = masked_whiten(raw advantage): step 2, sample 4, token 6: advantage = " in out
-    assert out.splitlines()[-1] == "FAIL: 1 violated (9 passed, 1 failed, 0 skipped)"
+    assert out.splitlines()[-1] == "FAIL: 1 violated (10 passed, 1 failed, 0 skipped)"
 
     code, out, _ = run_cli("check", str(tmp_path / "bad"), "--json", "--step", "1", "--step", "2")
     report = json.loads(out)

@@ -44,6 +44,21 @@ def test_table_holds_the_worked_example(tmp_path):
     assert table["kl"] == [None] * 4
 
 
+def test_per_turn_rewards_are_shown_where_the_run_placed_them(tmp_path):
+    """The worked example with a tool reward of 0.1 on turn 0's last token (t = 0, before the hole)."""
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    scores = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    tool_reward, turn_score = torch.tensor([[0.1, 0.0, 0.0, 0.0]]), torch.zeros(1, 4)
+    b = Batch(mask, torch.tensor([RESPONSE_IDS[:4]]), torch.tensor([PROMPT_IDS]), torch.ones(1, 8, dtype=torch.bool),
+              scores, None, scores + tool_reward, torch.tensor([[0.3, 9.0, 0.4, 0.6]]), turn_score=turn_score, tool_reward=tool_reward)  # fmt: skip
+    b = by_definition(b, "gae_ext", gamma=1.0, lam=0.95, whitened=False)
+    path = write_trace(tmp_path / "t", algorithm("gae_ext", lam=0.95, whiten_advantages=False), {1: b})
+    table = sample_view(path, 1, 0, TokenDecoder()).table
+    assert table.column_names[6:11] == ["score", "turn_score", "tool_reward", "kl", "reward"]
+    assert table.column("tool_reward").to_pylist() == pytest.approx([0.1, 0.0, 0.0, 0.0])
+    assert [table.column("reward")[i].as_py() for i in (0, 2, 3)] == pytest.approx([0.1, 0.0, 1.0])
+
+
 def test_decoded_tokens_and_text(tmp_path, char_tokenizer):
     view = sample_view(worked_example_trace(tmp_path / "t", char_tokenizer), 1, 0)  # the record's tokenizer
     assert view.table.column("token").to_pylist() == ["是", "的", "，", "等"]

@@ -112,12 +112,13 @@ def test_the_worked_example_passes_every_update_identity(tmp_path):
 def test_the_report_lists_the_identities_in_their_order_and_sections(tmp_path, run_cli):
     report = check_trace(hand_trace(tmp_path / "t"))
     assert [r.identity for r in report.identities] == [
-        "advantage_raw", "whitening", "whitening_stats", "returns", "rewards", "mask_layout", "turns", "roles", "finite", "steps_on_disk", *UPDATE
+        "advantage_raw", "whitening", "whitening_stats", "returns", "rewards", "turn_rewards", "mask_layout", "turns", "roles", "finite",
+        "steps_on_disk", *UPDATE
     ]  # fmt: skip
     code, out, _ = run_cli("check", hand_trace(tmp_path / "u"))
     assert code == 0
     sections = [line.split()[0] for line in out.splitlines() if line[:2] == "8."]
-    assert sections == ["8.1", "8.2", "8.2", "8.3", "8.4", "8.5", "8.5", "8.5", "8.5", "8.5"] + ["8.6"] * len(UPDATE)
+    assert sections == ["8.1", "8.2", "8.2", "8.3", "8.4", "8.4", "8.5", "8.5", "8.5", "8.5", "8.5"] + ["8.6"] * len(UPDATE)
 
 
 def test_the_tables_read_back_sorted_and_joined(tmp_path):

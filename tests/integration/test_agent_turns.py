@@ -1,6 +1,7 @@
 """The record of who wrote each response token (verl_ext.integration.agent_turns), on verl's real
-ToolAgentLoop driven by a scripted server: each ending of the loop, with the roles, tool calls and
-turn limit it should give, worked out by hand from the script."""
+ToolAgentLoop driven by a scripted server: each ending of the loop, with the roles, tool calls, turn
+limit and the turns of the tool rewards it should give, worked out by hand from the script (the
+calculator rewards a well-formed call with TOOL_CALL_REWARD)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from verl_ext.tasks.arith.task import Problem
 from verl_ext.tasks.tool.assets import TOOLS_FILE, build_tool_tokenizer
+from verl_ext.tasks.tool.calculator import TOOL_CALL_REWARD
 from verl_ext.tasks.tool.task import call_text
 
 PROBLEM = Problem(37, 48, 86)
@@ -35,7 +37,7 @@ def tokenizer():
     return build_tool_tokenizer()
 
 
-def tool_loop(compose, tokenizer, turns, traced=True, response_length=32, max_assistant_turns=2):
+def tool_loop(compose, tokenizer, turns, traced=True, turn_rewards=False, response_length=32, max_assistant_turns=2):
     import hydra
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
     from verl.tools.function_tool import load_function_tools_from_path
@@ -49,6 +51,7 @@ def tool_loop(compose, tokenizer, turns, traced=True, response_length=32, max_as
         "actor_rollout_ref.rollout.multi_turn.format=hermes",
         f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={max_assistant_turns}",
         *(["verl_ext.trace.dir=/nonexistent/never-written"] if traced else []),
+        *(["verl_ext.turn_rewards=true"] if turn_rewards else []),
     )
     return hydra.utils.instantiate(
         config=_agent_loop_registry["tool_agent"],
@@ -86,7 +89,8 @@ def test_an_answer_without_a_call_is_one_assistant_run(compose, tokenizer):
     answer = ids(tokenizer, PROBLEM.answer())
     output = run(compose, tokenizer, [answer])
     assert output.response_ids == answer
-    assert record(output) == {"roles": [["assistant", 9]], "tool_calls": 0, "turn_limit": False}
+    assert record(output) == {"roles": [["assistant", 9]], "tool_calls": 0, "turn_limit": False, "tool_reward_turns": []}
+    assert output.extra_fields["tool_rewards"] == []
 
 
 def test_a_call_then_an_answer(compose, tokenizer):
@@ -96,29 +100,48 @@ def test_a_call_then_an_answer(compose, tokenizer):
     assert output.response_ids == call + message + answer and len(message) == 6
     assert output.response_mask == [1] * 10 + [0] * 6 + [1] * 9  # a call of 10 tokens, an answer of 9
     # the second turn reached max_assistant_turns=2, but asked for no tool: not a turn-limit end
-    assert record(output) == {"roles": [["assistant", 10], ["tool", 6], ["assistant", 9]], "tool_calls": 1, "turn_limit": False}
+    assert record(output) == {
+        "roles": [["assistant", 10], ["tool", 6], ["assistant", 9]], "tool_calls": 1, "turn_limit": False, "tool_reward_turns": [0]
+    }  # fmt: skip
+    assert output.extra_fields["tool_rewards"] == [TOOL_CALL_REWARD]
+
+
+def test_two_calls_in_two_turns_earn_a_reward_each_on_their_own_turn(compose, tokenizer):
+    call, answer = ids(tokenizer, call_text(PROBLEM)), ids(tokenizer, PROBLEM.answer())
+    output = run(compose, tokenizer, [call, call, answer], max_assistant_turns=3, response_length=48)
+    assert output.response_mask == [1] * 10 + [0] * 6 + [1] * 10 + [0] * 6 + [1] * 9
+    assert record(output)["tool_calls"] == 2 and record(output)["tool_reward_turns"] == [0, 1]
+    assert output.extra_fields["tool_rewards"] == [TOOL_CALL_REWARD, TOOL_CALL_REWARD]
 
 
 def test_a_second_call_ends_at_the_turn_limit(compose, tokenizer):
     call = ids(tokenizer, call_text(PROBLEM))
     output = run(compose, tokenizer, [call, call])
-    assert record(output) == {"roles": [["assistant", 10], ["tool", 6], ["assistant", 10]], "tool_calls": 1, "turn_limit": True}
+    # the second call is never made: the loop stops at the limit before it runs tools
+    assert record(output) == {
+        "roles": [["assistant", 10], ["tool", 6], ["assistant", 10]], "tool_calls": 1, "turn_limit": True, "tool_reward_turns": [0]
+    }  # fmt: skip
+    assert output.extra_fields["tool_rewards"] == [TOOL_CALL_REWARD]
 
 
 def test_a_tool_message_that_does_not_fit_is_left_out(compose, tokenizer):
     """verl computes the merge, finds it would reach the response length and drops it (the response
-    ends on the call): the record follows the response, not the merge."""
+    ends on the call): the record follows the response, not the merge. The call was made, and its
+    reward belongs to the turn that made it."""
     call = ids(tokenizer, call_text(PROBLEM))
     output = run(compose, tokenizer, [call], response_length=14)
     assert output.response_ids == call and output.response_mask == [1] * 10
-    assert record(output) == {"roles": [["assistant", 10]], "tool_calls": 0, "turn_limit": False}
+    assert record(output) == {"roles": [["assistant", 10]], "tool_calls": 0, "turn_limit": False, "tool_reward_turns": [0]}
+    assert output.extra_fields["tool_rewards"] == [TOOL_CALL_REWARD]
 
 
 def test_an_answer_cut_at_the_response_length_is_not_a_turn_limit_end(compose, tokenizer):
     call = ids(tokenizer, call_text(PROBLEM))
     output = run(compose, tokenizer, [call, call], response_length=20)
     assert output.response_mask == [1] * 10 + [0] * 6 + [1] * 4  # the second call cut after 4 tokens
-    assert record(output) == {"roles": [["assistant", 10], ["tool", 6], ["assistant", 4]], "tool_calls": 1, "turn_limit": False}
+    assert record(output) == {
+        "roles": [["assistant", 10], ["tool", 6], ["assistant", 4]], "tool_calls": 1, "turn_limit": False, "tool_reward_turns": [0]
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -137,3 +160,9 @@ def test_an_untraced_run_records_nothing(compose, tokenizer):
 
     output = run(compose, tokenizer, [ids(tokenizer, PROBLEM.answer())], traced=False)
     assert TURNS_KEY not in output.extra_fields
+
+
+def test_an_untraced_run_with_turn_rewards_records(compose, tokenizer):
+    call, answer = ids(tokenizer, call_text(PROBLEM)), ids(tokenizer, PROBLEM.answer())
+    output = run(compose, tokenizer, [call, answer], traced=False, turn_rewards=True)
+    assert record(output)["tool_reward_turns"] == [0]

@@ -293,7 +293,7 @@ def test_verl_ext_yaml_declares_every_added_key_with_the_documented_defaults():
     """configs/verl_ext_trainer.yaml composes onto ppo_trainer, so no `+` is needed on the CLI."""
     from hydra import compose, initialize_config_dir
 
-    from verl_ext.options import METRICS_DEFAULT, NONFINITE_DEFAULT, TRACE_KEYS
+    from verl_ext.options import METRICS_DEFAULT, NONFINITE_DEFAULT, TRACE_KEYS, TURN_REWARDS_DEFAULT
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         config = compose(config_name="verl_ext_trainer", overrides=["algorithm.n_step=4", "verl_ext.trace.every=2"])
@@ -302,5 +302,6 @@ def test_verl_ext_yaml_declares_every_added_key_with_the_documented_defaults():
     declared = {key: config.algorithm[key] for key in ALGORITHM_KEYS}
     assert declared == {**ALGORITHM_KEYS, "n_step": 4}
     assert dict(config.verl_ext.trace) == {**TRACE_KEYS, "every": 2}
-    assert set(config.verl_ext) == {"trace", "nonfinite", "metrics"} and config.verl_ext.nonfinite == NONFINITE_DEFAULT
+    assert set(config.verl_ext) == {"trace", "nonfinite", "metrics", "turn_rewards"} and config.verl_ext.nonfinite == NONFINITE_DEFAULT
+    assert config.verl_ext.turn_rewards is TURN_REWARDS_DEFAULT is False
     assert config.verl_ext.metrics is METRICS_DEFAULT is True

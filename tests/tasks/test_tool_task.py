@@ -47,7 +47,9 @@ def test_verl_loads_the_calculator_by_path_and_calls_it():
     (tool,) = load_function_tools_from_path(str(TOOLS_FILE))
     assert tool.name == "add"
     assert tool.tool_schema.function.parameters.required == ["a", "b"]
-    assert asyncio.run(tool.call({"a": 123, "b": "456"})) == "579"
+    # the answer and the reward of a well-formed call (integers), none for a string argument
+    assert asyncio.run(tool.call({"a": 123, "b": 456})) == ("579", 0.1)
+    assert asyncio.run(tool.call({"a": 123, "b": "456"})) == ("579", 0.0)
 
 
 def run_verls_token_builder(tokenizer, p: Problem, written: list[list[int]]):

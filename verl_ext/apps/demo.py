@@ -17,7 +17,8 @@
 With ``--task tool`` (:mod:`verl_ext.tasks.tool`) the same five parts on the tool task: verl's own
 tool agent loop, a calculator the policy may call, ``grpo`` by default; every 10 steps the share of
 responses that call the tool, and one response with a call shown token by token, the tool's answer
-inline with mask 0.
+inline with mask 0. ``--turn-rewards`` adds the calculator's small reward for a well-formed call to
+the calling turn's last token (``verl_ext.turn_rewards``; off by default).
 
 Exit code: the trainer's when it fails, else ``verl-ext check``'s (0 when every identity holds).
 """
@@ -192,7 +193,8 @@ def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -
     command = [
         sys.executable, "-m", "verl_ext.apps.learning", str(output), "--task", args.task,
         "--estimator", args.estimator, "--seed", str(args.seed), "--steps", str(args.steps),
-        "--test-freq", str(args.steps), "--trace", "--", *args.overrides,
+        "--test-freq", str(args.steps), "--trace", "--",
+        *(["verl_ext.turn_rewards=true"] if args.turn_rewards else []), *args.overrides,
     ]  # fmt: skip
     with subprocess.Popen(command, cwd=output, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trainer:
         try:

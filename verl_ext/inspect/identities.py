@@ -78,9 +78,10 @@ IDENTITIES = (
     Identity("returns", "8.3", TOKEN, lambda a: f"returns recomputed: {a.describe_estimator()}", ACCUMULATED, TokenStep.returns),
     Identity(
         "rewards", "8.4", TOKEN,
-        lambda a: "rewards = scores − β·kl" if a.kl_in_reward else "rewards = scores (no KL in reward)",
+        lambda a: "rewards = scores + turn rewards − β·kl" if a.kl_in_reward else "rewards = scores + turn rewards (no KL in reward)",
         ELEMENTWISE, TokenStep.rewards,
     ),
+    Identity("turn_rewards", "8.4", TOKEN, "per-turn rewards only on a turn's last token (§10)", EXACT, TokenStep.turn_rewards),
     Identity("mask_layout", "8.5", TOKEN, "rows 0…n−1 per sample, ending on a valid token", EXACT, TokenStep.mask_layout, counts="row"),
     Identity("turns", "8.5", TOKEN, "turn = the holes before the token (§10)", EXACT, TokenStep.turns, counts="row"),
     Identity("roles", "8.5", TOKEN, "role = assistant exactly on valid tokens (§10)", EXACT, TokenStep.roles, counts="row"),

@@ -91,6 +91,8 @@ def sample_view(trace, step: int, sample: int, tokenizer=None, epoch: int | None
     token_ids = rows.column("token_id").to_pylist()
     pieces = decoder.pieces(token_ids) if None not in token_ids else ["?"] * rows.num_rows
     mask = rows.column("mask").to_numpy(zero_copy_only=False)
+    # the per-turn rewards' columns where the run placed them (verl_ext.turn_rewards)
+    turn_rewards = [name for name in ("turn_score", "tool_reward") if rows.column(name).null_count < rows.num_rows]
     table = pa.table(
         {
             "t": rows.column("token_index"),
@@ -98,7 +100,7 @@ def sample_view(trace, step: int, sample: int, tokenizer=None, epoch: int | None
             "token": pa.array(pieces, pa.string()),
             "mask": rows.column("mask"),
             **({"turn": rows.column("turn"), "role": rows.column("role")} if (pc.max(rows.column("turn")).as_py() or 0) > 0 else {}),
-            **{name: rows.column(name) for name in ("score", "kl", "reward", "value")},
+            **{name: rows.column(name) for name in ("score", *turn_rewards, "kl", "reward", "value")},
             "delta": _td_residual(rows, mask, gamma),
             **{name: rows.column(name) for name in ("return", "advantage_raw", "advantage")},
         }

@@ -55,7 +55,9 @@ from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import ROLE_ASSISTANT
 
 #: The token-table columns the identities read.
-QUANTITIES = ("score", "reward", "value", "return", "advantage", "advantage_raw", "kl", "old_log_prob")
+QUANTITIES = ("score", "reward", "value", "return", "advantage", "advantage_raw", "kl", "old_log_prob", "turn_score", "tool_reward")
+#: The per-turn rewards added to the scores (verl_ext.turn_rewards, docs/definitions.md §10), by source.
+TURN_REWARDS = ("turn_score", "tool_reward")
 
 # --------------------------------------------------------------------------- tolerances
 
@@ -254,9 +256,12 @@ class TokenStep:
     def rewards(self) -> Finding:
         if (missing := self._missing(("reward", "score"))) is not None:
             return missing
-        reward, score = self.col["reward"], self.col["score"]
+        reward = self.col["reward"]
+        turn_rewards = [self.col[name] for name in TURN_REWARDS if self.col[name] is not None]
+        score = self.col["score"] + sum(turn_rewards)  # the scores and what was added on turn ends
+        magnitude = np.abs(self.col["score"]) + sum(np.abs(x) for x in turn_rewards)
         if not self.algorithm.kl_in_reward:
-            return self._compare("reward", reward, score, ELEMENTWISE(np.abs(score)))
+            return self._compare("reward", reward, score, ELEMENTWISE(magnitude))
         beta = step_beta(self.step_record)
         if beta is None:
             detail = "KL is in the reward but the run record has no β (kl_coef) for this step"
@@ -264,8 +269,24 @@ class TokenStep:
         if (missing := self._missing(("kl",))) is not None:
             return missing
         penalty = beta * self.col["kl"]
-        tolerance = ELEMENTWISE(np.abs(score) + np.abs(penalty))
+        tolerance = ELEMENTWISE(magnitude + np.abs(penalty))
         return self._compare("reward", reward, score - penalty, tolerance, note=f"β = {beta:g}")
+
+    def turn_rewards(self) -> Finding:
+        present = [name for name in TURN_REWARDS if self.col[name] is not None]
+        if not present:
+            return Finding("skipped", note="no per-turn rewards (verl_ext.turn_rewards off, or a trace before format 6)")
+        starts = self.data.layout.turn_starts
+        ends = np.append(starts[1:], True)  # the next valid token starts a turn, or the sample is over
+        checked, wrong_tokens, first = 0, 0, None
+        for name in present:
+            wrong = np.flatnonzero(~ends & (self.col[name] != 0))
+            checked += len(ends)
+            wrong_tokens += len(wrong)
+            if len(wrong) and first is None:
+                sample, token = self.data.location(int(wrong[0]))
+                first = Violation(Location(self.step, sample, token), name, float(self.col[name][wrong[0]]), 0.0)
+        return Finding("fail" if wrong_tokens else "pass", checked=checked, violations=wrong_tokens, first=first)
 
     def mask_layout(self) -> Finding:
         problems = list(self.data.layout.problems())

@@ -9,11 +9,14 @@ each merge's role and length as the loop makes it, unchanged; the wrapped ``Tool
 opens one record per sample (a ``ContextVar``: every sample runs in its own asyncio task), cuts it
 to the response verl returns, and puts it in the sample's ``extra_fields`` under :data:`TURNS_KEY`::
 
-    {"roles": [["assistant", 12], ["tool", 7], ["assistant", 10]], "tool_calls": 1, "turn_limit": False}
+    {"roles": [["assistant", 12], ["tool", 7], ["assistant", 10]], "tool_calls": 1, "turn_limit": False,
+     "tool_reward_turns": [0]}
 
 verl carries ``extra_fields`` to the trainer's batch (legacy: one object column per key; V1: the
-``extra_fields`` field), where the trace reads it (:mod:`verl_ext.integration.trace_hook`). Only
-traced runs record (``verl_ext.trace``): an untraced batch has no extra column.
+``extra_fields`` field), where the trace (:mod:`verl_ext.integration.trace_hook`) and the per-turn
+rewards (:mod:`verl_ext.integration.turn_rewards_hook`) read it. Only runs that trace
+(``verl_ext.trace``) or place per-turn rewards (``verl_ext.turn_rewards``) record: any other batch has
+no extra column.
 
 * ``roles``: runs of (role, tokens) covering the response: ``assistant`` for merged model tokens,
   ``tool`` or ``user`` for appended messages of that one role, ``other`` for inserted boundary
@@ -24,6 +27,10 @@ traced runs record (``verl_ext.trace``): an untraced batch has no extra column.
 * ``turn_limit``: the loop stopped because ``max_assistant_turns`` or ``max_user_turns`` was
   reached while the last turn still asked for a tool (verl's own parser on that turn), following
   ``ToolAgentLoop._handle_generating_state``'s order: the length check first, then the limits.
+* ``tool_reward_turns``: the assistant turn (docs/definitions.md §10) whose call earned each entry of
+  the loop's own ``extra_fields["tool_rewards"]``, in order: the turn before the tool messages of
+  each context merge, the merge verl threw away included (its call was made and rewarded). None when
+  the loop's rewards do not pair one to one with its tool messages (a tool that returned no reward).
 
 The record is dropped (None) when it does not cover the response exactly or disagrees with its mask
 (a loop that adds tokens some other way); the trace then leaves the roles of the mask-0 tokens null.
@@ -45,14 +52,27 @@ TURNS_KEY = "verl_ext_turns"
 #: Roles a group of appended messages keeps as it is; any other role, or a mix, is ``other``.
 MESSAGE_ROLES = (ROLE_TOOL, ROLE_USER)
 
+_unpaired_said = False
 _RECORD: contextvars.ContextVar["_Record | None"] = contextvars.ContextVar("verl_ext_agent_turns", default=None)
 
 
 class _Record:
-    """The merges of one sample, in order: (role, tokens, tool messages, kind)."""
+    """The merges of one sample, in order: (role, tokens, tool messages, kind); and for every merge of
+    tool messages, the turn that called (the turn of the last assistant token so far) and how many."""
 
     def __init__(self):
         self.merges: list[tuple[str, int, int, str]] = []
+        self.tool_rounds: list[tuple[int, int]] = []
+
+    def calling_turn(self) -> int:
+        """The turn of the last assistant token merged so far: the holes before it."""
+        turn, in_hole = -1, True
+        for role, size, _, _ in self.merges:
+            if size and role == ROLE_ASSISTANT and in_hole:
+                turn += 1
+            if size:
+                in_hole = role != ROLE_ASSISTANT
+        return turn
 
     def add(self, merge_result: Any, role: str, tool_messages: int = 0) -> None:
         if merge_result.removed_prefix_token_count:
@@ -106,6 +126,8 @@ def wrap_ct_merge_context_msg(original: Callable) -> Callable:
         if record is not None:
             appended = updated_messages[len(previous_messages) :]
             tools = sum(message.get("role") == ROLE_TOOL for message in appended)
+            if tools:
+                record.tool_rounds.append((record.calling_turn(), tools))
             record.add(merged[0], appended_role(previous_messages, updated_messages), tools)
         return merged
 
@@ -115,7 +137,7 @@ def wrap_ct_merge_context_msg(original: Callable) -> Callable:
 def wrap_agent_loop_run(original: Callable) -> Callable:
     @functools.wraps(original)
     async def run(self, sampling_params, *args, **kwargs):
-        if not _traced(self.config):
+        if not _recorded(self.config):
             return await original(self, sampling_params, *args, **kwargs)
         record = _Record()
         token = _RECORD.set(record)
@@ -147,7 +169,23 @@ async def _summary(loop: Any, record: _Record, output: Any) -> dict | None:
         "roles": roles,
         "tool_calls": sum(tools for _, _, tools, _ in merges),
         "turn_limit": await _stopped_at_turn_limit(loop, merges, output),
+        "tool_reward_turns": _tool_reward_turns(record, output),
     }
+
+
+def _tool_reward_turns(record: _Record, output: Any) -> list[int] | None:
+    turns = [turn for turn, tools in record.tool_rounds for _ in range(tools)]
+    rewards = output.extra_fields.get("tool_rewards")
+    if rewards is None or len(rewards) != len(turns):
+        global _unpaired_said
+        if not _unpaired_said:
+            _unpaired_said = True
+            logger.warning(
+                "verl-ext: a sample's tool rewards (%s) do not pair with its %d tool messages; such rewards are not "
+                "placed on turns (said once)", "none" if rewards is None else len(rewards), len(turns),
+            )  # fmt: skip
+        return None
+    return turns
 
 
 async def _stopped_at_turn_limit(loop: Any, merges: list[tuple[str, int, int, str]], output: Any) -> bool:
@@ -165,7 +203,7 @@ async def _stopped_at_turn_limit(loop: Any, merges: list[tuple[str, int, int, st
     return bool(calls)
 
 
-def _traced(config: Any) -> bool:
-    from verl_ext.options import TraceOptions
+def _recorded(config: Any) -> bool:
+    from verl_ext.options import TraceOptions, turn_rewards_enabled
 
-    return TraceOptions.from_config(config).enabled
+    return TraceOptions.from_config(config).enabled or turn_rewards_enabled(config)

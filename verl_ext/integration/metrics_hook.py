@@ -46,13 +46,13 @@ def session(trainer: Any) -> Iterator[None]:
         _enabled, _held = outer, {}
 
 
-def after_advantage(data: Any, gamma: float, advantage_raw: Any = None) -> None:
+def after_advantage(data: Any, gamma: float, advantage_raw: Any = None, extra: dict[str, float] | None = None) -> None:
     """Compute and hold the step's metrics; ``advantage_raw``: the advantage before whitening, None
-    where there is none (module docstring)."""
+    where there is none (module docstring); ``extra``: metrics computed on the way (per-turn rewards)."""
     global _held
     if not _enabled:
         return
-    _held = live_metrics(data, gamma, advantage_raw)
+    _held = live_metrics(data, gamma, advantage_raw) | (extra or {})
 
 
 def take() -> dict[str, float]:

@@ -56,7 +56,7 @@ def _verl_advantage_raw(data: Any, name: str, gamma: float, lam: float, config: 
 
 def wrap_compute_advantage(original: Callable) -> Callable:
     from verl_ext import registry
-    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook
+    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook, turn_rewards_hook
 
     signature = inspect.signature(original)  # bind by name: the positional order differs across versions
 
@@ -66,6 +66,7 @@ def wrap_compute_advantage(original: Callable) -> Callable:
         call.apply_defaults()
         arguments = call.arguments
         data, name = arguments["data"], registry.name_of(arguments["adv_estimator"])
+        turn_reward_metrics = turn_rewards_hook.place(data)  # before any estimator reads the rewards
         if name in registry.names():
             result = compute_registered_advantage(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
             advantage_raw = result.advantage_raw
@@ -73,7 +74,7 @@ def wrap_compute_advantage(original: Callable) -> Callable:
             data = original(*args, **kwargs)
             advantage_raw = _verl_advantage_raw(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
         trace_hook.after_advantage(data, advantage_raw=advantage_raw)
-        metrics_hook.after_advantage(data, gamma=arguments["gamma"], advantage_raw=advantage_raw)
+        metrics_hook.after_advantage(data, gamma=arguments["gamma"], advantage_raw=advantage_raw, extra=turn_reward_metrics)
         nonfinite_hook.after_advantage(data)  # after the capture: a traced step is kept when this raises
         return data
 
@@ -159,11 +160,16 @@ def wrap_apply_kl_penalty(original: Callable) -> Callable:
 
 
 def _wrap_fit(original: Callable, trainer_kind: str) -> Callable:
-    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook
+    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook, turn_rewards_hook
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        with nonfinite_hook.session(self), metrics_hook.session(self), trace_hook.session(self, trainer_kind):
+        with (
+            nonfinite_hook.session(self),
+            metrics_hook.session(self),
+            turn_rewards_hook.session(self),
+            trace_hook.session(self, trainer_kind),
+        ):
             return original(self, *args, **kwargs)
 
     return fit
@@ -178,12 +184,13 @@ def wrap_v1_fit(original: Callable) -> Callable:
 
 
 def wrap_v1_compute_advantage(original: Callable) -> Callable:
-    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook
+    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook, turn_rewards_hook
 
     @functools.wraps(original)
     def _compute_advantage(self, batch, metrics):
         with nonfinite_hook.deferred():  # verl_ext.nonfinite=raise: once the trace has the step
-            batch = original(self, batch, metrics)
+            turn_rewards_hook.before_v1_advantage(batch)
+            batch = turn_rewards_hook.after_v1_advantage(self, original(self, batch, metrics))
             metrics.update(metrics_hook.take())  # the step's metrics, which V1 hands us
             return trace_hook.after_v1_advantage(self, batch)
 

@@ -1,6 +1,6 @@
 """Where verl's trainers meet the per-token trace.
 
-The patches in :mod:`verl_ext.integration.patches` call in here at five moments of a training
+The patches in :mod:`verl_ext.integration.patches` call in here at six moments of a training
 step; everything returns at once when tracing is off (``verl_ext.trace.dir`` unset), so the
 hooks cost nothing then:
 
@@ -9,6 +9,8 @@ hooks cost nothing then:
   the end, also when training fails.
 * ``record_kl`` inside ``apply_kl_penalty``: kld_t, recomputed with verl's own
   ``core_algos.kl_penalty`` on the same inputs, and the β read before the controller updates.
+* ``record_turn_rewards`` in ``compute_advantage``: the per-turn rewards added to the rewards
+  (:mod:`.turn_rewards_hook`), by source.
 * ``after_advantage`` at the end of ``compute_advantage``: the legacy trainer's batch is captured
   here, with the raw (unwhitened) advantage when the estimator has one.
 * ``after_v1_advantage`` after the V1 trainer stored advantages in TransferQueue: the V1 batch is
@@ -110,6 +112,13 @@ def record_kl(data: Any, beta: float, kl_penalty: str) -> None:
     _active.pending.update(kl=kld * batch["response_mask"], kl_coef=float(beta))
 
 
+def record_turn_rewards(turn_score: torch.Tensor, tool_reward: torch.Tensor) -> None:
+    """The per-turn rewards :mod:`.turn_rewards_hook` added to the step's rewards, by source."""
+    if _active is None or not _active.traces_current_step():
+        return
+    _active.pending.update(turn_score=turn_score, tool_reward=tool_reward)
+
+
 def after_advantage(data: Any, advantage_raw: torch.Tensor | None) -> None:
     """``advantage_raw``: the step's advantage before whitening (the seam's: verl-ext's estimator's, or
     returns − values of verl's GAE); None where there is none to record (verl's grpo, …)."""
@@ -135,8 +144,8 @@ def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
     from verl_ext.trace.schema import V1_COLUMNS
 
     wanted = [column.v1_key for column in V1_COLUMNS]
-    if not trainer.config.algorithm.use_kl_in_reward:
-        wanted.remove("token_level_rewards")  # V1 stores rewards only when they differ from the scores
+    if not (trainer.config.algorithm.use_kl_in_reward or "turn_score" in _active.pending):
+        wanted.remove("token_level_rewards")  # stored only when they differ from the scores (KL, per-turn rewards)
     if batch_meta.fields is not None:
         wanted = [name for name in wanted if name in batch_meta.fields or name == "uid"]
         if "extra_fields" in batch_meta.fields:  # the agent loop's, with verl-ext's record of turns
@@ -218,7 +227,8 @@ def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None, agent_turn
     if prompt_mask is None and prompts is not None and get("attention_mask") is not None:
         prompt_mask = batch["attention_mask"][:, : prompts.shape[1]]  # verl: prompt part, left-padded
     floats = {column.name: get(column.verl_key) for column in FLOAT_COLUMNS if column.verl_key}
-    floats |= {"advantage_raw": advantage_raw, "kl": pending.get("kl")}  # computed by verl-ext
+    computed = ("kl", "turn_score", "tool_reward")  # by verl-ext
+    floats |= {"advantage_raw": advantage_raw} | {name: pending.get(name) for name in computed}
     session.writer.submit(
         StepCapture(
             step=session.step,

@@ -1,8 +1,8 @@
 """The trace format: layout, columns, the run record. This is a public contract; bump
 :data:`SCHEMA_VERSION` on any change a reader could notice.
 
-Layout of a trace directory (local path or fsspec URL), formats 3 to 5 (4 added the turns; 5 the roles,
-tool calls and turn limits of agent loops)::
+Layout of a trace directory (local path or fsspec URL), formats 3 to 6 (4 added the turns; 5 the roles,
+tool calls and turn limits of agent loops; 6 the per-turn rewards)::
 
     TRACE/
       _run.json                   the run record (:class:`RunRecord`)
@@ -64,7 +64,7 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: Schema versions this code reads: every one so far. A column missing from an older file (its
 #: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
 #: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
@@ -123,7 +123,7 @@ class Layout:
         return table.replace_schema_metadata({**(table.schema.metadata or {}), **version})
 
 
-#: The layout of formats 3 to 5: ``step-<n>``, ``step`` stored in every file.
+#: The layout of formats 3 to 6: ``step-<n>``, ``step`` stored in every file.
 LAYOUT = Layout("-", SCHEMA_VERSION)
 #: The layout of formats 1 and 2: ``step=<n>``, a hive partition (``step`` only in the folder name).
 HIVE_LAYOUT = Layout("=", 2)
@@ -190,7 +190,7 @@ class Column:
 #: value; no reference policy: ref_log_prob; KL not in the reward: kl; …).
 FLOAT_COLUMNS = (
     Column("score", pa.float32(), "task score s_t of token t (an outcome score sits on the last valid token)", "token_level_scores", v1_key="rm_scores"),
-    Column("reward", pa.float32(), "r_t = s_t − β·kl_t with KL in the reward, else s_t", "token_level_rewards"),
+    Column("reward", pa.float32(), "r_t = s_t + turn_score_t + tool_reward_t − β·kl_t (each term where the run has it)", "token_level_rewards"),
     Column("value", pa.float32(), "V(s_t): the critic's value of the state before token t", "values"),
     Column("return", pa.float32(), "the critic's regression target for V(s_t)", "returns"),
     Column("advantage", pa.float32(), "the actor's signal for token t (whitened when whitening is on)", "advantages"),
@@ -199,6 +199,8 @@ FLOAT_COLUMNS = (
     Column("ref_log_prob", pa.float32(), "log π_ref(y_t | s_t) of the reference policy", "ref_log_prob"),
     Column("kl", pa.float32(), "kld_t = kl_penalty(old_log_prob, ref_log_prob), before β (KL in the reward only)"),
     Column("rollout_log_prob", pa.float32(), "log-prob of y_t the rollout engine reported (train/inference mismatch: − old_log_prob)", "rollout_log_probs", since=2),
+    Column("turn_score", pa.float32(), "the agent loop's score of the turn that ends at token t (verl_ext.turn_rewards; 0 elsewhere)", since=6),
+    Column("tool_reward", pa.float32(), "the tool rewards earned by the calls of the turn that ends at token t (verl_ext.turn_rewards; 0 elsewhere)", since=6),
 )  # fmt: skip
 FLOAT_COLUMN_NAMES = tuple(column.name for column in FLOAT_COLUMNS)
 

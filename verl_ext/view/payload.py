@@ -77,6 +77,8 @@ QUANTITIES = (
     ("return", "column", "return (critic target)"),
     ("reward", "column", "reward r_t"),
     ("score", "column", "score s_t"),
+    ("tool_reward", "column", "tool reward (on the calling turn's last token)"),
+    ("turn_score", "column", "turn score (on the turn's last token)"),
     ("kl", "column", "KL kld_t"),
     ("delta", "delta", "δ_t = r_t + γV_{t+1} − V_t", "td0"),
     ("entropy", "update", "entropy (epoch)"),
