@@ -33,6 +33,8 @@ def write_multi_turn_trace(directory, tokenizer: str) -> str:
     last = (mask * (torch.arange(length) + 1)).argmax(dim=1)
     score[torch.arange(batch), last] = torch.tensor([1.0, 0.2, 0.0, 0.4])
     advantage = torch.linspace(-1, 1, batch * length).reshape(batch, length) * mask
+    tool_reward = torch.zeros(batch, length)
+    tool_reward[0, 1] = tool_reward[2, 0] = 0.1  # the calling turn's last token (verl_ext.turn_rewards)
     options = TraceOptions(dir=str(directory))
     record = RunRecord(
         verl_ext_version="test", verl_version="0.9.1", trainer="legacy", created_at="2026-01-01T00:00:00+00:00",
@@ -41,7 +43,7 @@ def write_multi_turn_trace(directory, tokenizer: str) -> str:
     with TraceWriter(options, record) as writer:
         writer.submit(StepCapture(
             step=1, mask=mask, token_id=torch.full((batch, length), VOCAB.index("x")), uid=["g0", "g0", "g1", "g1"],
-            floats={"score": score, "reward": score, "advantage": advantage}, prompts=torch.full((batch, 2), VOCAB.index("y")),
+            floats={"score": score, "reward": score + tool_reward, "advantage": advantage, "tool_reward": tool_reward}, prompts=torch.full((batch, 2), VOCAB.index("y")),
             agent_turns=[r for _, r in RESPONSES],
         ))  # fmt: skip
     return str(directory)
@@ -72,3 +74,17 @@ def test_tool_tokens_turns_and_the_tool_filters(tmp_path, piece_tokenizer, page)
         page.wait(f"document.body.dataset.stats === '1' && location.hash.includes('filter={name}')", f"filter {name}")
         shown = page.evaluate("[...document.querySelectorAll('#sample-list a[data-sample]')].map(a => Number(a.dataset.sample))")
         assert shown == wanted, name
+
+
+def test_a_tool_reward_can_colour_the_tokens(tmp_path, piece_tokenizer, page):
+    """The per-turn rewards a run placed are a quantity of the colour menu; the one token that holds a
+    tool reward is coloured apart from the other tokens of its response."""
+    trace = write_multi_turn_trace(tmp_path / "trace", piece_tokenizer)
+    out = tmp_path / "page.html"
+    assert cli.main(["view", trace, "--out", str(out), "-q"]) == 0
+    show(page, str(out), 1, 0, colour="tool_reward")
+    assert page.evaluate("document.getElementById('colour').value") == "tool_reward"
+    assert "turn_score" not in page.evaluate("[...document.querySelectorAll('#colour option')].map(o => o.value)")  # null: not offered
+    classes = page.evaluate("[...document.querySelectorAll('#response .tok')].map(s => [...s.classList].find(c => /^c-?\\d+$/.test(c)) || null)")
+    policy = [classes[i] for i in (0, 1, 4, 5)]
+    assert policy[1] is not None and policy.count(policy[1]) == 1 and len(set(policy[:1] + policy[2:])) == 1
