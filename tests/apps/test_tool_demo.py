@@ -45,13 +45,12 @@ def test_every_response_is_what_the_tool_agent_loop_makes_of_the_policys_turns(d
 
     trace = open_trace(str(demo[0] / "trace"))
     assert trace.steps == list(range(1, STEPS + 1))
-    assert count_checked_tool_calls(trace, turn_rewards=True) >= 10  # the warm start calls about 3 times in 10: ~115 of 384
+    assert count_checked_tool_calls(trace) >= 10  # the warm start calls about 3 times in 10: ~115 of 384
 
 
-def count_checked_tool_calls(trace, turn_rewards: bool = False) -> int:
-    """Check every response of ``trace`` (a run of the tool task) against the task's definition;
-    return how many called the tool. ``turn_rewards``: the run placed per-turn rewards
-    (verl_ext.turn_rewards), so the calculator's reward sits on the calling turn's last token."""
+def count_checked_tool_calls(trace) -> int:
+    """Check every response of ``trace`` (a run of the tool task with per-turn rewards placed:
+    verl_ext.turn_rewards) against the task's definition; return how many called the tool."""
     from verl_ext.tasks.tool.assets import build_tool_tokenizer
 
     tokenizer = build_tool_tokenizer()
@@ -100,11 +99,8 @@ def count_checked_tool_calls(trace, turn_rewards: bool = False) -> int:
             else:
                 score = 0.2 * answer.startswith(expected_sum) + 0.2 * ("，" in answer and answer.partition("，")[2][:2] == verdict)
             assert rows["score"].iloc[-1] == pytest.approx(score) and (rows["score"].iloc[:-1] == 0).all()
-            if not turn_rewards:
-                assert rows["tool_reward"].isna().all() and rows["turn_score"].isna().all()
-                continue
-            # verl's own tool agent loop fills no turn scores; the rewards are the score plus the tool's
-            # (no KL in the reward here)
+            # the calculator's reward on the calling turn's last token; verl's own tool agent loop fills
+            # no turn scores; the rewards are the score plus the tool's (no KL in the reward here)
             assert rows["kl"].isna().all()
             assert rows["tool_reward"].tolist() == pytest.approx(tool_reward) and (rows["turn_score"] == 0).all()
             valid = rows["mask"].to_numpy()

@@ -44,7 +44,7 @@ def test_the_v1_trainer_runs_turn_gae_with_the_tools_rewards_on_their_turns(v1_t
     trace = open_trace(str(v1_tool_run / "trace"))
     assert trace.record.trainer == "v1" and trace.steps == [1, 2]
     assert trace.record.algorithm["adv_estimator"] == "turn_gae"
-    assert count_checked_tool_calls(trace, turn_rewards=True) >= 5  # of 64 responses, about 3 in 10 call
+    assert count_checked_tool_calls(trace) >= 5  # of 64 responses, about 3 in 10 call
     report = check_trace(trace)
     passed = {r.identity for r in report.identities if r.status == "pass"}
     assert report.passed and {"advantage_raw", "returns", "rewards", "turn_rewards", "turns", "roles"} <= passed
