@@ -1,4 +1,4 @@
-"""What the live metrics (verl_ext.metrics, docs/definitions.md §11) cost, at B × T = 512 × 4096.
+"""What the live metrics (verl_ext.metrics, docs/definitions.md §9) cost, at B × T = 512 × 4096.
 
     .venv/bin/python benchmarks/bench_metrics.py [--repeats 15] [--demo-metrics RUN/metrics.jsonl]
 
@@ -33,22 +33,10 @@ DEMO_ROWS, DEMO_LENGTH = 128, 12
 def session(algorithm, on: bool):
     from omegaconf import OmegaConf
 
-    from verl_ext.integration import metrics_hook, nonfinite_hook
+    from verl_ext.integration import step
 
     config = OmegaConf.create({"algorithm": algorithm, "verl_ext": {"metrics": on, "nonfinite": "off"}})
-    trainer = SimpleNamespace(config=config, global_steps=1)
-
-    class Both:
-        def __enter__(self):
-            self.sessions = [nonfinite_hook.session(trainer), metrics_hook.session(trainer)]
-            for s in self.sessions:
-                s.__enter__()
-
-        def __exit__(self, *exc):
-            for s in reversed(self.sessions):
-                s.__exit__(*exc)
-
-    return Both()
+    return step.fit_session(SimpleNamespace(config=config, global_steps=1), "legacy")
 
 
 def main() -> None:

@@ -48,9 +48,10 @@ def step_batch():
 
 
 def mode(value: str):
-    from verl_ext.integration import nonfinite_hook
+    from verl_ext.integration import step
 
-    return nonfinite_hook.session(SimpleNamespace(config={"verl_ext": {"nonfinite": value}}, global_steps=1))
+    config = {"verl_ext": {"nonfinite": value, "metrics": False}}  # the check alone
+    return step.fit_session(SimpleNamespace(config=config, global_steps=1), "legacy")
 
 
 def median_ms(fn, repeats: int, context=contextlib.nullcontext, clock=time.perf_counter) -> float:

@@ -35,7 +35,7 @@ import torch
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RunRecord
-from verl_ext.turn_rewards import turn_ends
+from verl_ext.turns import turn_ends
 from verl_ext.trace.reader import open_trace
 from verl_ext.trace.writer import TraceWriter
 

@@ -11,6 +11,8 @@
 #   V1=1 recipes/cpu_demo.sh                               # verl 0.9's default V1 trainer
 #   TASK=tool ESTIMATOR=grpo ROLLOUT_N=4 recipes/cpu_demo.sh   # the tool task: verl's ToolAgentLoop and a calculator
 #   recipes/cpu_demo.sh algorithm.use_kl_in_reward=True    # any hydra override; it wins
+#   RAY_ADDRESS=127.0.0.1:6379 recipes/cpu_demo.sh          # join a running Ray cluster (its nodes
+#                                                          # declare 8 CPUs and 1 logical GPU) instead of starting one
 #   CONFIG_PATH=$PWD/configs CONFIG_NAME=verl_ext_trainer ESTIMATOR=mc recipes/cpu_demo.sh \
 #       algorithm.use_kl_in_reward=True verl_ext.trace.dir=$PWD/outputs/cpu_demo/trace
 #                                                          # verl-ext's estimator and trace
@@ -24,7 +26,7 @@ PYTHON=$(realpath -s "$python_found")  # absolute: the trainer runs in OUTPUT_DI
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/cpu_demo}
 STEPS=${STEPS:-5}
 ESTIMATOR=${ESTIMATOR:-gae}
-TASK=${TASK:-arith}
+TASK=${TASK:-}  # empty: verl_ext.apps.overrides' default task
 ROLLOUT_N=${ROLLOUT_N:-1}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
 V1=${V1:-}
@@ -39,8 +41,8 @@ OUTPUT_DIR=$(cd "$OUTPUT_DIR" && pwd)
 echo "[cpu-demo] tiny model, tokenizer and prompts (built once, then cached) ..."
 # One override (and one NAME=value) per line; a failure here stops the script (set -e).
 overrides=$(
-  "$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --steps "$STEPS" --estimator "$ESTIMATOR" --task "$TASK" \
-    --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" ${V1:+--v1} -- "$@"
+  "$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --steps "$STEPS" --estimator "$ESTIMATOR" ${TASK:+--task "$TASK"} \
+    --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" ${V1:+--v1} ${RAY_ADDRESS:+--ray-address "$RAY_ADDRESS"} -- "$@"
 )
 environment=$("$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --env)
 mapfile -t OVERRIDES <<<"$overrides"

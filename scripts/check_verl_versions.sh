@@ -2,7 +2,7 @@
 # Which verl releases verl-ext's estimators and seam work with (not part of CI: it installs
 # one virtual environment per verl version under .venvs/, about 1 GB each).
 #
-#   scripts/check_verl_versions.sh [VERSION ...]     default: the verl of constraints.txt
+#   scripts/check_verl_versions.sh [VERSION ...]     default: the verl setup.cfg pins
 #
 # A release outside setup.cfg's verl requirement (0.6.1, 0.7.1 and 0.8.0 were tried this way) is
 # checked by naming it; see the README's "Supported verl versions" for how one is accepted.
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 TORCH_SPEC=${TORCH_SPEC:-$(sed -n 's/^TORCH_SPEC ?= //p' Makefile)}
 TRANSFER_QUEUE=$(grep -io '^ *transferqueue[=<>!~].*' setup.cfg | tr -d ' ')
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=("$(sed -n 's/^verl==//p' constraints.txt)")
+[ ${#versions[@]} -gt 0 ] || versions=("$(sed -n 's/^ *verl==//p' setup.cfg)")
 summary=()
 for version in "${versions[@]}"; do
     venv=.venvs/verl-$version

@@ -120,7 +120,7 @@ def assets_dir() -> Path:
     """The asset cache every test and ``make demo`` share (``$VERL_EXT_CPU_ASSETS``, else
     ``~/.cache/verl_ext/cpu_assets``): building the assets takes about a minute, so the suite
     builds them at most once (the cache is keyed by everything that determines them)."""
-    from verl_ext.tasks.arith.assets import default_cache_dir
+    from verl_ext.tasks.common import default_cache_dir
 
     return default_cache_dir()
 
@@ -128,9 +128,40 @@ def assets_dir() -> Path:
 @pytest.fixture(scope="session")
 def assets(assets_dir):
     """The built assets (when the cache is empty, one xdist worker builds while the other waits)."""
-    from verl_ext.tasks.arith.assets import build_assets
+    from verl_ext.tasks import get_task
 
-    return build_assets(assets_dir)
+    return get_task("arith").build_assets(assets_dir)
+
+
+@pytest.fixture(scope="session")
+def tool_assets(assets_dir):
+    """The tool task's built assets, likewise."""
+    from verl_ext.tasks import get_task
+
+    return get_task("tool").build_assets(assets_dir)
+
+
+def pytest_sessionstart(session):
+    """A run of the whole suite starts building every task's assets at once, one process per task,
+    before the workers start: on an empty cache (a fresh machine) they are built side by side (about a
+    minute each) rather than one after the other inside the tests that first need them, one of which
+    is the Ray group, the suite's longest chain. The tests' fixtures read them as usual: a fixture
+    that asks while a build is in progress waits for it (the cache's lock). On a full cache this is a
+    check of the cache that takes a few seconds."""
+    config = session.config
+    if hasattr(config, "workerinput") or config.option.collectonly or config.args != list(config.getini("testpaths")):
+        return  # a worker (the controller started the builds), or only some of the tests
+    import subprocess
+
+    build = "import sys; from verl_ext.tasks import get_task; get_task(sys.argv[1]).build_assets()"
+    config._asset_builds = [
+        subprocess.Popen([sys.executable, "-c", build, name], stdout=subprocess.DEVNULL) for name in ("arith", "tool")
+    ]
+
+
+def pytest_sessionfinish(session):
+    for process in getattr(session.config, "_asset_builds", ()):
+        process.wait()
 
 
 @pytest.fixture(scope="session")

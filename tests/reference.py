@@ -131,12 +131,12 @@ def whiten(x, mask):
 
 
 def live_metrics(rewards, values, advantage_raw, advantages, scores, mask, uid, gamma) -> dict:
-    """docs/definitions.md §11, term by term from (B, T) arrays: the critic's explained variance
+    """docs/definitions.md §9 (live metrics), term by term from (B, T) arrays: the critic's explained variance
     1 − Var(G − V)/Var(G) (n − 1) against G = mc_row over all valid tokens, at each response's last
     one and per decile ⌊10·i/L⌋; std (n − 1) of the raw advantage, mean and std of the advantage;
     the mean over uid groups of ≥ 2 responses of the std of their summed scores; the mean over
     responses of max|A|/Σ|A| and the share of Σ|A| on ranks 2i < L (raw advantage). When a response
-    has a hole (§10): the explained variance at the first token of each assistant turn k (turn{k})
+    has a hole (§7): the explained variance at the first token of each assistant turn k (turn{k})
     and of all turns k ≥ 1 (after_hole), and the share of Σ|A| on each turn. ``values`` None: no
     critic entries. Undefined entries are left out, as verl-ext leaves them out."""
     import statistics

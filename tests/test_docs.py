@@ -354,8 +354,9 @@ def test_update_columns():
 
 def test_the_verl_versions_table_is_what_setup_cfg_accepts_and_ci_installs():
     """Issue 18: the accepted range is the tested range. The README's table lists the verl
-    releases setup.cfg accepts among those ever tried, and they are the one constraints.txt (what
-    `make test` installs in CI) pins; each touch's range lies inside the accepted one."""
+    releases setup.cfg accepts among those ever tried, and they are the one setup.cfg pins exactly
+    (what `make test` installs in CI; constraints.txt leaves verl to it rather than pin it a second
+    time); each touch's range lies inside the accepted one."""
     import configparser
 
     from packaging.requirements import Requirement
@@ -368,7 +369,9 @@ def test_the_verl_versions_table_is_what_setup_cfg_accepts_and_ci_installs():
     requirements = [Requirement(line) for line in config["options"]["install_requires"].split("\n") if line.strip()]
     accepted = next(r.specifier for r in requirements if r.name == "verl")
     assert str(accepted) == SUPPORTED_VERL  # the package's range is read from setup.cfg, not written twice
-    pinned = next(line.split("==")[1].strip() for line in (ROOT / "constraints.txt").read_text().splitlines() if line.startswith("verl=="))
+    constraints = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert "verl" not in {Requirement(line).name for line in constraints}  # setup.cfg's pin is the only one
+    (pinned,) = [spec.version for spec in accepted if spec.operator == "=="]  # one exact version: what CI installs
     readme = (ROOT / "README.md").read_text()
     table = readme.split("<!-- verl-versions -->")[1].split("<!-- /verl-versions -->")[0]
     rows = [line.split("|")[1].strip() for line in table.strip().splitlines()[2:]]
@@ -376,3 +379,52 @@ def test_the_verl_versions_table_is_what_setup_cfg_accepts_and_ci_installs():
     assert rows == [v for v in tried if accepted.contains(v)] == [pinned]
     for touch in TOUCHES:
         assert SpecifierSet(touch.versions).contains(pinned), touch.name
+
+
+# ------------------------------------------------------------------ references to sections
+
+
+def test_every_section_and_anchor_reference_resolves():
+    """Every ``§N``, ``….md#anchor`` and ``[…, section N](…#anchor)`` in the code, the README and the
+    docs lands on a heading (tests/doc_references.py says how each is read)."""
+    from tests.doc_references import scanned_files, unresolved
+
+    assert {"README.md", "docs/definitions.md", "verl_ext/inspect/identities.py", "verl_ext/view/static/viewer.js"} <= {
+        path.relative_to(ROOT).as_posix() for path in scanned_files(ROOT)
+    }
+    wrong = unresolved(ROOT)
+    assert not wrong, "references that land on no heading:\n" + "\n".join(map(str, wrong))
+
+
+def test_a_reference_that_lands_nowhere_is_named_by_file_and_line(tmp_path):
+    from tests.doc_references import unresolved
+
+    section = "\u00a7"  # written apart, so that this file holds no reference of its own
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "definitions.md").write_text(doc_text(), encoding="utf-8")
+    (tmp_path / "docs" / "notes.md").write_text(
+        "# Notes\n\n## 1. First\n\nsee " + section + "1, and definitions.md " + section + "7\n\n"
+        "[x](#1-first) [y](#" + "nowhere) [z](definitions.md#" + "tolerances)\n",
+        encoding="utf-8",
+    )  # fmt: skip
+    (tmp_path / "verl_ext").mkdir()
+    (tmp_path / "verl_ext" / "module.py").write_text(
+        f'"""turns (docs/definitions.md {section}7), live metrics ({section}9)."""\n'
+        f"# the multi-turn section ({section}11); docs/definitions.md{'#'}tolerances\n"
+        f"COLOUR = '#ffffff'  # see docs/definitions.md{'#'}no-such-heading\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "README.md").write_text(
+        f"[docs/definitions.md, section 7](docs/definitions.md{'#'}turns-one-advantage-per-assistant-turn-turn_gae)\n"
+        f"[docs/definitions.md, section 5](docs/definitions.md{'#'}tolerances)\n"
+        f"docs/definitions.md {section}8.6, docs/definitions.md {section}12, missing.md {section}1\n",
+        encoding="utf-8",
+    )
+    assert [(u.path, u.line, u.reference) for u in unresolved(tmp_path)] == [
+        ("README.md", 2, f"[docs/definitions.md, section 5](docs/definitions.md{'#'}tolerances)"),  # tolerances is in 8
+        ("README.md", 3, f"{section}12"),
+        ("README.md", 3, f"{section}1"),
+        ("docs/notes.md", 7, f"{'#'}nowhere"),
+        ("verl_ext/module.py", 2, f"{section}11"),
+        ("verl_ext/module.py", 3, f"docs/definitions.md{'#'}no-such-heading"),
+    ]

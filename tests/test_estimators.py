@@ -109,19 +109,6 @@ def test_gae_with_one_lambda_per_response(batch, gamma, data):
     assert_valid_close(gae_advantages(rewards, values, mask, gamma, torch.tensor(lams)), expected, mask)
 
 
-@pytest.mark.parametrize("length", [1, 15, 16, 17, 255, 256, 257, 4097, 20000])
-@pytest.mark.parametrize("discount", [0.0, 0.37, 0.999, 1.0])
-def test_discounted_scan_across_block_levels(length, discount):
-    """Lengths around SCAN_BLOCK powers exercise every recursion level of the blocked scan."""
-    x = torch.randn(2, length, dtype=torch.float64)
-    powers = discount ** np.arange(length, dtype=np.float64)
-    xs = x.numpy()
-    # y_t = Σ_k d^(k-t) x_k, written as a reversed convolution with the powers (float64)
-    expected = np.stack([np.convolve(row[::-1], powers)[:length][::-1] for row in xs])
-    actual = kernels.discounted_sum(x, discount).numpy()
-    np.testing.assert_allclose(actual, expected, rtol=1e-9, atol=1e-9 * np.abs(expected).max())
-
-
 def test_long_undiscounted_float32_stays_accurate():
     """20k dense rewards at γ = 1: float32 result within 1e-6 relative of the float64 sums."""
     rewards = torch.rand(2, 20000)

@@ -1,15 +1,14 @@
-"""The live metrics' formulas (verl_ext.step_metrics) against docs/definitions.md §11 written as
+"""The live metrics' formulas (verl_ext.step_metrics) against docs/definitions.md §9 written as
 direct sums (tests/reference.py), and by hand."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import tests.reference as ref
-from verl_ext import kernels
 from verl_ext.step_metrics import Responses, critic_by_group, credit_shares, prefixed, step_metrics
+from verl_ext.turns import turn_starts
 
 
 def padded_step(seed: int):
@@ -43,9 +42,9 @@ def test_against_the_direct_sums(seed):
     lengths = mask.sum(1)
     g = compacted(ref.mc_returns(rewards, mask, gamma), mask)
     has = lengths > 0
-    turn_starts = compacted(kernels.turn_starts(torch.from_numpy(mask)).numpy(), mask) > 0
+    starts = compacted(turn_starts(mask), mask) > 0
     got = step_metrics(
-        Responses.of(lengths, turn_starts), returns=g, values=compacted(values, mask), advantage_raw=compacted(raw, mask),
+        Responses.of(lengths, starts), returns=g, values=compacted(values, mask), advantage_raw=compacted(raw, mask),
         advantage=compacted(advantages, mask), scores=(scores * mask).sum(1)[has], uid=np.array(uid)[has],
     )  # fmt: skip
     want = ref.live_metrics(rewards, values, raw, advantages, scores, mask, uid, gamma)
@@ -96,6 +95,14 @@ def test_the_group_std_does_not_depend_on_the_uids_names():
     assert group_score_std(scores, renamed) == group_score_std(scores, named)
     by_hand = np.mean([scores[groups == g].std(ddof=1) for g in range(16)])
     assert group_score_std(scores, named) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_prompt_groups_are_numbered_in_order_of_first_appearance():
+    from verl_ext.step_metrics import prompt_groups
+
+    assert prompt_groups(["zeta", "alpha", "zeta", "mid", "alpha", "omega"]).tolist() == [0, 1, 0, 2, 1, 3]
+    assert prompt_groups(np.array([7, 3, 7, 0, 9, 3])).tolist() == [0, 1, 0, 2, 3, 1]
+    assert prompt_groups(["only"]).tolist() == [0]
 
 
 def test_turns_by_hand():

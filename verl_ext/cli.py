@@ -5,8 +5,9 @@ Each command is a pair of functions: ``<name>_arguments(parser)`` declares its a
 so that ``verl-ext --help`` is instant.
 
 Exit codes shared by all commands: 0 success, 1 a finding (a failed check, a broken plugin),
-2 bad input (a missing or unreadable trace, bad arguments). Expected errors print one line to
-stderr, never a traceback.
+2 bad input (a missing or unreadable trace, bad arguments); ``check`` also 3, incomplete (an identity
+that applies to the run could not be evaluated here). Expected errors print one line to stderr,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -95,10 +96,24 @@ def _progress(args, what: str):
 
 
 def check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        f"Exit code: 0 pass, 1 fail (an identity is violated), 2 bad input, {CHECK_INCOMPLETE} incomplete: nothing "
+        "failed, but an identity that applies to the run could not be evaluated here (the last line says which "
+        "and why; not PASS). Identities that do not apply (no critic, whitening off, ...) are skipped."
+    )
     _run_argument(parser)
     parser.add_argument("--step", type=int, action="append", metavar="S", help="check only step S (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--allow-unchecked", action="store_true",
+        help=f"exit 0, not {CHECK_INCOMPLETE}, when identities that apply to the run could not be evaluated here "
+        "(e.g. its estimator's module does not import); the verdict still names them",
+    )  # fmt: skip
     _quiet_argument(parser)
+
+
+#: ``check``'s exit code when nothing failed but an identity that applies was not evaluated.
+CHECK_INCOMPLETE = 3
 
 
 def check(args: argparse.Namespace) -> int:
@@ -109,7 +124,12 @@ def check(args: argparse.Namespace) -> int:
     trace = _open_run(args.run)
     steps = sorted({trace.require_step(step) for step in args.step}) if args.step else None
     report = check_trace(trace, steps, progress=_progress(args, "check"))
-    _emit(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else format_report(report))
+    if args.json:
+        _emit(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        _emit(format_report(report, accept_unchecked=args.allow_unchecked))
+    if report.verdict == "incomplete":
+        return 0 if args.allow_unchecked else CHECK_INCOMPLETE
     return 0 if report.passed else 1
 
 
@@ -249,11 +269,14 @@ def _lambdas(text: str) -> tuple[float, ...]:
 
 
 def compare_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.inspect.comparison import DEFAULT_LAMBDAS, DEFAULT_N
+
     _run_argument(parser)
     parser.add_argument("--step", type=int, required=True, metavar="S", help="the traced step to re-estimate")
     parser.add_argument("--sample", type=_count(0), default=0, metavar="I", help="sample of the per-token table (default 0)")
-    parser.add_argument("--n", type=_count(1), default=3, help="n of the n-step estimator (default 3)")
-    parser.add_argument("--lambdas", type=_lambdas, default=(0.5, 0.9, 0.95), metavar="L,L,…", help="λ of the GAE columns (default 0.5,0.9,0.95)")
+    parser.add_argument("--n", type=_count(1), default=DEFAULT_N, help=f"n of the n-step estimator (default {DEFAULT_N})")
+    lambdas = ",".join(f"{lam:g}" for lam in DEFAULT_LAMBDAS)
+    parser.add_argument("--lambdas", type=_lambdas, default=DEFAULT_LAMBDAS, metavar="L,L,…", help=f"λ of the GAE columns (default {lambdas})")
     parser.add_argument("--plot", metavar="PNG", help="also draw the comparison into this PNG file")
     _tokenizer_argument(parser)
     _format_arguments(parser)
@@ -420,14 +443,18 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from verl_ext.apps.demo import TOOL_DEMO_STEPS
-    from verl_ext.apps.learning import STEPS
-    from verl_ext.tasks import TASK_ASSETS
+    from verl_ext.tasks import DEFAULT_TASK, TASKS
+
+    others = [task for task in TASKS.values() if task.name != DEFAULT_TASK]
+
+    def by_task(field: str) -> str:
+        """The default task's ``field``, then each other task's: "40; 25 with --task tool"."""
+        return "; ".join([str(getattr(TASKS[DEFAULT_TASK], field)), *(f"{getattr(task, field)} with --task {task.name}" for task in others)])
 
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"), help="default: outputs/demo")
-    parser.add_argument("--steps", type=_count(1), default=None, help=f"training steps (default {STEPS}; {TOOL_DEMO_STEPS} with --task tool)")
-    parser.add_argument("--task", choices=tuple(TASK_ASSETS), default="arith", help="arith (default), or tool: the same question with a calculator the policy may call through verl's tool agent loop")
-    parser.add_argument("--estimator", default=None, help="algorithm.adv_estimator (default mc; grpo with --task tool)")
+    parser.add_argument("--steps", type=_count(1), default=None, help=f"training steps (default {by_task('steps')})")
+    parser.add_argument("--task", choices=tuple(TASKS), default=DEFAULT_TASK, help=", or ".join([f"{DEFAULT_TASK} (default)", *(f"{task.name}: {task.summary}" for task in others)]))
+    parser.add_argument("--estimator", default=None, help=f"algorithm.adv_estimator (default {by_task('estimator')})")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
     parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a verdict and a score below 1; with --task tool, one that called the tool)")
     parser.add_argument(

@@ -12,6 +12,8 @@ Conventions (docs/definitions.md §1, §3, §7), for every function here:
 * ``gamma`` is a float; ``lam`` a float or a ``(B,)`` tensor (one λ per response).
 * Each estimator returns ``(returns, advantage)``: the critic's target and the raw (unwhitened)
   advantage; :func:`masked_whiten` makes the advantage the actor trains on.
+* The first paragraph of each estimator's docstring is its formula, the one place it is written:
+  the registry's entry shows it (:func:`verl_ext.registry.docstring_formula`, ``verl-ext doctor``).
 
 The formulas inside each function are written on compacted rows; :func:`verl_ext.kernels.on_valid_tokens`
 does the compaction and the row grouping, :func:`verl_ext.kernels.discounted_sum` the scan,
@@ -30,8 +32,8 @@ from verl_ext.kernels import (
     on_valid_tokens,
     scaled,
     shifted,
-    turn_starts,
 )
+from verl_ext.turns import turn_starts
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 

@@ -13,8 +13,8 @@ on *compacted rows* and handed to :func:`on_valid_tokens`, which
    Masked positions receive unspecified values, as in verl.
 
 A formula over turns (maximal runs of valid tokens, docs/definitions.md §7) gets the turns' first
-tokens as one more compacted input (:func:`turn_starts`) and works on the turn axis with
-:class:`Turns`: per-turn sums and first values by scatter, the turn-level scan with the same
+tokens as one more compacted input (:func:`verl_ext.turns.turn_starts`) and works on the turn axis
+with :class:`Turns`: per-turn sums and first values by scatter, the turn-level scan with the same
 :func:`discounted_sum`, and the result spread back to the turns' tokens by a gather.
 
 :func:`discounted_sum` is the one non-trivial kernel: y_t = Σ_{k≥t} d^{k−t} x_k computed exactly as
@@ -38,6 +38,9 @@ import math
 from typing import Callable
 
 import torch
+
+# turn_starts is re-exported: the estimators and the live metrics take it from here with the kernels
+from verl_ext.turns import turn_index, turn_starts  # noqa: F401
 
 #: Block length K of the blocked discounted scan. The in-block sums cost K multiply-adds per token
 #: on CUDA, one elsewhere (and K − 1 small operations per block level); 16 measured fastest on one
@@ -221,40 +224,23 @@ def on_valid_tokens(
 # --------------------------------------------------------------------------- turns
 
 
-def turn_starts(mask: torch.Tensor) -> torch.Tensor:
-    """True at the first token of every assistant turn: (B, T) -> (B, T) bool.
-
-    A turn is a maximal run of valid tokens; it starts at a valid token whose predecessor is masked
-    (or at t = 0). Masked runs between turns are holes; leading and trailing masked tokens start
-    nothing, so padding never makes a turn.
-    """
-    if mask.dim() != 2:
-        raise ValueError(f"response_mask must be (B, T), got shape {tuple(mask.shape)}")
-    valid = mask != 0
-    starts = torch.empty_like(valid)
-    starts[:, :1] = valid[:, :1]
-    # one comparison of bools (a padded int64 difference measured 10-30x slower at 512 x 4096)
-    torch.gt(valid[:, 1:], valid[:, :-1], out=starts[:, 1:])
-    return starts
-
-
 class Turns:
     """The turns of compacted rows (the layout of :class:`Compaction`), and per-turn sums and values.
 
-    Built from :func:`turn_starts` compacted like any input. On the turn axis turn k of a row sits in
-    column k + 1 of a zero buffer whose width is the batch's largest number of turns + 1: column 0
-    collects the parked column 0 of the compacted row (always 0), and the zeros after a row's last
-    turn K are the terminal state (V_K = 0), as the zeros after L are on the token axis. Finding the
-    width reads one number from the device (a synchronisation on a GPU).
+    Built from :func:`verl_ext.turns.turn_starts` compacted like any input. On the turn axis turn k of
+    a row sits in column k + 1 of a zero buffer whose width is the batch's largest number of turns + 1:
+    column 0 collects the parked column 0 of the compacted row (always 0), and the zeros after a row's
+    last turn K are the terminal state (V_K = 0), as the zeros after L are on the token axis. Finding
+    the width reads one number from the device (a synchronisation on a GPU).
 
     Per-turn sums are accumulated in float64: a long turn's rewards sum as exactly as a scan would.
     """
 
     def __init__(self, starts: torch.Tensor):
-        # column of each compacted token on the turn axis: turn k -> k + 1; the zeros after L stay in
-        # the last turn's column, adding nothing to its sum
-        self.column = torch.cumsum(starts.long(), dim=1)
         self.first = starts != 0
+        # column of each compacted token on the turn axis: turn k -> k + 1 (the parked column 0, before
+        # any turn, -> 0); the zeros after L stay in the last turn's column, adding nothing to its sum
+        self.column = turn_index(self.first).add_(1)
         self.width = (int(self.column[:, -1].max()) if self.column.numel() else 0) + 1
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:

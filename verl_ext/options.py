@@ -110,11 +110,11 @@ def algorithm_settings(algorithm: Any) -> dict[str, Any]:
 #: line before the update, or not look.
 NONFINITE_MODES = ("warn", "raise", "off")
 NONFINITE_DEFAULT = "warn"
-#: ``verl_ext.metrics``: the live metrics (critic and credit, docs/definitions.md §11) in verl's
+#: ``verl_ext.metrics``: the live metrics (critic and credit, docs/definitions.md §9) in verl's
 #: metrics of every step.
 METRICS_DEFAULT = True
 #: ``verl_ext.turn_rewards``: add the agent loop's per-turn scores (``turn_scores``, ``tool_rewards``) to
-#: the rewards of their turns' last tokens before any estimator runs (docs/definitions.md §10).
+#: the rewards of their turns' last tokens before any estimator runs (docs/definitions.md §7).
 TURN_REWARDS_DEFAULT = False
 #: The keys of the ``verl_ext`` node.
 VERL_EXT_KEYS = ("trace", "nonfinite", "metrics", "turn_rewards")
@@ -235,12 +235,37 @@ def external_modules() -> tuple[str, ...]:
 def import_external_modules() -> None:
     """Import the modules ``VERL_USE_EXTERNAL_MODULES`` names, as verl does in every process of a run,
     so that a user's estimators are registered where a trace is read too. UsageError when one fails."""
-    import importlib
-
     from verl_ext.errors import UsageError
 
     for module in external_modules():
         try:
-            importlib.import_module(module)
-        except ImportError as error:
-            raise UsageError(f"cannot import {module} ({EXTERNAL_MODULES}): {error}") from None
+            import_user_module(module)
+        except Exception as error:  # noqa: BLE001 - whatever a user's module raises is one line, not a traceback
+            raise UsageError(f"cannot import {module} ({EXTERNAL_MODULES}): {user_module_problem(module, error)}") from None
+
+
+def import_user_module(module: str) -> None:
+    """Import a user's module where verl's run finds it: ``python -m verl.trainer.main_ppo`` puts the
+    current directory first on ``sys.path``, a console script such as ``verl-ext`` does not. Raises
+    whatever the import raises."""
+    import importlib
+    import sys
+
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the directory was removed under us: nothing to put on the path
+        cwd = None
+    if cwd is not None and not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()  # a finder may have listed the directory before the module was written
+    importlib.import_module(module)
+
+
+def user_module_problem(module: str, error: BaseException) -> str:
+    """Why importing ``module`` failed, in one line; when the module itself was not found, the fix."""
+    text = str(error) if isinstance(error, ImportError) else f"{type(error).__name__}: {error}"
+    missing = getattr(error, "name", None)  # ModuleNotFoundError: the module that was not found
+    if isinstance(error, ModuleNotFoundError) and missing and (module + ".").startswith(missing + "."):
+        top = module.partition(".")[0]
+        text += f"; put the directory that holds {top}.py (or the package {top}/) on PYTHONPATH, or run from it"
+    return text

@@ -186,9 +186,8 @@ def register_estimator(
                 f"estimator {name!r} is already registered by {taken.module}.{taken.fn.__qualname__}; "
                 f"cannot register {fn.__module__}.{fn.__qualname__} under the same name"
             )
-        doc = (fn.__doc__ or "").strip().split("\n\n")[0]
         estimator = Estimator(
-            name, fn, needs_critic, tuple(options), formula or " ".join(doc.split()), horizon,
+            name, fn, needs_critic, tuple(options), formula or docstring_formula(fn), horizon,
             returns_minus_values, uses_lam, compared_at, label,
         )  # fmt: skip
         _ESTIMATORS[name] = estimator
@@ -255,6 +254,12 @@ def describe_verl_estimator(
     )  # fmt: skip
 
 
+def docstring_formula(fn: Callable) -> str:
+    """The first paragraph of ``fn``'s docstring on one line: an estimator's formula where it is
+    written once, beside its code (the built-ins' are in :mod:`verl_ext.estimators`)."""
+    return " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+
+
 def on_register(listener: Callable[[Estimator], None]) -> None:
     """Call ``listener(estimator)`` for every estimator registered from now on."""
     _LISTENERS.append(listener)
@@ -317,7 +322,7 @@ def _discount_horizon(decay: float) -> float:
 
 @register_estimator(
     "mc",
-    formula="returns = G_t = Σ_{k≥t} γ^{k−t} r_k;  advantage = G_t − V(s_t)",
+    formula=docstring_formula(estimators.mc),
     horizon=lambda s: (_discount_horizon(s["gamma"]),) * 2,
     returns_minus_values=lambda s: True,
     uses_lam=False,
@@ -328,7 +333,7 @@ def mc(rewards, values, response_mask, *, gamma, lam, config):
 
 @register_estimator(
     "td0",
-    formula="returns = r_t + γ V(s_{t+1});  advantage = δ_t = r_t + γ V(s_{t+1}) − V(s_t)",
+    formula=docstring_formula(estimators.td0),
     horizon=lambda s: (1.0, 1.0),
     returns_minus_values=lambda s: True,
     uses_lam=False,
@@ -340,7 +345,7 @@ def td0(rewards, values, response_mask, *, gamma, lam, config):
 @register_estimator(
     "nstep",
     options=(N_STEP,),
-    formula="returns = G_t^(n) = Σ_{k=t}^{t+n−1} γ^{k−t} r_k + γ^n V(s_{t+n});  advantage = G_t^(n) − V(s_t)",
+    formula=docstring_formula(estimators.nstep),
     horizon=lambda s: (float(s["n_step"]),) * 2,
     returns_minus_values=lambda s: True,
     uses_lam=False,
@@ -375,7 +380,7 @@ def _gae_ext_horizon(settings: Settings) -> tuple[float, float]:
 @register_estimator(
     "gae_ext",
     options=(LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA),
-    formula="returns = GAE(γ, λ_critic) + V(s_t);  advantage = GAE(γ, λ_actor), λ_actor optionally 1 − 1/(α·L)",
+    formula=f"{docstring_formula(estimators.gae_decoupled)} Length-adaptive λ_actor: {docstring_formula(estimators.length_adaptive_lam)}",
     horizon=_gae_ext_horizon,
     returns_minus_values=lambda s: _gae_lambdas(s)[0] == _gae_lambdas(s)[1],
     compared_at=lambda n, lambdas: tuple({"lam": lam} for lam in lambdas),
@@ -394,10 +399,7 @@ def gae_ext(rewards, values, response_mask, *, gamma, lam, config):
 @register_estimator(
     "turn_gae",
     options=(LAM_CRITIC,),
-    formula=(
-        "advantage = A_k = Σ_l (γλ)^l δ_{k+l} on every token of turn k, δ_k = R_k + γ V_{k+1} − V_k "
-        "(R_k: Σ of turn k's rewards, V_k: V(s_t) at its first token);  returns = GAE(γ, λ_critic) + V(s_t)"
-    ),
+    formula=docstring_formula(estimators.turn_gae),
     # the advantage sums whole turns of rewards: up to the row's length whatever γλ
     horizon=lambda s: (_discount_horizon(s["gamma"] * _lam_critic(s)), math.inf),
     # the actor's A_k is per turn, the critic's target per token: never returns − values
@@ -422,7 +424,7 @@ describe_verl_estimator(
     _verl_gae,
     needs_critic=True,
     verl_whitens=True,  # verl's GAE always whitens
-    formula="returns = GAE(γ, λ) + V(s_t);  advantage = GAE(γ, λ) = Σ_l (γλ)^l δ_{t+l}",
+    formula=docstring_formula(estimators.gae),
     horizon=lambda s: (_discount_horizon(s["gamma"] * s["lam"]),) * 2,
     returns_minus_values=lambda s: True,
     label=lambda s: f"gae{s['lam']:g}",

@@ -1,5 +1,5 @@
 """Is the critic ready, where does the credit go: the per-step quantities of docs/definitions.md §9
-and §11, from one step's valid tokens (numpy in, numbers out; no verl, no torch).
+(its critic diagnostic and live metrics), from one step's valid tokens (numpy in, numbers out; no verl, no torch).
 
 A step is given compacted: each per-token array holds the step's valid tokens, response by response
 and in token order within a response, and :class:`Responses` says how many valid tokens L each
@@ -10,7 +10,7 @@ step's live metrics are its post-hoc numbers.
 
 Positions: the valid token of rank i (0-based) of a response with L valid tokens is in decile
 ``d{⌊10·i/L⌋}``; ``last`` is each response's last valid token; the first half is d0–d4 (2i < L).
-Turns (docs/definitions.md §10; a multi-turn response's holes are not among its valid tokens, so
+Turns (docs/definitions.md §7; a multi-turn response's holes are not among its valid tokens, so
 ``Responses`` says where each assistant turn starts): ``turn{k}`` is the first token of each
 response's turn k, the state after the k-th hole (a tool's answer); ``after_hole`` all of those with
 k ≥ 1. A step whose responses all have one turn has no turn metrics.
@@ -23,6 +23,8 @@ from functools import cached_property
 from typing import Mapping, Sequence
 
 import numpy as np
+
+from verl_ext.turns import turn_index
 
 DECILES = tuple(f"d{i}" for i in range(10))
 #: Position buckets of the critic's diagnostics, in column order: the deciles, the last token, all.
@@ -83,10 +85,9 @@ class Responses:
         """(N,) the assistant turn k of each valid token (0 everywhere without ``turn_starts``)."""
         if self.turn_starts is None:
             return np.zeros(self.tokens, np.int64)
-        begun = np.cumsum(self.turn_starts)
+        index = turn_index(self.turn_starts)  # counted over the whole step, so each response is shifted back
         present = self.lengths > 0
-        first = np.repeat(begun[self.starts[present]], self.lengths[present])
-        return begun - first
+        return index - np.repeat(index[self.starts[present]], self.lengths[present])
 
     @cached_property
     def turns(self) -> np.ndarray:
@@ -242,11 +243,18 @@ def mean(x: np.ndarray | None) -> float | None:
     return float(np.asarray(x, dtype=np.float64).mean()) if x is not None and len(x) else None
 
 
+def prompt_groups(uid: Sequence) -> np.ndarray:
+    """The prompt group of each response, numbered 0 … G−1 in order of first appearance (its uid's
+    rank among the distinct uids, by first occurrence): B uids give (B,) int64."""
+    _, first, group = np.unique(np.asarray([str(u) for u in uid]), return_index=True, return_inverse=True)
+    # the order of appearance, not of the (random) uids: sums over groups come out the same to the bit
+    return np.argsort(np.argsort(first))[group.reshape(-1)]
+
+
 def group_score_std(scores: np.ndarray, uid: Sequence) -> float | None:
     """The mean over prompt groups (the responses of one ``uid``) with at least two responses of the
     std (n − 1) of their responses' scores; None without such a group."""
-    _, first, group = np.unique(np.asarray([str(u) for u in uid]), return_index=True, return_inverse=True)
-    group = np.argsort(np.argsort(first))[group]  # groups in order of appearance, not of their (random) uids: reproducible sums
+    group = prompt_groups(uid)
     scores = np.asarray(scores, dtype=np.float64)
     n = np.bincount(group)
     group_mean = np.bincount(group, weights=scores) / n

@@ -92,13 +92,15 @@ PLUGIN_TOUCHES = (
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.fit", "plugin",
         why="open the trace before the legacy trainer's first step and flush it when fit() ends, even on error; "
-        "give the non-finite check the step and verl_ext.nonfinite, with the trace on or off",
+        "give every advantage step of the run (verl_ext.integration.step) the trainer's step and the run's verl_ext "
+        "options (nonfinite, metrics, turn_rewards), with the trace on or off",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_legacy_fit",
     ),
     Touch(
         "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer.fit", "plugin",
         why="open the trace before the V1 trainer's first step and flush it when fit() ends, even on error; "
-        "give the non-finite check the step and verl_ext.nonfinite, with the trace on or off",
+        "give every advantage step of the run (verl_ext.integration.step) the trainer's step and the run's verl_ext "
+        "options (nonfinite, metrics, turn_rewards), with the trace on or off",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_fit",
     ),
     Touch(
@@ -134,13 +136,20 @@ PLUGIN_TOUCHES = (
     ),
     Touch(
         "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage", "plugin",
-        why="the V1 trainer computes advantages on a reduced batch without token ids; after it stores them in "
-        "TransferQueue, the trace reads back the tensors the trainer will use, with token ids and the step; "
+        why="the V1 trainer computes advantages on a reduced batch without token ids or the agent loop's "
+        "extra_fields: verl-ext reads those from TransferQueue once before it (for verl_ext.turn_rewards and the "
+        "trace) and writes once after it (the rewards the estimator used, which verl stores only with KL in the "
+        "reward; the trace's row key); the trace captures the step once verl has stored it; "
         "verl_ext.nonfinite=raise stops the run here, once the trace has the step, before the updates; the "
-        "step's live metrics (verl_ext.metrics) go into the metrics dict V1 hands this method; with "
-        "verl_ext.turn_rewards the samples' extra_fields are read first (V1's batch here has none) and the rewards "
-        "the estimator used written back",
+        "step's live metrics (verl_ext.metrics) go into the metrics dict V1 hands this method",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_compute_advantage",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.v1.trainer_base", "compute_advantage_for_multi_trajectories", "plugin",
+        why="the name the V1 trainer's _compute_advantage calls (bound at import in trainer_base): its result is the "
+        "whole batch with the advantages on every row, which verl then stores in TransferQueue; the trace captures "
+        "that batch here instead of reading it back (on grpo compute_advantage sees only each session's last output)",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_multi_trajectory_advantage",
     ),
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "compute_data_metrics", "plugin",

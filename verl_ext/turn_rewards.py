@@ -1,10 +1,10 @@
-"""Per-turn rewards (docs/definitions.md §10): a score given to assistant turn k of a response is
+"""Per-turn rewards (docs/definitions.md §7): a score given to assistant turn k of a response is
 added to the reward of turn k's last token, before any estimator runs.
 
-An assistant turn is a maximal run of valid tokens (:func:`verl_ext.kernels.turn_starts`); turn k's
-last token is the valid token of that run whose successor is masked or past the end. Pure: tensors
-and lists in, tensors out; where the scores come from (verl's ``turn_scores`` and ``tool_rewards``)
-is :mod:`verl_ext.integration.turn_rewards_hook`'s business.
+An assistant turn is a maximal run of valid tokens (:mod:`verl_ext.turns`); turn k's last token is
+the valid token of that run whose successor is masked or past the end. Pure: tensors and lists in,
+tensors out; where the scores come from (verl's ``turn_scores`` and ``tool_rewards``) is
+:mod:`verl_ext.integration.turn_rewards_hook`'s business.
 """
 
 from __future__ import annotations
@@ -13,15 +13,7 @@ from typing import Sequence
 
 import torch
 
-from verl_ext.kernels import turn_starts
-
-
-def turn_ends(mask: torch.Tensor) -> torch.Tensor:
-    """True at the last token of every assistant turn: (B, T) -> (B, T) bool."""
-    valid = mask != 0
-    ends = valid.clone()
-    ends[:, :-1] &= ~valid[:, 1:]
-    return ends
+from verl_ext.turns import turn_ends, turn_index, turn_starts
 
 
 def place_turn_rewards(mask: torch.Tensor, rewards: Sequence[Sequence[tuple[int, float]]]) -> tuple[torch.Tensor, int]:
@@ -46,7 +38,6 @@ def place_turn_rewards(mask: torch.Tensor, rewards: Sequence[Sequence[tuple[int,
     per_turn = torch.zeros(mask.shape[0], int(turns_per_row.max()) + 1, dtype=torch.float32, device=mask.device)
     per_turn.index_put_((row[known], turn[known]), value[known], accumulate=True)
     ends = turn_ends(mask)
-    turn_of_token = starts.cumsum(-1) - 1  # a turn's tokens hold its index
     end_rows, end_positions = ends.nonzero(as_tuple=True)
-    placed[end_rows, end_positions] = per_turn[end_rows, turn_of_token[end_rows, end_positions]]
+    placed[end_rows, end_positions] = per_turn[end_rows, turn_index(starts)[end_rows, end_positions]]
     return placed, int((~known).sum())

@@ -1,7 +1,7 @@
 """The learning run that tests/apps/test_learning.py and test_credit.py share: verl's real trainer (in
-process) on the CPU task, ``mc``, seed 0, run twice at once (the reproducibility check compares the
-two). Both modules are in the xdist group of two trainers at once, so one worker runs them and the
-session fixture trains once."""
+process) on the CPU task, ``mc``, seed 0, and beside it the same run for its first few steps only (the
+reproducibility check compares the two). Both modules are in the xdist group of two trainers at once,
+so one worker runs them and the session fixture trains once."""
 
 from __future__ import annotations
 
@@ -13,17 +13,21 @@ import pandas as pd
 import pytest
 
 LEARNING_STEPS = 25
+#: The steps of the second run: within the learning recipe's warm-up (5 steps), so that its learning
+#: rate, which a cosine schedule over the run's length sets after the warm-up, is the long run's.
+REPRODUCED_STEPS = 3
 
 
 @pytest.fixture(scope="session")
 def learning_runs(tmp_path_factory, cpu_env):
+    # its own runs: the learning recipe (25 steps, verl_ext.apps.learning), which no other test runs
     outputs = [tmp_path_factory.mktemp(f"learn{i}") for i in range(2)]
     command = [sys.executable, "-m", "verl_ext.apps.learning", "--estimator", "mc", "--seed", "0",
-               "--steps", str(LEARNING_STEPS), "--test-freq", str(LEARNING_STEPS), "--trace"]  # fmt: skip
+               "--test-freq", str(LEARNING_STEPS), "--trace"]  # fmt: skip
     processes = [
-        subprocess.Popen([*command[:3], str(out), *command[3:]], env=cpu_env(out), cwd=out,
+        subprocess.Popen([*command[:3], str(out), *command[3:], "--steps", str(steps)], env=cpu_env(out), cwd=out,
                          stdout=open(out / "output.log", "w"), stderr=subprocess.STDOUT)  # fmt: skip
-        for out in outputs
+        for out, steps in zip(outputs, (LEARNING_STEPS, REPRODUCED_STEPS))
     ]
     for process, out in zip(processes, outputs):
         if process.wait(timeout=600) != 0:

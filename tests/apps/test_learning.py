@@ -11,7 +11,7 @@ import pytest
 
 import tests.reference as ref
 from tests.cpu.helpers import BOTH_CORES_GROUP
-from tests.apps.conftest import LEARNING_STEPS, dense, valid_tokens
+from tests.apps.conftest import LEARNING_STEPS, REPRODUCED_STEPS, dense, valid_tokens
 from verl_ext.apps.learning import read_metrics
 
 pytestmark = pytest.mark.xdist_group(BOTH_CORES_GROUP)  # two trainers at once: last (tests/conftest.py)
@@ -41,6 +41,9 @@ NOT_REPRODUCIBLE = ("timing", "perf/", "actor/perf", "critic/perf")
 
 
 def test_the_same_seed_gives_the_same_numbers(learning_runs):
+    """The second run's steps equal the long run's first steps; it also validates at its last step
+    (verl validates at a run's end), which the long run does not do there."""
+
     def reproducible(out):
         return {
             step: {k: v for k, v in data.items() if not k.startswith(NOT_REPRODUCIBLE)}
@@ -48,10 +51,14 @@ def test_the_same_seed_gives_the_same_numbers(learning_runs):
         }
 
     first, second = (reproducible(out) for out in learning_runs)
-    assert first == second and len(first) == STEPS + 1
+    assert len(first) == STEPS + 1 and sorted(second) == list(range(REPRODUCED_STEPS + 1))
+    validated = {key for key in second[REPRODUCED_STEPS] if key.startswith("val-")}
+    assert validated and not validated & set(first[REPRODUCED_STEPS])
+    for step, data in second.items():
+        assert {k: v for k, v in data.items() if k not in validated or step == 0} == first[step], step
     from verl_ext.trace.reader import open_trace
 
-    for step in (1, STEPS):  # uids are verl's random uuid4s
+    for step in (1, REPRODUCED_STEPS):  # uids are verl's random uuid4s
         tables = [open_trace(str(out / "trace")).read_step(step).drop_columns(["uid"]) for out in learning_runs]
         assert tables[0].equals(tables[1])
 

@@ -17,12 +17,14 @@ from verl_ext.errors import UsageError
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory, cpu_env):
+    # its own runs: what is tested is the `study` command, which starts (and reuses) its trainers itself
     out = tmp_path_factory.mktemp("study")
     command = [sys.executable, "-m", "verl_ext.cli", "study", "--estimators", "mc,grpo", "--seeds", "1",
                "--steps", "2", "--test-freq", "1", "--out", str(out)]  # fmt: skip
     first = subprocess.run(command, env=cpu_env(out), capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     again = subprocess.run(command, env=cpu_env(out), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     return out, first.stdout, again.stdout
 
 

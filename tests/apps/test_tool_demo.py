@@ -23,6 +23,7 @@ CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # verl's hermes p
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory, cpu_env):
+    # its own run: what is tested is the `demo --task tool` command, which starts its trainer itself
     out = tmp_path_factory.mktemp("tool_demo")
     command = [
         sys.executable, "-m", "verl_ext.cli", "demo", "--task", "tool", "--turn-rewards", "--steps", str(STEPS), "--output-dir", str(out),

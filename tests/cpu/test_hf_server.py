@@ -13,6 +13,7 @@ from tests.cpu.helpers import SCENARIOS, run
 
 @pytest.fixture(scope="module")
 def server_run(tmp_path_factory, assets, assets_dir):
+    # its own process: the rollout server driven directly, without a trainer
     output = tmp_path_factory.mktemp("hf_server")
     env = {**os.environ, "VERL_EXT_CPU": "1", "VERL_EXT_CPU_ASSETS": str(assets_dir)}
     run([sys.executable, str(SCENARIOS), "hf-server", str(output)], env, output, timeout=180)

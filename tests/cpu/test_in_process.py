@@ -8,30 +8,32 @@ import torch
 
 from tests import reference
 from tests.cpu.helpers import read_batches
+from tests.e2e.test_fit_with_trace import GAMMA, LAM, fit_group, fit_run
 from verl_ext.apps.learning import read_metrics
 
-GAMMA, LAM = 0.99, 0.9
+
+#: The runs are test_fit_with_trace's (made once per session, tests/shared_runs.py); each test here
+#: is in its run's xdist group, so the worker that makes the run reads it.
+GAE_RUN, GRPO_RUN = "gae+dynamic_bsz", "grpo"
 
 
 @pytest.fixture(scope="module")
-def gae_run(tmp_path_factory, scenario):
-    """verl's gae with a critic and the KL penalty in the reward, 2 steps."""
-    overrides = [f"algorithm.gamma={GAMMA}", f"algorithm.lam={LAM}", "algorithm.use_kl_in_reward=True"]
-    return scenario("in-process", tmp_path_factory.mktemp("gae"), "--estimator", "gae", "--", *overrides)
+def gae_run(tmp_path_factory):
+    """verl's gae with a critic and the KL penalty in the reward, 2 steps (micro-batches by token count)."""
+    return fit_run(tmp_path_factory, GAE_RUN)
 
 
 @pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory, scenario):
-    """verl's grpo: 4 prompts x 4 samples, no critic, 2 steps."""
-    return scenario(
-        "in-process", tmp_path_factory.mktemp("grpo"), "--estimator", "grpo", "--rollout-n", "4", "--batch-size", "4"
-    )
+def grpo_run(tmp_path_factory):
+    """verl's grpo: 8 prompts x 4 samples, no critic, 2 steps."""
+    return fit_run(tmp_path_factory, GRPO_RUN)
 
 
 def _valid(mask):
     return mask.bool()
 
 
+@fit_group(GAE_RUN)
 def test_each_step_reports_the_batch_it_trained_on(gae_run):
     steps = read_batches(gae_run)["steps"]
     assert sorted(steps) == [1, 2]
@@ -42,6 +44,7 @@ def test_each_step_reports_the_batch_it_trained_on(gae_run):
     assert sorted(read_metrics(gae_run)) == [0, 1, 2]  # 0: validation before training
 
 
+@fit_group(GAE_RUN)
 def test_one_agent_loop_serves_every_sample(gae_run):
     """The in-process agent-loop worker builds verl's single-turn agent loop once (verl: once per
     sample, through hydra) and runs it for every response, validation's included."""
@@ -49,6 +52,7 @@ def test_one_agent_loop_serves_every_sample(gae_run):
     assert read_batches(gae_run)["agent_loops"] == {"built": 1, "runs": validation + training}
 
 
+@fit_group(GAE_RUN)
 def test_scores_sit_on_the_last_valid_token(gae_run):
     for record in read_batches(gae_run)["steps"].values():
         mask, scores = record["response_mask"], record["token_level_scores"]
@@ -59,6 +63,7 @@ def test_scores_sit_on_the_last_valid_token(gae_run):
         assert torch.all((scores.sum(-1) >= 0) & (scores.sum(-1) <= 1))
 
 
+@fit_group(GAE_RUN)
 def test_values_are_present_and_the_critic_trains(gae_run):
     steps = read_batches(gae_run)["steps"]
     for record in steps.values():
@@ -72,6 +77,7 @@ def test_values_are_present_and_the_critic_trains(gae_run):
     assert metrics[1]["critic/values/mean"] != pytest.approx(metrics[2]["critic/values/mean"], abs=1e-4)
 
 
+@fit_group(GAE_RUN)
 def test_gae_returns_and_advantages_match_the_definition(gae_run):
     recorded = read_batches(gae_run)
     assert (recorded["gamma"], recorded["lam"]) == (GAMMA, LAM)
@@ -86,6 +92,7 @@ def test_gae_returns_and_advantages_match_the_definition(gae_run):
         )
 
 
+@fit_group(GAE_RUN)
 def test_kl_in_reward_makes_rewards_differ_from_scores(gae_run):
     steps = read_batches(gae_run)["steps"]
     for step, record in steps.items():
@@ -97,6 +104,7 @@ def test_kl_in_reward_makes_rewards_differ_from_scores(gae_run):
     assert not torch.equal(steps[2]["token_level_rewards"], steps[2]["token_level_scores"])
 
 
+@fit_group(GRPO_RUN)
 def test_grpo_advantages_match_the_group_normalised_score(grpo_run):
     steps = read_batches(grpo_run)["steps"]
     assert sorted(steps) == [1, 2]
@@ -105,36 +113,10 @@ def test_grpo_advantages_match_the_group_normalised_score(grpo_run):
         scores = record["token_level_rewards"].sum(-1).double()
         expected = torch.empty_like(scores)
         uids = np.array(record["uid"])
-        assert len(set(uids)) == 4 and all((uids == uid).sum() == 4 for uid in set(uids))
+        assert len(set(uids)) == 8 and all((uids == uid).sum() == 4 for uid in set(uids))
         for uid in set(uids):
             group = torch.from_numpy(uids == uid)
             expected[group] = (scores[group] - scores[group].mean()) / (scores[group].std() + 1e-6)
         mask = _valid(record["response_mask"])
         advantages = record["advantages"]
         torch.testing.assert_close(advantages, (expected[:, None] * mask).float(), atol=1e-5, rtol=0)
-
-
-def _saved_weight(checkpoint, role: str, name: str) -> torch.Tensor:
-    state = torch.load(checkpoint / role / "model_world_size_1_rank_0.pt", weights_only=False)
-    return state[name].to_local()  # an FSDP2 DTensor on a one-rank mesh: the local shard is the tensor
-
-
-def test_checkpoint_save_then_resume_continues_from_the_saved_step(scenario, tmp_path, assets):
-    from safetensors.torch import load_file
-
-    scenario("in-process", tmp_path, "--steps", "2", "--", "trainer.save_freq=2", "trainer.val_before_train=False")
-    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    saved = tmp_path / "checkpoints" / "global_step_2"
-    # both the actor and the critic trained: their saved weights moved away from the initial model
-    name = "model.layers.0.self_attn.q_proj.weight"
-    initial = load_file(assets.model_dir / "model.safetensors")[name]
-    for role in ("actor", "critic"):
-        assert not torch.equal(_saved_weight(saved, role, name), initial), role
-    (tmp_path / "metrics.jsonl").unlink()
-
-    scenario("in-process", tmp_path, "--steps", "3", "--", "trainer.save_freq=2", "trainer.val_before_train=False")
-    assert sorted(read_batches(tmp_path)["steps"]) == [3]  # steps 1-2 came from the checkpoint
-    assert sorted(read_metrics(tmp_path)) == [3]
-    log = (tmp_path / "output.log").read_text()
-    assert "Resuming from" in log and "global_step_2" in log
-    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "3"

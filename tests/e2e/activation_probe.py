@@ -3,6 +3,9 @@ verl's core_algos is imported, record how verl-ext was activated in this process
 
 verl imports the external modules before it loads entry points, so this module waits for a later
 import to look. One JSON line per process in $VERL_EXT_TEST_PROBE_DIR/<pid>.json.
+
+Covers no module by itself: tests/e2e/test_multinode.py reads what it records of verl_ext's
+activation (verl_ext.integration.plugin) through verl_ext.patching.
 """
 
 from __future__ import annotations

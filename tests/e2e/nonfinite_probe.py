@@ -6,6 +6,9 @@ _compute_advantage read from TransferQueue, as handed to compute_advantage_for_m
 
 Files in $VERL_EXT_TEST_NAN_DIR: ``injected.json`` (step, sample, token, uid) and ``updates.txt``
 (one "<step> critic|actor" line per update that ran).
+
+Covers no module by itself: it feeds tests/e2e/test_nonfinite_run.py's check of verl_ext.nonfinite,
+hooking verl through verl_ext.patching.
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ What each run is checked against, independently of verl-ext's own code:
 * the trace read back from disk equals that batch; the run record matches the config;
 * ``verl-ext check`` passes on the trace;
 * verl's logged live metrics (``verl_ext/…``) equal the same quantities computed from the trace.
+
+Covers: the legacy trainer's seam and hooks (verl_ext.integration: plugin, patches, validation,
+trace_hook, update_hook, metrics_hook), verl_ext.registry, verl_ext.estimators and verl_ext.kernels
+(turn_gae through verl_ext.turns), verl_ext.trace (capture, writer, reader), verl_ext.step_metrics,
+verl_ext.inspect (check, critic, summary), the ``check`` command of verl_ext.cli and the CPU backend's
+in-process runner (verl_ext.cpu).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import pytest
 
 import tests.reference as ref
 from tests.cpu.helpers import SCENARIOS, read_batches, run
+from tests.shared_runs import shared_run
 
 ROOT = Path(__file__).resolve().parents[2]
 GAMMA, LAM = 0.99, 0.9
@@ -80,25 +87,34 @@ def user_module_env(out: Path) -> dict[str, str]:
     return {"PYTHONPATH": f"{out / 'user'}:{ROOT}", "VERL_USE_EXTERNAL_MODULES": "my_estimators"}
 
 
-def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int = 1, steps: int = 2):
-    out = tmp_path_factory.mktemp(estimator)
+def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int = 1, steps: int = 2) -> Path:
+    """The in-process run of ``estimator`` with these settings, made once per test session
+    (tests/shared_runs.py): every test that needs the same run reads it."""
     overrides = [
         "algorithm.use_kl_in_reward=True",
         "algorithm.kl_ctrl.kl_coef=0.05",
         f"algorithm.gamma={GAMMA}",
         f"algorithm.lam={LAM}",
-        f"verl_ext.trace.dir={out / 'trace'}",
         *UPDATE_OVERRIDES,
         *extra,
     ]
-    command = [
-        sys.executable, str(SCENARIOS), "in-process", str(out), "--estimator", estimator, "--steps", str(steps),
-        "--rollout-n", str(rollout_n), "--config-dir", str(ROOT / "verl_ext" / "configs"),
-        "--config-name", "verl_ext_trainer", "--", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "VERL_EXT_CPU": "1", **(user_module_env(out) if estimator == "td_half" else {})}
-    run(command, env=env, cwd=out, timeout=600)
-    return out
+
+    def make(out: Path) -> None:
+        command = [
+            sys.executable, str(SCENARIOS), "in-process", str(out), "--estimator", estimator, "--steps", str(steps),
+            "--rollout-n", str(rollout_n), "--config-dir", str(ROOT / "verl_ext" / "configs"),
+            "--config-name", "verl_ext_trainer", "--", *overrides, f"verl_ext.trace.dir={out / 'trace'}",
+        ]  # fmt: skip
+        env = {**os.environ, "VERL_EXT_CPU": "1", **(user_module_env(out) if estimator == "td_half" else {})}
+        run(command, env=env, cwd=out, timeout=600)
+
+    return shared_run(tmp_path_factory, ["fit_with_trace", estimator, overrides, rollout_n, steps], make)
+
+
+def fit_run(tmp_path_factory, name: str) -> Path:
+    """The output directory of the run ``RUNS[name]`` (made at most once per session)."""
+    estimator, overrides = RUNS[name]
+    return scenario(tmp_path_factory, estimator, overrides, rollout_n=4 if estimator == "grpo" else 1)
 
 
 def fit_group(run: str):
@@ -109,10 +125,8 @@ def fit_group(run: str):
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=fit_group(name)) for name in RUNS])
 def finished_run(request, tmp_path_factory):
-    estimator, overrides = RUNS[request.param]
-    rollout_n = 4 if estimator == "grpo" else 1
-    out = scenario(tmp_path_factory, estimator, overrides, rollout_n)
-    return estimator, out, read_batches(out)
+    out = fit_run(tmp_path_factory, request.param)
+    return RUNS[request.param][0], out, read_batches(out)
 
 
 def valid(mask) -> np.ndarray:
@@ -258,10 +272,27 @@ def test_check_passes(finished_run):
     update = {"update_rows", "ratio", "ratio_first", "pg_loss", "clip", "update_metrics"}
     assert {statuses[key] for key in update} == {"pass"}
     assert statuses["vf_loss"] == ("skipped" if estimator == "grpo" else "pass")
+    if estimator != "td_half":
+        return
+    # where its module does not import, the same run is never PASS: its estimator is not checked (exit 3)
+    env = {key: value for key, value in os.environ.items() if key != "VERL_USE_EXTERNAL_MODULES"}
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_ext.cli", "check", str(out / "trace"), "--json"],
+        capture_output=True, text=True, env=env, cwd=out,
+    )  # fmt: skip
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "incomplete" and report["passed"] is False
+    assert [entry["identities"] for entry in report["not_checked"]] == [["advantage_raw", "returns"]]
+    assert "No module named 'my_estimators'" in report["not_checked"][0]["reason"]
+    unchecked = {identity["identity"]: identity["status"] for identity in report["identities"]}
+    assert {key: unchecked[key] for key in unchecked if key not in ("advantage_raw", "returns")} == {
+        key: statuses[key] for key in statuses if key not in ("advantage_raw", "returns")
+    }
 
 
 def assert_live_metrics_equal_the_trace(out: Path, estimator: str) -> None:
-    """verl's metrics of every traced step hold the live metrics (docs/definitions.md §11), equal to
+    """verl's metrics of every traced step hold the live metrics (docs/definitions.md §9), equal to
     the post-hoc numbers of the trace: :func:`traced_step_metrics` (G recomputed in float64 from the
     recorded rewards), and the columns of ``summary`` and ``summary --critic`` that are the same
     quantities; to float32 rounding (the trainer computed from float32 tensors)."""
@@ -426,7 +457,8 @@ def test_update_reproduces_verls_logged_metrics(finished_run):
 
 @pytest.fixture(scope="module")
 def one_step_run(tmp_path_factory):
-    return scenario(tmp_path_factory, "mc", [], steps=1) / "trace"
+    """The mc run's trace: the planted errors go into its step 1, and only step 1 is checked."""
+    return fit_run(tmp_path_factory, "mc") / "trace"
 
 
 PLANTS = {  # column of an update table -> the identity that must catch a change of it
@@ -448,7 +480,7 @@ PLANTS = {  # column of an update table -> the identity that must catch a change
 }
 
 
-@fit_group("planted")  # one_step_run, once
+@fit_group("mc")  # on the worker that makes the mc run
 @pytest.mark.parametrize("plant", PLANTS, ids=lambda p: f"{p[0]}.{p[1]}")
 def test_a_planted_error_in_each_update_column_is_caught(one_step_run, tmp_path, plant):
     import shutil
@@ -481,6 +513,6 @@ def test_a_planted_error_in_each_update_column_is_caught(one_step_run, tmp_path,
         values[row] = values[row] * 1.01 + (0.01 if abs(values[row]) < 1e-3 else 0.0)
     table = table.set_column(table.schema.get_field_index(column), column, pa.array(values, table[column].type))
     pq.write_table(table, path)
-    report = check_trace(str(trace))
+    report = check_trace(str(trace), steps=[1])
     failed = {r.identity for r in report.identities if r.status == "fail"}
     assert PLANTS[plant] in failed, (failed, [str(r.first) for r in report.identities if r.first])

@@ -1,9 +1,14 @@
-"""verl's real trainer (the CPU backend) on a two-node Ray cluster on one machine: the head node has no
-CPU to offer, so verl's TaskRunner, which writes the trace, and its workers run on the other node.
+"""verl's real trainer (the CPU backend) on a two-node Ray cluster on one machine (the suite's cluster,
+tests/e2e/conftest.py): the head node has no CPU to offer, so verl's TaskRunner, which writes the
+trace, and its workers run on the other node.
 
 The plugin must load from its entry point in every process (recorded by tests/e2e/activation_probe.py
 once verl's core_algos is imported), the run must say at start which node writes the local trace
 directory, the run record must name that node, and the trace must be complete and pass the checker.
+
+Covers: verl_ext.integration's plugin activation (entry point, every process) and its trace_hook on a
+Ray node other than the driver's (run record, node), verl_ext.trace (writer, reader),
+verl_ext.inspect.check through verl_ext.cli, and the CPU backend (verl_ext.cpu) on Ray.
 """
 
 from __future__ import annotations
@@ -19,30 +24,16 @@ import pytest
 from tests.cpu.helpers import RAY_GROUP
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False},
-    )
-    worker = cluster.add_node(num_cpus=8, num_gpus=1)
-    cluster.wait_for_nodes()
-    yield cluster, worker
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def multinode_run(cluster, tmp_path_factory, assets):
+def multinode_run(ray_cluster, tmp_path_factory, assets):
+    # its own run: the legacy trainer on Ray, with a probe of the plugin's activation in every process
     from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
 
     from tests.cpu.helpers import main_ppo_with_verl_ext_config
 
-    ray_cluster, worker = cluster
     out = tmp_path_factory.mktemp("multinode")
     probes = out / "probes"
     probes.mkdir()
@@ -62,7 +53,7 @@ def multinode_run(cluster, tmp_path_factory, assets):
     }  # fmt: skip
     result = main_ppo_with_verl_ext_config(overrides, env, out)
     reports = [json.loads(path.read_text()) for path in probes.glob("*.json")]
-    return out, worker.node_id, ray_cluster.head_node.node_id, reports, result.stdout + result.stderr
+    return out, ray_cluster.worker_node, ray_cluster.head_node, reports, result.stdout + result.stderr
 
 
 def test_the_plugin_loads_from_its_entry_point_in_every_process(multinode_run):

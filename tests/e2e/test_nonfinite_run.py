@@ -1,7 +1,11 @@
 """verl_ext.nonfinite in verl's real RayPPOTrainer.fit() on CPU (in-process, trace off): a NaN the
 critic gives at step 2 (tests/e2e/nonfinite_probe.py) is named in one line; warn trains on, raise
 stops the run with that line before step 2's updates. One fresh interpreter per run. The warn run
-also shows the live metrics (verl_ext.metrics) in verl's metrics with the trace off."""
+also shows the live metrics (verl_ext.metrics) in verl's metrics with the trace off.
+
+Covers: verl_ext.nonfinite and verl_ext.integration.nonfinite_hook (warn and raise), verl_ext.options,
+verl_ext.integration.metrics_hook with verl_ext.step_metrics, and the CPU backend (verl_ext.cpu) with
+the arithmetic task's assets (verl_ext.tasks.arith)."""
 
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ pytestmark = [
 
 
 def run_with_nan(out: Path, mode: str) -> subprocess.CompletedProcess:
-    from verl_ext.tasks.arith.assets import build_assets, default_cache_dir
+    # its own run: a NaN planted in the critic's values (tests/e2e/nonfinite_probe.py) spoils it for any other test
+    from verl_ext.tasks.arith.assets import build_assets
+    from verl_ext.tasks.common import default_cache_dir
     from verl_ext.cpu.overrides import cpu_environment
 
     build_assets(default_cache_dir())
@@ -69,7 +75,7 @@ def test_warn_names_the_nan_value_and_training_goes_on(tmp_path):
 
 def assert_live_metrics_without_the_trace(out: Path) -> None:
     """The trace is off in this run: verl's metrics of step 1 (finite) still hold the live metrics,
-    equal to docs/definitions.md §11 summed directly on the batch the step used."""
+    equal to docs/definitions.md §9 summed directly on the batch the step used."""
     import tests.reference as ref
     from verl_ext.apps.learning import read_metrics
 
@@ -98,7 +104,7 @@ def test_raise_stops_the_run_with_that_line_before_the_update(tmp_path):
 # --------------------------------------------------------------------------- the V1 trainer, on Ray
 
 
-def run_v1_with_nan(out: Path, mode: str, steps: int) -> subprocess.CompletedProcess:
+def run_v1_with_nan(out: Path, mode: str, steps: int, ray_cluster) -> subprocess.CompletedProcess:
     """``python -m verl.trainer.main_ppo`` with verl-ext's config, trainer.use_v1=True, the probe in every
     process; the NaN at step 1."""
     from verl_ext.tasks.arith.assets import build_assets
@@ -112,10 +118,11 @@ def run_v1_with_nan(out: Path, mode: str, steps: int) -> subprocess.CompletedPro
         "VERL_EXT_TEST_NAN_STEP": "1",
     }
     overrides = merge_overrides(
-        cpu_overrides(build_assets(), out, steps=steps, estimator="mc", use_v1=True),
+        cpu_overrides(build_assets(), out, steps=steps, estimator="mc", use_v1=True, ray_address=ray_cluster.address),
         [
             f"verl_ext.nonfinite={mode}",
             "trainer.val_before_train=False",  # nothing here reads a validation
+            *ray_cluster.v1_overrides,
             *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in probe.items()),
         ],
     )
@@ -126,10 +133,10 @@ def run_v1_with_nan(out: Path, mode: str, steps: int) -> subprocess.CompletedPro
     return result
 
 
-@pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
-def test_v1_raise_stops_the_run_with_that_line_before_the_update(tmp_path):
+@pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
+def test_v1_raise_stops_the_run_with_that_line_before_the_update(tmp_path, ray_cluster):
     out = tmp_path / "v1"
-    result = run_v1_with_nan(out, "raise", steps=2)
+    result = run_v1_with_nan(out, "raise", steps=2, ray_cluster=ray_cluster)
     assert result.returncode != 0
     injected = json.loads((out / "injected.json").read_text())
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "NonFiniteError: verl-ext: step 1:" in line]

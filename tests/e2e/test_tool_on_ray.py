@@ -4,7 +4,13 @@ record of each sample's turns (and of the turns its tool rewards belong to) carr
 TransferQueue's ``extra_fields``, the calculator's reward on the calling turn's last token before the
 estimator runs. Every response is checked against the task's definition (tests/apps/test_tool_demo.py)
 and the trace passes the checker, which recomputes turn_gae from the recorded rewards and values.
-(In process, the legacy trainer: tests/apps/test_tool_demo.py.)"""
+(In process, the legacy trainer: tests/apps/test_tool_demo.py.)
+
+Covers: the V1 trainer's seam (verl_ext.integration: patches, agent_turns in the Ray agent-loop
+worker, turn_rewards_hook, trace_hook), verl_ext.turn_rewards and verl_ext.turns,
+verl_ext.estimators' turn_gae with verl_ext.kernels, verl_ext.trace (capture, agent record, writer,
+reader), verl_ext.inspect.check, the tool task (verl_ext.tasks.tool) and the CPU backend
+(verl_ext.cpu) on Ray."""
 
 from __future__ import annotations
 
@@ -17,21 +23,28 @@ import pytest
 
 from tests.cpu.helpers import RAY_GROUP
 
-pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
 
 
 @pytest.fixture(scope="module")
-def v1_tool_run(tmp_path_factory, assets_dir):
+def v1_tool_run(tmp_path_factory, assets_dir, tool_assets, ray_cluster):
+    # its own run: the only run of the tool task's agent loop in a Ray worker (V1 trainer)
     from tests.cpu.helpers import run
 
     out = tmp_path_factory.mktemp("v1_tool")
     env = {
         **os.environ, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
-        "TASK": "tool", "V1": "1", "ESTIMATOR": "turn_gae", "ROLLOUT_N": "4", "STEPS": "2",
+        "TASK": "tool", "V1": "1", "ESTIMATOR": "turn_gae", "ROLLOUT_N": "4", "STEPS": "2", "RAY_ADDRESS": ray_cluster.address,
     }  # fmt: skip
-    run(["bash", str(RECIPE), f"+verl_ext.trace.dir={out / 'trace'}", "+verl_ext.turn_rewards=true"], env, out, timeout=600)
+    overrides = [
+        f"+verl_ext.trace.dir={out / 'trace'}",
+        "+verl_ext.turn_rewards=true",
+        "trainer.val_before_train=False",  # nothing here reads a validation
+        *ray_cluster.v1_overrides,
+    ]
+    run(["bash", str(RECIPE), *overrides], env, out, timeout=600)
     return out
 
 

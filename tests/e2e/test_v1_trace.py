@@ -3,7 +3,12 @@ README's example of a user's estimator (loaded in every process through VERL_USE
 the README runs it), on a local Ray cluster: the recipe reports progress and trains, the plugin
 switches the critic on; the trace equals what the actor update read from TransferQueue (captured by
 tests/e2e/v1_capture.py), its update tables cover every trained token once per epoch and reproduce
-verl's logged metrics, the live metrics verl logged equal the trace's numbers, and it passes the checker. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)"""
+verl's logged metrics, the live metrics verl logged equal the trace's numbers, and it passes the checker. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)
+
+Covers: the V1 trainer's seam and hooks (verl_ext.integration: plugin, patches, validation,
+trace_hook, update_hook, metrics_hook), verl_ext.registry with a user's estimator, verl_ext.trace
+(capture, writer, reader), verl_ext.step_metrics, verl_ext.inspect.check through verl_ext.cli, the
+recipe's progress report (verl_ext.apps.progress) and the CPU backend (verl_ext.cpu) on Ray."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import torch
 
 from tests.cpu.helpers import RAY_GROUP
 
-pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # Ray clusters run one at a time (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
@@ -26,7 +31,8 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def v1_run(tmp_path_factory, assets_dir, assets):
+def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
+    # its own run: the V1 trainer on Ray through the recipe, with a capture of what the actor update read
     from tests.cpu.helpers import run
     from tests.e2e.test_fit_with_trace import UPDATE_OVERRIDES, user_module_env
 
@@ -42,10 +48,11 @@ def v1_run(tmp_path_factory, assets_dir, assets):
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
+        *ray_cluster.v1_overrides,
     ]
     env = {
         **os.environ, **user, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
-        "V1": "1", "ESTIMATOR": "td_half", "STEPS": str(STEPS),
+        "V1": "1", "ESTIMATOR": "td_half", "STEPS": str(STEPS), "RAY_ADDRESS": ray_cluster.address,
     }  # fmt: skip
     run(["bash", str(RECIPE), *overrides], env, out, timeout=600)  # its output: out/output.log
     return out

@@ -4,6 +4,9 @@ when the V1 trainer updates the actor, save what that update reads from Transfer
 This is the test's own copy of "the tensors the trainer actually used", taken at a different
 moment and by different code than verl-ext's trace (which reads them right after the advantages
 are computed). Files: $VERL_EXT_TEST_CAPTURE_DIR/step<N>.pt.
+
+Covers no module by itself: tests/e2e/test_v1_trace.py holds verl_ext.trace's capture of the V1
+trainer to it; it hooks verl through verl_ext.patching.
 """
 
 from __future__ import annotations

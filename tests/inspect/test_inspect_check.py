@@ -3,6 +3,7 @@ functions, and catches a single token changed by 1e-2 relative in each identity,
 step of the run record missing on disk fails it."""
 
 import shutil
+import sys
 from dataclasses import replace
 
 import pyarrow as pa
@@ -359,6 +360,39 @@ def test_grpo_identities_that_need_a_critic_are_not_applicable(tmp_path):
     for identity in ("rewards", "mask_layout", "finite"):
         assert report[identity].status == "pass"
     assert report.passed
+
+
+def test_a_users_estimator_that_does_not_import_here_is_not_checked_never_passed(tmp_path, monkeypatch):
+    """The README's td_half, its module absent: the identities that recompute it apply to the run but
+    are not evaluated ("unchecked", not "skipped"), so the verdict is incomplete, never pass; whitening
+    is still checked (the run record says the run whitened), per-turn rewards stay not applicable."""
+    from tests.integration.test_user_estimator import td_half_trace
+
+    monkeypatch.chdir(tmp_path)  # no my_estimators.py here
+    monkeypatch.setattr(sys, "path", [*sys.path])  # the checker puts the current directory on it, as a run does
+    report = check_trace(td_half_trace(tmp_path / "trace"))
+    expected = {key: "pass" for key in IDENTITIES} | {"advantage_raw": "unchecked", "returns": "unchecked", "turn_rewards": "skipped"}
+    assert statuses(report) == expected
+    assert report.verdict == "incomplete" and report.passed is False
+    assert report["advantage_raw"].title == "raw advantage recomputed: td_half"
+    assert report.algorithm.describe() == "td_half, whitened, KL in reward (low_var_kl)"
+    [(reason, identities)] = report.not_checked.items()
+    assert identities == ("advantage_raw", "returns")
+    assert reason.startswith("estimator 'td_half' is not importable here: No module named 'my_estimators'; put ")
+    as_dict = report.to_dict()
+    assert as_dict["verdict"] == "incomplete" and as_dict["passed"] is False
+    assert as_dict["not_checked"] == [{"reason": reason, "identities": ["advantage_raw", "returns"]}]
+
+    def nudge_the_first_advantage(table):
+        advantage = table.column("advantage").to_pylist()
+        row = table.column("mask").to_pylist().index(True)
+        advantage[row] *= 1.01
+        return table.set_column(table.schema.get_field_index("advantage"), "advantage", pa.array(advantage, pa.float32()))
+
+    nudged = td_half_trace(tmp_path / "nudged")  # a violation fails the check, whatever was not checked
+    rewrite_step(nudged, 2, table=nudge_the_first_advantage)
+    report = check_trace(nudged)
+    assert report.verdict == "fail" and report["whitening"].status == "fail"
 
 
 def test_report_as_data(tmp_path):

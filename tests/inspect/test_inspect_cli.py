@@ -84,6 +84,25 @@ def test_check_exit_codes_and_report(tmp_path, run_cli):
     assert code == 2 and err == f"verl-ext check: {tmp_path / 'bad'} has no step 9 (steps on disk: 1, 2, 3)\n"
 
 
+def test_check_of_a_run_whose_estimator_does_not_import_exits_3_unless_allowed(tmp_path, run_cli, monkeypatch):
+    """Exit codes: 0 pass, 1 fail, 2 bad input, 3 incomplete; --allow-unchecked makes the incomplete
+    check exit 0 and changes nothing in what it reports (the JSON's verdict, what was not checked)."""
+    from tests.integration.test_user_estimator import td_half_trace
+
+    monkeypatch.chdir(tmp_path)  # no my_estimators.py here, nor on sys.path
+    monkeypatch.setattr(sys, "path", [*sys.path])
+    path = td_half_trace(tmp_path / "trace")
+    reports = []
+    for flags, exit_code in (((), 3), (("--allow-unchecked",), 0)):
+        code, out, err = run_cli("check", path, "--quiet", "--json", *flags)
+        assert (code, err) == (exit_code, "")
+        reports.append(json.loads(out))
+    assert reports[0] == reports[1]
+    assert reports[0]["verdict"] == "incomplete" and reports[0]["passed"] is False
+    assert [entry["identities"] for entry in reports[0]["not_checked"]] == [["advantage_raw", "returns"]]
+    assert "my_estimators" in reports[0]["not_checked"][0]["reason"]
+
+
 def test_progress_lines_on_long_scans(tmp_path):
     stream = io.StringIO()
     check_trace(good_trace(tmp_path / "t"), progress=ProgressPrinter("check", stream, interval=0.0))

@@ -1,4 +1,5 @@
-"""verl_ext.nonfinite through verl's own compute_advantage, in-process, trace off (and once on).
+"""verl_ext.nonfinite through verl's own compute_advantage, in-process, trace off (with the trace on,
+the step kept when it raises: tests/integration/test_trace_hook.py).
 
 Each test runs the plugin's real ``fit()`` wrapper of the legacy or the V1 trainer around a stand-in
 for verl's ``fit`` that makes the call verl's trainer makes at that point of a step
@@ -203,18 +204,6 @@ def test_outside_fit_the_default_is_warn_and_the_step_comes_from_meta_info(compo
     config = compose("algorithm.adv_estimator=td0")
     ray_trainer.compute_advantage(data, adv_estimator="td0", config=config.algorithm)
     assert re.match(r"verl-ext: step 3: advantages not finite .*first non-finite upstream: values, nan at sample 0 \(uid u0\), token 0", capfd.readouterr().err.splitlines()[-1])
-
-
-def test_raise_keeps_the_traced_step(compose, tmp_path):
-    """With the trace on, the legacy trainer's step is captured before the raise and on disk after it."""
-    from verl_ext.trace.reader import open_trace
-
-    tensors = make_step()
-    tensors["values"][2, 1] = float("nan")
-    with pytest.raises(NonFiniteError, match=r"^verl-ext: step 7: advantages not finite"):
-        run_step(compose, "legacy", tensors, "mc", "verl_ext.nonfinite=raise", f"verl_ext.trace.dir={tmp_path / 'trace'}")
-    table = open_trace(str(tmp_path / "trace")).read_step(STEP).to_pandas()
-    assert np.isnan(table.query("sample == 2 and token_index == 1")["value"]).all()
 
 
 def test_bad_mode_stops_before_training(compose):

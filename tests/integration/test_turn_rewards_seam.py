@@ -1,7 +1,8 @@
-"""Per-turn rewards (verl_ext.turn_rewards, docs/definitions.md §10): the pure placement, and the seam
-at verl's own compute_advantage, in-process, with the legacy trainer's fit() stand-in of
-test_nonfinite_seam.py. Every expected reward is placed by hand below; the estimators' outputs are
-held to tests/reference.py's direct sums and to verl's own grpo on those rewards."""
+"""Per-turn rewards (verl_ext.turn_rewards, docs/definitions.md §7): the seam at verl's own
+compute_advantage, in-process, with the legacy trainer's fit() stand-in of test_nonfinite_seam.py
+(the pure placement: tests/test_turn_rewards.py). Every expected reward is placed by hand below;
+the estimators' outputs are held to tests/reference.py's direct sums and to verl's own grpo on those
+rewards."""
 
 from __future__ import annotations
 
@@ -15,22 +16,6 @@ import tests.reference as ref
 from tests.integration.test_nonfinite_seam import ROWS, STEP, data_proto, legacy_step, make_step
 from verl_ext.integration import patches
 from verl_ext.integration.agent_turns import TURNS_KEY
-from verl_ext.turn_rewards import place_turn_rewards, turn_ends
-
-
-def test_turn_ends_and_placement_by_hand():
-    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
-    assert turn_ends(mask).int().tolist() == [[0, 1, 0, 0, 0, 1, 0], [0, 0, 1, 0, 0, 0, 0], [0] * 7]
-    rewards = [[(0, 0.1), (1, 0.5), (0, 0.2)], [(0, 1.0), (1, 2.0), (-1, 4.0)], [(0, 3.0)]]
-    placed, unplaced = place_turn_rewards(mask, rewards)
-    expected = torch.zeros(3, 7)
-    expected[0, 1], expected[0, 5], expected[1, 2] = 0.1 + 0.2, 0.5, 1.0
-    torch.testing.assert_close(placed, expected)
-    assert unplaced == 3  # row 1's turns 1 and -1, row 2 has no turn
-    assert place_turn_rewards(mask, [[], [], []])[0].abs().sum() == 0
-    with pytest.raises(ValueError, match="one list of turn rewards per row"):
-        place_turn_rewards(mask, [[]])
-
 
 #: make_step's rows: turn 0 is tokens 0-2, a hole at 3-4, turn 1 from 5 to the row's end.
 LENGTHS = (12, 8, 6, 10, 7, 12)
@@ -50,7 +35,7 @@ def expected_added() -> torch.Tensor:
 
 
 def run_legacy_step(compose, estimator, *overrides):
-    from verl_ext.integration import metrics_hook
+    from verl_ext.integration import step
 
     config = compose(f"algorithm.adv_estimator={estimator}", "algorithm.gamma=1.0", "algorithm.lam=1.0", *overrides)
     batch = data_proto(make_step())
@@ -61,7 +46,7 @@ def run_legacy_step(compose, estimator, *overrides):
     }
     trainer = SimpleNamespace(config=config, global_steps=STEP, batch=batch)
     result = {}
-    patches.wrap_legacy_fit(lambda self: result.update(batch=legacy_step(self), metrics=metrics_hook.take()))(trainer)
+    patches.wrap_legacy_fit(lambda self: result.update(batch=legacy_step(self), metrics=step.take_metrics()))(trainer)
     return result["batch"], result["metrics"]
 
 

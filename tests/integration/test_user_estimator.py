@@ -5,7 +5,10 @@ through verl's trainer, with the trace and the checker, is in tests/e2e/test_fit
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,26 @@ def readme_example() -> str:
     block = re.search(r"<!-- example: register_estimator -->\n```python\n(.*?)```\n<!-- /example -->", text, re.S)
     assert block, "README lost its register_estimator example"
     return block.group(1)
+
+
+def td_half_trace(directory: Path, gamma: float = 0.9) -> str:
+    """Two steps of a run of the README's td_half (whitened, KL in the reward), its numbers from the
+    direct sums of GAE(γ, λ = 0.5): its run record names td_half and its module ``my_estimators``, as a
+    real run's does (tests/e2e/test_fit_with_trace.py: the same checks on the run itself)."""
+    from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
+
+    algo = algorithm("td_half", gamma=gamma, kl="low_var_kl", whiten_advantages=True, estimator_module="my_estimators")
+    batches = {step: by_definition(random_batch(step, kl_coef=0.05), "gae_ext", gamma, lam=0.5) for step in (1, 2)}
+    return write_trace(directory, algo, batches)
+
+
+def verl_ext_command(argv: list[str], cwd: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """``verl-ext ARGV`` through its console script, as a user types it in ``cwd``: unlike ``python -c``
+    or ``python -m``, a console script does not put the current directory on sys.path."""
+    script = Path(sys.executable).with_name("verl-ext")
+    assert script.is_file(), f"{script}: the console script of the installed package"
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VERL_USE_EXTERNAL_MODULES")}
+    return subprocess.run([str(script), *argv], cwd=cwd, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -133,4 +156,61 @@ def test_a_module_that_cannot_be_imported_is_one_line_and_exit_2(gae_ext_trace, 
     argv = {"compare": ["--step", "2"], "check": [], "view": ["--out", "/dev/null"]}[command]
     result = run_python(f"from verl_ext import cli; raise SystemExit(cli.main({[command, str(path), *argv]!r}))", {"VERL_USE_EXTERNAL_MODULES": "no_such_module"})
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == f"verl-ext {command}: cannot import no_such_module (VERL_USE_EXTERNAL_MODULES): No module named 'no_such_module'\n"
+    assert result.stderr == (
+        f"verl-ext {command}: cannot import no_such_module (VERL_USE_EXTERNAL_MODULES): No module named 'no_such_module'; "
+        "put the directory that holds no_such_module.py (or the package no_such_module/) on PYTHONPATH, or run from it\n"
+    )
+
+
+# ---------------------------------------------------------------- a run of td_half, checked where its module is and is not
+
+
+@pytest.fixture(scope="module")
+def readme_run(tmp_path_factory) -> str:
+    return td_half_trace(tmp_path_factory.mktemp("td_half") / "trace")
+
+
+def test_check_of_a_td_half_run_recomputes_it_where_its_module_imports(example_module, readme_run, tmp_path):
+    """With the module on PYTHONPATH (not named in VERL_USE_EXTERNAL_MODULES: the run record names it),
+    the estimator is recomputed and every identity that applies holds: PASS, exit 0."""
+    result = verl_ext_command(["check", readme_run, "-q", "--json"], tmp_path, {"PYTHONPATH": str(example_module)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "pass" and report["passed"] is True and report["not_checked"] == []
+    statuses = {identity["identity"]: identity["status"] for identity in report["identities"]}
+    assert statuses["advantage_raw"] == statuses["returns"] == statuses["whitening"] == "pass"
+
+
+def test_check_of_a_td_half_run_is_incomplete_where_its_module_does_not_import(readme_run, tmp_path):
+    """Without the module: never PASS. The estimator's identities are not checked (not "not
+    applicable"); the rest, whitening included (the record says the run whitened), still are."""
+    result = verl_ext_command(["check", readme_run, "-q"], tmp_path)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    fix = (
+        "estimator 'td_half' is not importable here: No module named 'my_estimators'; put the directory that "
+        "holds my_estimators.py (or the package my_estimators/) on PYTHONPATH, or run from it"
+    )
+    assert result.stdout.splitlines()[-1] == f"INCOMPLETE (8 passed, 0 failed, 2 not checked, 1 skipped): {fix}"
+    assert "PASS" not in result.stdout
+    assert "estimator: td_half, whitened, KL in reward (low_var_kl)" in result.stdout
+
+    accepted = verl_ext_command(["check", readme_run, "-q", "--allow-unchecked"], tmp_path)
+    assert accepted.returncode == 0, accepted.stdout[-3000:] + accepted.stderr[-3000:]
+    last = accepted.stdout.splitlines()[-1]
+    assert last == f"INCOMPLETE, accepted by --allow-unchecked (8 passed, 0 failed, 2 not checked, 1 skipped): {fix}"
+
+
+@pytest.mark.parametrize("command", ["compare", "check", "view"])
+def test_a_module_in_the_current_directory_is_found_by_every_command(readme_run, tmp_path, command):
+    """Run where my_estimators.py is, as `python -m verl.trainer.main_ppo` finds it there: the module of
+    VERL_USE_EXTERNAL_MODULES (compare shows td_half, the view is written), and the module the run
+    record names (check recomputes td_half without the variable)."""
+    (tmp_path / "my_estimators.py").write_text(readme_example())
+    argv = {"compare": ["--step", "2", "--format", "csv"], "check": ["-q", "--json"], "view": ["--out", str(tmp_path / "page.html"), "-q"]}
+    env = {} if command == "check" else {"VERL_USE_EXTERNAL_MODULES": "my_estimators"}
+    result = verl_ext_command([command, readme_run, *argv[command]], tmp_path, env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if command == "compare":
+        assert "td_half" in result.stdout.splitlines()[0].split(",")
+    if command == "check":
+        assert json.loads(result.stdout)["verdict"] == "pass"

@@ -44,7 +44,7 @@ def expected_value(prompt: list[int], response: list[int], t: int) -> float:
 
 
 def test_values_are_the_head_output_one_position_before_each_response_token():
-    from verl_ext.tasks.arith.warm_start import left_padded
+    from verl_ext.tasks.common import left_padded
 
     critic = StubCritic(lambda ids, positions: 100 * ids + positions)
     input_ids, attention_mask, response_mask = left_padded(ROWS, PAD)

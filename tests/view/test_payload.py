@@ -65,6 +65,9 @@ def test_the_page_schema_comes_from_the_records(monkeypatch):
 
     sent = payload.page_schema()
     assert sent["clip_codes"] == list(CLIP_CODES) and sent["float_columns"] == list(FLOAT_COLUMN_NAMES)
+    # the script names no clip code and no index of its own: a colour for each code, the unclipped one, NO_CODE
+    assert list(sent["clip_colours"]) == list(CLIP_CODES) and sent["clip_none"] == schema.CLIP_NONE
+    assert sent["no_code"] == payload.NO_CODE and payload.NO_CODE >= len(schema.ROLE_CODES)
     # per PPO epoch: the terms of the update and the mini-batch; not the join keys nor the token table's columns
     assert sent["update_columns"] == [
         {"name": "minibatch", "kind": "int"}, {"name": "log_prob", "kind": "float"}, {"name": "ratio", "kind": "float"},

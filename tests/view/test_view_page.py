@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -392,6 +393,23 @@ def test_a_trace_that_passes_says_so(tmp_path, clean_trace, page):
     show(page, str(out), 3, 0)
     assert page.evaluate("document.getElementById('check').className").split() == ["panel", "pass"]
     assert "every identity" in page.evaluate("document.getElementById('check').textContent")
+
+
+def test_a_check_that_could_not_evaluate_the_runs_estimator_says_so_never_holds(tmp_path, page, monkeypatch):
+    """The README's td_half, its module absent where the page is made: the panel says which identities
+    were not checked and why (verl-ext check: INCOMPLETE), not that every identity holds."""
+    from tests.integration.test_user_estimator import td_half_trace
+    from verl_ext.view import write_page
+
+    monkeypatch.chdir(tmp_path)  # no my_estimators.py here, nor on sys.path
+    monkeypatch.setattr(sys, "path", [*sys.path])
+    out = write_page(td_half_trace(tmp_path / "trace"), tmp_path / "page.html")
+    show(page, str(out), 2, 0)
+    assert page.evaluate("document.getElementById('check').className").split() == ["panel", "incomplete"]
+    text = page.evaluate("document.getElementById('check').textContent")
+    assert "every identity" not in text and "2 identities not checked" in text
+    assert "No module named 'my_estimators'" in text
+    assert page.evaluate("[...document.querySelectorAll('#not-checked li')].map(li => li.dataset.identities)") == ["advantage_raw,returns"]
 
 
 # ------------------------------------------------------------------ which steps go into a file

@@ -19,6 +19,7 @@ reward sits on the last token. A response whose token after "，" ends the seque
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from verl_ext.inspect.comparison import DEFAULT_N, step_estimates
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
 from verl_ext.inspect.stepdata import LAYOUT_COLUMNS, RecordedAlgorithm, StepData
+from verl_ext.tasks import DEFAULT_TASK, get_task
 
 #: λ of the GAE the demo sets between td0 (λ = 0) and mc (λ = 1).
 SIDE_BY_SIDE_LAMBDA = 0.95
@@ -62,17 +64,18 @@ class StepCredit:
         )
 
 
-def step_credit(trace, step: int, labels: tuple[str, ...] = (), task: str = "arith") -> StepCredit:
+def step_credit(trace, step: int, labels: tuple[str, ...] = (), task: str = DEFAULT_TASK) -> StepCredit:
     """The step's credit at the verdict (module docstring), the step read once; ``labels``: the
-    compare columns whose verdict share to re-estimate (e.g. :func:`side_by_side`); ``task``: whose
-    tokenizer names the verdict's tokens (and, for ``tool``, the call)."""
+    compare columns whose verdict share to re-estimate (e.g. :func:`side_by_side`); ``task``: the
+    name of the task whose decision tokens these are (:class:`verl_ext.tasks.Task`: the verdict, and
+    the tool call where it has one)."""
     table = trace.read_step(step, [*LAYOUT_COLUMNS, "token_id", "score", "advantage", "reward", "value"])
     data = StepData.from_table(step, table, ("score", "advantage", "reward", "value"))
     algorithm = RecordedAlgorithm.from_record(trace.record)
     layout = data.layout
     token_index = layout.token_index[layout.valid_rows]
     token_ids = table.column("token_id").to_numpy()[layout.valid_rows]
-    tokens = _task_tokens(task)
+    tokens = _decision_token_ids(task)
     verdict_of_token, verdicts = _verdicts(token_ids, token_index, layout, tokens["mark"], tokens["eos"])
     at_verdict = token_index == verdict_of_token
 
@@ -114,21 +117,25 @@ def _share(magnitude: np.ndarray, at_verdict: np.ndarray) -> float:
     return float(magnitude[at_verdict].sum() / total) if total > 0 else float("nan")
 
 
-@functools.lru_cache(maxsize=None)  # the tool task's tokenizer is built once, not at every step read
-def _task_tokens(task: str) -> dict[str, int]:
-    """The ids of the verdict mark and EOS in ``task``'s tokenizer, and of the tool call's first token."""
-    from verl_ext.tasks.arith.assets import EOS
-    from verl_ext.tasks.arith.task import VERDICT_MARK
+def _decision_token_ids(task_name: str) -> dict[str, int]:
+    """The ids of the task's verdict mark and EOS in its tokenizer, and of its tool call's first token
+    when it has one."""
+    # `verl-ext study` reads its runs from threads, and transformers' lazy import is not thread-safe
+    # ("cannot import name 'PreTrainedTokenizerFast'" when two threads build a tokenizer at once)
+    with _TOKENIZER_LOCK:
+        return _built_decision_token_ids(task_name)
 
-    if task == "tool":
-        from verl_ext.tasks.tool.assets import build_tool_tokenizer
-        from verl_ext.tasks.tool.task import CALL_START
 
-        tokenizer = build_tool_tokenizer()
-        return {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("mark", VERDICT_MARK), ("eos", EOS), ("call", CALL_START))}
-    from verl_ext.tasks.arith.assets import special_token_id, token_id
+_TOKENIZER_LOCK = threading.Lock()
 
-    return {"mark": token_id(VERDICT_MARK), "eos": special_token_id(EOS)}
+
+@functools.lru_cache(maxsize=None)  # a task's tokenizer is built once, not at every step read
+def _built_decision_token_ids(task_name: str) -> dict[str, int]:
+    task = get_task(task_name)
+    tokenizer = task.tokenizer()
+    marks = {"mark": task.verdict_mark, "call": task.call_token}
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in marks.items() if token is not None}
+    return {"eos": tokenizer.eos_token_id, **ids}
 
 
 def _verdicts(token_ids: np.ndarray, token_index: np.ndarray, layout, mark: int, eos: int) -> tuple[np.ndarray, dict[int, int]]:

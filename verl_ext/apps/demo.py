@@ -26,7 +26,6 @@ Exit code: the trainer's when it fails, else ``verl-ext check``'s (0 when every 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -34,29 +33,26 @@ from pathlib import Path
 from typing import Callable
 
 
-#: The tool demo's steps: 25 take it from 0.333 to 0.575 held-out accuracy (README).
-TOOL_DEMO_STEPS = 25
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """The five parts (module docstring). ``args``: the CLI's (``verl-ext demo --help``); ``steps``
-    and ``estimator`` None take the task's defaults (arith: 40 steps of mc; tool: 25 of grpo)."""
-    from verl_ext.apps.learning import STEPS
+    and ``estimator`` None take the task's (its record in :data:`verl_ext.tasks.TASKS`)."""
     from verl_ext.inspect.check import check_trace
     from verl_ext.inspect.render import format_report
+    from verl_ext.tasks import get_task
     from verl_ext.trace.reader import open_trace
     from verl_ext.view import write_page
 
+    task = get_task(args.task)
     if args.steps is None:
-        args.steps = TOOL_DEMO_STEPS if args.task == "tool" else STEPS
+        args.steps = task.steps
     if args.estimator is None:
-        args.estimator = "grpo" if args.task == "tool" else "mc"
+        args.estimator = task.estimator
     started = time.monotonic()
     output = args.output_dir.resolve()
     trace_dir = output / "trace"
 
-    _say("1/5 the task, the warm-started policy" + (" and its pretrained critic" if args.task == "arith" else ""))
-    status = _train(args, output, before=_describe_tool_task if args.task == "tool" else _describe_task)
+    _say("1/5 the task, the warm-started policy" + (" and its pretrained critic" if task.pretrained_critic else ""))
+    status = _train(args, output, before=task.describe)
     if status != 0:
         print(f"\n[demo] the trainer failed (exit {status}); its full output is in {output / 'train.log'}")
         return status
@@ -72,7 +68,7 @@ def run_demo(args: argparse.Namespace) -> int:
     verdicts = credits[last_step].verdicts
     if args.sample is not None:
         sample = args.sample
-    elif args.task == "tool":
+    elif task.call_token is not None:
         sample = _sample_with_a_call(trace, last_step)
     else:
         sample = _interesting_sample(trace, last_step, verdicts)
@@ -129,26 +125,6 @@ def _plot(trace, directory: Path, sample: int) -> None:
     print("\n".join(map(str, paths)), flush=True)
 
 
-def _describe_tool_task() -> None:
-    from verl_ext.tasks.arith.task import Problem
-    from verl_ext.tasks.tool.assets import AssetSpec, build_assets
-    from verl_ext.tasks.tool.task import call_text
-
-    assets = build_assets()
-    report = json.loads(assets.warm_start_report.read_text())
-    problem = Problem(37, 48, 86)
-    print(f"  task: {problem.question()} -> {problem.answer()}, sums of {AssetSpec.digits}-digit numbers, with a calculator to call:")
-    print(f"    {call_text(problem)}</s> <|tool|><tool_response>{problem.a + problem.b}</tool_response><|assistant|> {problem.answer()}</s>")
-    print("    (the tool's message and the next <|assistant|> are verl's tool agent loop's: mask 0, not trained)")
-    print("  reward on the last token, of the answer after the tool's: 1.0 fully right; else 0.2 right sum + 0.2 right verdict")
-    settings, held_out = report["settings"], report["held_out"]
-    print(
-        f"  warm start ({settings['steps']} supervised steps; tool prior {settings['tool_prior']}, verdict prior "
-        f"{settings['verdict_prior']}): held out, it calls the tool with probability {held_out['call_probability']:.2f};"
-        f" greedy sum right {held_out['tool_sum']:.2f} through the tool, {held_out['head_sum']:.2f} from its head"
-    )
-
-
 def _sample_with_a_call(trace, step: int) -> int:
     """A response of ``step`` that called the tool (two assistant turns) with a score below 1, else
     any that called, else 0."""
@@ -159,32 +135,9 @@ def _sample_with_a_call(trace, step: int) -> int:
     return (wrong or called or [0])[0]
 
 
-def _describe_task() -> None:
-    from verl_ext.tasks.arith.assets import build_assets
-    from verl_ext.tasks.arith.task import Problem
-
-    assets = build_assets()
-    report = json.loads(assets.warm_start_report.read_text())
-    right, wrong = Problem(2, 3, 5), Problem(2, 3, 6)
-    print(f"  task: {right.question()} -> {right.answer()}    {wrong.question()} -> {wrong.answer()}")
-    print("  reward on the last token: 1.0 fully right; else 0.2 for the right sum + 0.2 for the right verdict")
-    greedy, sampled = report["held_out_greedy"], report["held_out_sampled"]
-    print(
-        f"  warm start ({report['settings']['steps']} supervised steps, verdict prior "
-        f"{report['settings']['verdict_prior']}): held-out sum right {greedy['sum']:.2f} (greedy); "
-        f"verdict right {sampled['verdict']:.2f} sampled, {greedy['verdict']:.2f} greedy"
-    )
-    critic = json.loads(assets.value_pretraining_report.read_text())
-    fit = critic["held_out_fit"]
-    print(
-        f"  critic pretrained on the warm start's own answers ({critic['wrong_verdicts']:.0%} wrong verdicts, "
-        f"{critic['updates']} updates): held-out explained variance {fit['ev_after_verdict']:.2f} after the verdict, "
-        f"{fit['ev_before_verdict']:.2f} before it"
-    )
-
-
 def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -> int:
-    """Start the trainer, run ``before`` (which builds the assets), then follow the training.
+    """Start the trainer, run ``before`` (the task's description, which builds the assets), then
+    follow the training.
 
     The trainer spends its first seconds importing verl; on a first run that overlaps the asset
     build here, and its own ``build_assets()`` then waits for this one (the build holds a lock)."""

@@ -31,7 +31,9 @@ import random
 import sys
 from pathlib import Path
 
-STEPS = 40
+from verl_ext.tasks import DEFAULT_TASK, TASKS, get_task
+
+STEPS = get_task(DEFAULT_TASK).steps
 #: Validation every TEST_FREQ steps (and before training).
 TEST_FREQ = 10
 PROMPTS_PER_STEP = 32
@@ -69,25 +71,25 @@ def learning_overrides(
     test_freq: int,
     pretrained_critic: bool = True,
     extra: list[str] = (),
-    task: str = "arith",
+    task: str = DEFAULT_TASK,
 ) -> list[str]:
     """The hydra overrides of one learning run (CPU settings from :func:`cpu_overrides` included),
     ``extra`` last (they win).
 
-    ``task``: whose assets (:data:`verl_ext.tasks.TASK_ASSETS`). ``pretrained_critic``: start verl's
-    critic from the value-pretrained one of the assets when they have one (else from the warm start
-    with a fresh value head, the control of the study). The mini- and
-    micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
+    ``task``: the name of the task whose assets to train on (:data:`verl_ext.tasks.TASKS`).
+    ``pretrained_critic``: start verl's critic from the value-pretrained one of the assets when the
+    task has one (else from the warm start with a fresh value head, the control of the study). The
+    mini- and micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
     (``data.train_batch_size`` and ``actor_rollout_ref.rollout.n`` in ``extra``), so that changing
     those alone gives a valid run."""
     from verl_ext.cpu.overrides import cpu_overrides, merge_overrides, override_key
-    from verl_ext.tasks import build_task_assets
 
     given = {override_key(o): o.split("=", 1)[1] for o in extra if "=" in o}
     prompts = _positive_int(given, "data.train_batch_size", PROMPTS_PER_STEP)
     samples = _positive_int(given, "actor_rollout_ref.rollout.n", SAMPLES_PER_PROMPT)
     mini_batch = prompts // 2 if prompts % 2 == 0 else prompts  # two updates per step when it divides
-    assets = build_task_assets(task)
+    trained_on = get_task(task)
+    assets = trained_on.build_assets()
     base = cpu_overrides(
         assets,
         output_dir,
@@ -116,7 +118,7 @@ def learning_overrides(
         "trainer.val_before_train=True",
         f"trainer.test_freq={test_freq}",
     ]
-    if pretrained_critic and hasattr(assets, "critic_dir"):  # else the warm start with a fresh value head, at cpu_overrides' lr 1e-3
+    if pretrained_critic and trained_on.pretrained_critic:  # else the warm start with a fresh value head, at cpu_overrides' lr 1e-3
         settings += [f"critic.model.path={assets.critic_dir}", f"critic.optim.lr={CRITIC_LR}"]
     return merge_overrides(base, settings, recipe(estimator), list(extra))
 
@@ -132,7 +134,7 @@ def _positive_int(given: dict[str, str], key: str, default: int) -> int:
 
 def run(
     output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int, trace: bool, extra: list[str],
-    pretrained_critic: bool = True, task: str = "arith",
+    pretrained_critic: bool = True, task: str = DEFAULT_TASK,
 ) -> None:
     """Train in this process (the CPU backend is activated here)."""
     import numpy as np
@@ -171,13 +173,9 @@ def read_metrics(output_dir: Path) -> dict[int, dict]:
     return {record["step"]: record["data"] for record in map(json.loads, lines)}
 
 
-def validation_setting(task: str = "arith") -> str:
+def validation_setting(task: str = DEFAULT_TASK) -> str:
     """How verl's validation samples, in words (for reports)."""
-    import importlib
-
-    from verl_ext.tasks import TASK_ASSETS
-
-    problems = importlib.import_module(TASK_ASSETS[task]).AssetSpec.val_problems
+    problems = get_task(task).asset_spec().val_problems
     return f"{problems} prompts × {VAL_SAMPLES} samples at temperature 1"
 
 
@@ -192,14 +190,12 @@ def validation_accuracy(metrics: dict[int, dict]) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_ext.tasks import TASK_ASSETS
-
     argv = sys.argv[1:] if argv is None else argv
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--estimator", default="mc")
-    parser.add_argument("--task", choices=tuple(TASK_ASSETS), default="arith", help="whose assets (default arith)")
+    parser.add_argument("--task", choices=tuple(TASKS), default=DEFAULT_TASK, help=f"whose assets (default {DEFAULT_TASK})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--test-freq", type=int, default=TEST_FREQ, help="validate every N steps (and before training)")

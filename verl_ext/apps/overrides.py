@@ -10,19 +10,22 @@ from __future__ import annotations
 import argparse
 
 from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
-from verl_ext.tasks import TASK_ASSETS, build_task_assets
+from verl_ext.tasks import DEFAULT_TASK, TASKS, get_task
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print the overrides of a verl CPU run, one per line.")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--assets-dir", default=None, help="asset cache (default: $VERL_EXT_CPU_ASSETS or ~/.cache)")
-    parser.add_argument("--task", choices=tuple(TASK_ASSETS), default="arith", help="whose model, prompts and reward (default arith)")
+    parser.add_argument(
+        "--task", choices=tuple(TASKS), default=DEFAULT_TASK, help=f"whose model, prompts and reward (default {DEFAULT_TASK})"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--estimator", default="gae")
     parser.add_argument("--train-batch-size", type=int, default=8)
     parser.add_argument("--rollout-n", type=int, default=1)
     parser.add_argument("--v1", action="store_true", help="verl's V1 trainer (the default trainer of verl 0.9)")
+    parser.add_argument("--ray-address", default=None, help="join this running Ray cluster instead of starting one")
     parser.add_argument("--env", action="store_true", help="print the environment as NAME=value lines instead")
     parser.add_argument("extra", nargs="*", help="more overrides; they win over the generated ones")
     args = parser.parse_args(argv)
@@ -30,13 +33,14 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(f"{name}={value}" for name, value in cpu_environment(args.output_dir).items()))
         return
     overrides = cpu_overrides(
-        build_task_assets(args.task, args.assets_dir),
+        get_task(args.task).build_assets(args.assets_dir),
         args.output_dir,
         steps=args.steps,
         estimator=args.estimator,
         train_batch_size=args.train_batch_size,
         rollout_n=args.rollout_n,
         use_v1=args.v1,
+        ray_address=args.ray_address,
     )
     print("\n".join(merge_overrides(overrides, args.extra)))
 

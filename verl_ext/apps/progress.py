@@ -35,7 +35,7 @@ _SHOWN = {  # metric -> label, in display order
     "critic/values/mean": "value",
     "critic/vf_loss": "vf_loss",
     "actor/pg_loss": "pg_loss",
-    # verl-ext's live metrics (docs/definitions.md §11): is the critic right at the outcome, and how
+    # verl-ext's live metrics (docs/definitions.md §9): is the critic right at the outcome, and how
     # much of a response's credit sits on its single largest token
     "verl_ext/critic/ev_mc_last": "ev_mc_last",
     "verl_ext/credit/top_token_share": "top_token_share",

@@ -167,11 +167,12 @@ def _run_name(estimator: str, critic: str, seed: int) -> str:
 def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, run_dir: Path) -> RunResult:
     done_file = run_dir / "run.json"
     # what decides a run's outcome (the threshold only reads it)
-    from verl_ext.tasks.arith.assets import build_assets
+    from verl_ext.tasks import DEFAULT_TASK, get_task
 
     wanted = {
         "estimator": estimator, "critic": critic, "seed": seed, "steps": settings.steps, "test_freq": settings.test_freq,
-        "assets": build_assets().root.name,  # the hash of what the warm start and the critic were built from
+        # the hash of what the warm start and the critic were built from (the runs learn the default task)
+        "assets": get_task(DEFAULT_TASK).build_assets().root.name,
     }  # fmt: skip
     if done_file.exists():
         recorded = json.loads(done_file.read_text())

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 
 from verl_ext.options import CPU_SWITCH as ENV_SWITCH
-from verl_ext.options import cpu_requested
 from verl_ext.touches import CPU_VERSIONS
 
 PLATFORM_NAME = "cpu"
@@ -45,11 +44,6 @@ CPU_PROCESS_ENV = {
 }
 
 _active = False
-
-
-def requested() -> bool:
-    """True when ``VERL_EXT_CPU`` asks for the CPU backend."""
-    return cpu_requested()
 
 
 def activate() -> None:

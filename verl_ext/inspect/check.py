@@ -4,6 +4,11 @@ step, and the report as data (text: :func:`verl_ext.inspect.render.format_report
 Recomputation runs the registered estimator itself in float64 on the trace's float32 inputs; the
 trace is read one step at a time, so memory is bounded by one step. What each identity says and its
 tolerance: :mod:`verl_ext.inspect.tokens`, :mod:`verl_ext.inspect.update`.
+
+The verdict (:attr:`CheckReport.verdict`) is ``fail`` when an identity is violated, else
+``incomplete`` when one that applies to the run could not be evaluated here (status ``unchecked``:
+e.g. the run's estimator, whose module does not import in this process), else ``pass``. An identity
+that does not apply (no critic, whitening off, ...) is ``skipped`` and leaves the verdict alone.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import pyarrow as pa
 
 from verl_ext.inspect import update
 from verl_ext.inspect.identities import IDENTITIES, RUN, TOKEN, UPDATE, Identity
-from verl_ext.inspect.results import IdentityResult, StepResult, aggregate
+from verl_ext.inspect.results import NOT_CHECKED, IdentityResult, StepResult, aggregate
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.tokens import QUANTITIES, RunScope, TokenStep
 
@@ -69,8 +74,28 @@ class CheckReport:
     per_step: tuple[StepResult, ...]
 
     @property
+    def verdict(self) -> str:
+        """``fail`` when an identity is violated; else ``incomplete`` when one that applies to the run
+        could not be evaluated here (:attr:`not_checked`); else ``pass``."""
+        statuses = {result.status for result in self.identities}
+        return "fail" if "fail" in statuses else "incomplete" if "unchecked" in statuses else "pass"
+
+    @property
     def passed(self) -> bool:
-        return all(result.status != "fail" for result in self.identities)
+        """Every identity that applies to the run was evaluated and holds."""
+        return self.verdict == "pass"
+
+    @property
+    def not_checked(self) -> dict[str, tuple[str, ...]]:
+        """Why identities that apply to the run were not evaluated here: reason -> those identities.
+        E.g. the run's estimator, whose module does not import in this process."""
+        reasons: dict[str, list[str]] = {}
+        for result in self.per_step:
+            if result.status == "unchecked":
+                identities = reasons.setdefault(result.note.removeprefix(NOT_CHECKED), [])
+                if result.identity not in identities:
+                    identities.append(result.identity)
+        return {reason: tuple(identities) for reason, identities in reasons.items()}
 
     def __getitem__(self, identity: str) -> IdentityResult:
         for result in self.identities:
@@ -111,7 +136,9 @@ class CheckReport:
             "estimator": self.algorithm.describe(),
             "steps": list(self.steps),
             "tokens": self.tokens,
+            "verdict": self.verdict,
             "passed": self.passed,
+            "not_checked": [{"reason": reason, "identities": list(names)} for reason, names in self.not_checked.items()],
             "identities": [
                 {
                     **{k: v for k, v in dataclasses.asdict(r).items() if k != "first"},

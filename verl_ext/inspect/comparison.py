@@ -25,9 +25,11 @@ import pyarrow as pa
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, as_trace
+from verl_ext.step_metrics import prompt_groups
 
 #: The λ of the GAE columns by default (0 is td0, 1 is mc: the two ends of the family).
 DEFAULT_LAMBDAS = (0.5, 0.9, 0.95)
+#: n of the n-step column by default. Both defaults are also `verl-ext compare`'s.
 DEFAULT_N = 3
 
 
@@ -167,11 +169,7 @@ def _group_codes(groups: np.ndarray, samples: np.ndarray) -> np.ndarray | None:
     per_sample = groups[first]
     if per_sample.dtype == object and any(g is None for g in per_sample):  # a missing uid: each sample alone
         per_sample = samples[first]
-    if per_sample.dtype == object:
-        index: dict = {}
-        codes = np.array([index.setdefault(g, len(index)) for g in per_sample], np.int64)
-    else:
-        codes = np.unique(per_sample, return_inverse=True)[1].reshape(-1)
+    codes = prompt_groups(per_sample)
     # one sample may appear as several runs only in a malformed trace: count distinct samples per group
     distinct = np.unique(np.stack([codes, samples[first].astype(np.int64)], axis=1), axis=0)[:, 0]
     sizes = np.bincount(distinct, minlength=int(codes.max()) + 1)

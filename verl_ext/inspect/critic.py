@@ -11,7 +11,7 @@ ready?"):
 Buckets by position: the valid token of rank i (0-based) of a response with L valid tokens is in
 the decile ``d{⌊10·i/L⌋}`` (``d0`` … ``d9``; a response shorter than 10 tokens leaves some empty);
 ``last`` holds each response's last valid token (i = L−1, which is also in its decile); ``all``
-every valid token. On a multi-turn step (docs/definitions.md §10) also by turn: ``turn{k}`` holds the
+every valid token. On a multi-turn step (docs/definitions.md §7) also by turn: ``turn{k}`` holds the
 first token of each response's assistant turn k, the state after its k-th hole (a tool's answer),
 and ``after_hole`` those of every turn k ≥ 1. Per (step, bucket), over the bucket's n tokens of the step:
 
@@ -93,7 +93,7 @@ def step_diagnostics(data: StepData, gamma: float) -> list[dict]:
 
 
 def traced_step_metrics(trace, step: int) -> dict[str, float]:
-    """The live metrics of ``step`` (docs/definitions.md §11, names without ``verl_ext/``), computed
+    """The live metrics of ``step`` (docs/definitions.md §9, names without ``verl_ext/``), computed
     after the fact from its trace by :func:`verl_ext.step_metrics.step_metrics`, the function the
     trainer ran on its batch: equal to what verl's logger got at that step, to float32 rounding,
     when the trace kept every response (``verl_ext.trace.max_samples_per_step`` unset).

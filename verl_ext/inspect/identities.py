@@ -52,8 +52,9 @@ class Identity:
 
 
 def _accumulated(a: RecordedAlgorithm) -> bool:
-    """The raw advantage is recomputed with the estimator (else it is checked as returns − values)."""
-    return a.recomputable and not a.returns_minus_values
+    """The raw advantage is recomputed with the estimator (else it is checked as returns − values);
+    an estimator missing here is named too, on the row that says it was not checked."""
+    return (a.recomputable or a.estimator_missing) and not a.returns_minus_values
 
 
 #: Every identity, in report order: the token table's on each step, the run record's once, then the
@@ -81,10 +82,10 @@ IDENTITIES = (
         lambda a: "rewards = scores + turn rewards − β·kl" if a.kl_in_reward else "rewards = scores + turn rewards (no KL in reward)",
         ELEMENTWISE, TokenStep.rewards,
     ),
-    Identity("turn_rewards", "8.4", TOKEN, "per-turn rewards only on a turn's last token (§10)", EXACT, TokenStep.turn_rewards),
+    Identity("turn_rewards", "8.4", TOKEN, "per-turn rewards only on a turn's last token (§7)", EXACT, TokenStep.turn_rewards),
     Identity("mask_layout", "8.5", TOKEN, "rows 0…n−1 per sample, ending on a valid token", EXACT, TokenStep.mask_layout, counts="row"),
-    Identity("turns", "8.5", TOKEN, "turn = the holes before the token (§10)", EXACT, TokenStep.turns, counts="row"),
-    Identity("roles", "8.5", TOKEN, "role = assistant exactly on valid tokens (§10)", EXACT, TokenStep.roles, counts="row"),
+    Identity("turns", "8.5", TOKEN, "turn = the holes before the token (§7)", EXACT, TokenStep.turns, counts="row"),
+    Identity("roles", "8.5", TOKEN, "role = assistant exactly on valid tokens (§7)", EXACT, TokenStep.roles, counts="row"),
     Identity("finite", "8.5", TOKEN, "quantities present and finite on valid tokens", EXACT, TokenStep.finite),
     Identity("steps_on_disk", "8.5", RUN, "every step and update table of the run record is on disk", EXACT, steps_on_disk, counts="file"),
     Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update.update_rows),

@@ -102,7 +102,9 @@ LEGEND = (
 )
 
 
-def format_report(report) -> str:
+def format_report(report, accept_unchecked: bool = False) -> str:
+    """The report as text, its verdict on the last line; ``accept_unchecked``: the caller accepts
+    identities that were not checked (``check --allow-unchecked``), which the verdict still names."""
     definition = {r.identity: report.definition(r.identity) for r in report.identities}
     section = {name: record.section for name, record in definition.items()}
     rows = [
@@ -110,7 +112,7 @@ def format_report(report) -> str:
             section[r.identity],
             r.title,
             _error_text(r.max_abs_error),
-            "—" if r.status == "skipped" else r.tolerance,
+            "—" if r.status in ("skipped", "unchecked") else r.tolerance,
             _result_text(r, definition[r.identity].counts),
         )
         for r in report.identities
@@ -137,11 +139,22 @@ def format_report(report) -> str:
     if sections_by_note:
         lines += ["", "notes:"]
         lines += [f"  §{', §'.join(sections)}: {note}" for note, sections in sections_by_note.items()]
-    passed = sum(r.status == "pass" for r in report.identities)
-    skipped = sum(r.status == "skipped" for r in report.identities)
-    verdict = f"FAIL: {len(failed)} violated" if failed else "PASS"
-    lines += ["", LEGEND, f"{verdict} ({passed} passed, {len(failed)} failed, {skipped} skipped)"]
+    lines += ["", LEGEND, verdict_line(report, accept_unchecked)]
     return "\n".join(lines)
+
+
+def verdict_line(report, accept_unchecked: bool = False) -> str:
+    """``PASS (…)``, ``FAIL: n violated (…)``, or ``INCOMPLETE (…): why`` when an identity that applies
+    to the run was not evaluated (never PASS then: the counts say how many, the reasons what to do)."""
+    count = {status: sum(r.status == status for r in report.identities) for status in ("pass", "fail", "unchecked", "skipped")}
+    not_checked = f", {count['unchecked']} not checked" if count["unchecked"] else ""
+    counts = f"({count['pass']} passed, {count['fail']} failed{not_checked}, {count['skipped']} skipped)"
+    if count["fail"]:
+        return f"FAIL: {count['fail']} violated {counts}"
+    if count["unchecked"]:
+        accepted = ", accepted by --allow-unchecked" if accept_unchecked else ""
+        return f"INCOMPLETE{accepted} {counts}: {'; '.join(report.not_checked)}"
+    return f"PASS {counts}"
 
 
 def _error_text(error: float | None) -> str:
@@ -151,6 +164,8 @@ def _error_text(error: float | None) -> str:
 def _result_text(result, counts: str) -> str:
     if result.status == "fail":
         return f"FAIL ({result.violations} {counts}{'s' * (result.violations != 1)})"
+    if result.status == "unchecked":
+        return "NOT CHECKED"
     if result.status == "skipped":
         return "skipped (not applicable)" if any("not applicable" in n for n in result.notes) else "skipped"
     return "pass"

@@ -19,6 +19,9 @@ import numpy as np
 
 __all__ = ["ATOL", "EPS32", "Finding", "IdentityResult", "Location", "StepResult", "Tolerance", "Violation"]
 
+#: The note of a finding that was not evaluated although its identity applies to the run; its reason follows.
+NOT_CHECKED = "not checked: "
+
 EPS32 = float(np.finfo(np.float32).eps)  # 2^-23
 #: Below this nothing is claimed: float32 data of order one round at ~6e-8.
 ATOL = 1e-6
@@ -85,7 +88,9 @@ class Violation:
 class Finding:
     """What one identity found on one step."""
 
-    status: str  # "pass", "fail" or "skipped"
+    #: "pass", "fail", "skipped" (the identity does not apply to this run or trace) or "unchecked"
+    #: (it applies, but could not be evaluated in this process: the note says why)
+    status: str
     checked: int = 0
     violations: int = 0
     max_abs_error: float | None = None
@@ -108,7 +113,9 @@ class IdentityResult:
     identity: str
     title: str
     tolerance: str
-    status: str  # "fail" if any step fails, else "pass" if any step passed, else "skipped"
+    #: "fail" if any step fails, else "unchecked" if any step could not be evaluated, else "pass" if
+    #: any step passed, else "skipped"
+    status: str
     checked: int
     violations: int
     max_abs_error: float | None
@@ -118,6 +125,11 @@ class IdentityResult:
 
 def skipped(why: str) -> Finding:
     return Finding("skipped", note=f"not applicable: {why}")
+
+
+def unchecked(why: str) -> Finding:
+    """An identity that applies to the run but cannot be evaluated here; ``why`` names the fix."""
+    return Finding("unchecked", note=NOT_CHECKED + why)
 
 
 def compare(actual, expected, tolerance, where: Callable[[int], tuple[Location, str]], note: str | None = None) -> Finding:
@@ -153,9 +165,10 @@ def combine(findings: list[Finding], note: str | None = None) -> Finding:
 
 
 def aggregate(identity: str, title: str, tolerance: str, results: list[StepResult]) -> IdentityResult:
-    """One identity over all its steps: failed if any step failed, passed if any passed, else skipped."""
+    """One identity over all its steps: failed if any step failed, else not checked if any step was
+    not, else passed if any passed, else skipped."""
     statuses = {r.status for r in results}
-    status = "fail" if "fail" in statuses else "pass" if "pass" in statuses else "skipped"
+    status = next((s for s in ("fail", "unchecked", "pass") if s in statuses), "skipped")
     steps_by_note: dict[str, list[int]] = {}
     for r in results:
         if r.note:

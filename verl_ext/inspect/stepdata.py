@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import TraceError
+from verl_ext.turns import turn_index, turn_starts
 
 #: Called by a scan after each step with (steps done, steps in all, valid tokens so far).
 Progress = Callable[[int, int, int], None]
@@ -57,6 +57,9 @@ class RecordedAlgorithm:
     whitened: bool | None
     kl_in_reward: bool
     kl_penalty: str | None
+    #: True when the run's estimator is not in this process (its module did not import here): the
+    #: identities that recompute it apply to the run but are not checked (``why_not`` says why).
+    estimator_missing: bool = False
 
     @classmethod
     def from_record(cls, record) -> "RecordedAlgorithm":
@@ -72,16 +75,21 @@ class RecordedAlgorithm:
             if not isinstance(algorithm.get(key, 1.0), (int, float)):
                 raise TraceError(f"run record: algorithm.{key} is {algorithm.get(key)!r}, expected a number")
         estimator = registry.lookup(name)
-        if estimator is None and algorithm.get("estimator_module"):
-            _import_quietly(algorithm["estimator_module"])  # a user's estimator, registered on import
+        module = algorithm.get("estimator_module")
+        if estimator is None and module:
+            problem = _import_problem(str(module))  # a user's estimator, registered on import
             estimator = registry.lookup(name)
+            if estimator is None:
+                why = (
+                    f"estimator {name!r} is not importable here: {problem}"
+                    if problem
+                    else f"estimator {name!r} is not registered by its module {module!r} as imported here"
+                )
+                whitened = algorithm.get("whiten_advantages")  # recorded: whitening is checked without the estimator
+                whitened = whitened if isinstance(whitened, bool) else None
+                return cls(name, float(gamma), None, None, why, whitened, **kl, estimator_missing=True)
         if estimator is None or not estimator.recomputable:
-            module = algorithm.get("estimator_module")
-            why = (
-                f"estimator {name!r} is not registered in this process (its module {module!r} did not import)"
-                if module
-                else f"verl's {name!r} estimator: its advantages come from statistics the trace does not hold"
-            )
+            why = f"verl's {name!r} estimator: its advantages come from statistics the trace does not hold"
             return cls(name, float(gamma), None, None, why, None, **kl)
         try:
             settings = estimator.settings(algorithm)
@@ -110,11 +118,15 @@ class RecordedAlgorithm:
         return ", ".join(parts)
 
 
-def _import_quietly(module: str) -> None:
+def _import_problem(module: str) -> str | None:
+    """Import a user's module as the CLI does; None when it imported, else why not (one line)."""
+    from verl_ext.options import import_user_module, user_module_problem
+
     try:
-        importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - reported as "not registered" by the caller
-        pass
+        import_user_module(module)
+    except Exception as error:  # noqa: BLE001 - the caller reports it as an estimator not checked
+        return user_module_problem(module, error)
+    return None
 
 
 def step_beta(step_record) -> float | None:
@@ -307,23 +319,27 @@ class StepLayout:
         return len(self.starts)
 
     @cached_property
-    def turn_starts(self) -> np.ndarray:
-        """(N,) bool at the valid tokens: the first token of an assistant turn (docs/definitions.md
-        §10), i.e. its sample's first valid token or one right after a masked row."""
-        rows = self.valid_rows
-        inner = self.position[rows] > 0
-        starts = np.ones(len(rows), bool)
-        starts[inner] = ~self.mask[rows[inner] - 1]
+    def row_turn_starts(self) -> np.ndarray:
+        """(rows,) bool: the first token of an assistant turn (docs/definitions.md §7), i.e. its
+        sample's first valid token or one right after a masked row."""
+        starts = turn_starts(self.mask)
+        # the rows run on from one sample to the next: a sample's first row starts a turn when it is
+        # valid, whatever the sample before it ended with
+        starts[self.starts] = self.mask[self.starts] != 0
         return starts
+
+    @cached_property
+    def turn_starts(self) -> np.ndarray:
+        """(N,) bool at the valid tokens: :attr:`row_turn_starts` there."""
+        return self.row_turn_starts[self.valid_rows]
 
     def row_turns(self) -> np.ndarray:
         """(rows,) int64: the assistant turn of every row, holes included (the turn before the hole;
         0 before the first valid token), from the mask alone."""
-        begins = np.zeros(len(self.mask), np.int64)
-        begins[self.valid_rows] = self.turn_starts
-        begun = np.cumsum(begins)
-        before_sample = np.repeat(begun[self.starts] - begins[self.starts], self.row_counts)
-        return np.maximum(begun - before_sample - 1, 0)
+        begins = self.row_turn_starts
+        index = turn_index(begins)  # counted over the whole step, so each sample is shifted back
+        begun_before_sample = np.repeat(index[self.starts] + 1 - begins[self.starts], self.row_counts)
+        return np.maximum(index - begun_before_sample, 0)
 
     def valid_sample_index(self) -> np.ndarray:
         """Sample index (0 … B-1) of every valid token."""

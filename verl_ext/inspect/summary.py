@@ -16,7 +16,7 @@
   over each response's last valid token (null without values); by position in
   :mod:`verl_ext.inspect.critic` (``verl-ext summary --critic``)
 * ``turns``, ``adv_share_after_hole``, on a step with multi-turn responses only (docs/definitions.md
-  §10): the mean number of assistant turns of the samples, and the share of the step's Σ|A| (raw
+  §7): the mean number of assistant turns of the samples, and the share of the step's Σ|A| (raw
   advantage) on the tokens after a hole (turns k ≥ 1); null on a single-turn step
 * ``tool_calls``: the mean number of tool messages merged into a response, over the samples whose
   agent loop said (the prompt table's ``tool_calls``, format 5); null when none did

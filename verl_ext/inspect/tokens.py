@@ -49,14 +49,14 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from verl_ext.inspect.results import ATOL, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped
+from verl_ext.inspect.results import ATOL, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, floats, step_beta
 from verl_ext.torch_threads import one_torch_thread
-from verl_ext.trace.schema import ROLE_ASSISTANT
+from verl_ext.trace.schema import ROLE_ASSISTANT, since
 
 #: The token-table columns the identities read.
 QUANTITIES = ("score", "reward", "value", "return", "advantage", "advantage_raw", "kl", "old_log_prob", "turn_score", "tool_reward")
-#: The per-turn rewards added to the scores (verl_ext.turn_rewards, docs/definitions.md §10), by source.
+#: The per-turn rewards added to the scores (verl_ext.turn_rewards, docs/definitions.md §7), by source.
 TURN_REWARDS = ("turn_score", "tool_reward")
 
 # --------------------------------------------------------------------------- tolerances
@@ -154,6 +154,13 @@ class TokenStep:
         first = Violation(Location(self.step), missing[0], detail=detail)
         return Finding("fail", violations=1, first=first, note=f"{', '.join(missing)}: {detail}")
 
+    def _without_estimator(self) -> Finding:
+        """An identity that needs the run's estimator when this process has none: not checked when
+        the estimator is missing here (its module did not import), not applicable to verl's
+        estimators whose advantages come from statistics the trace does not hold."""
+        a = self.algorithm
+        return unchecked(a.why_not) if a.estimator_missing else skipped(a.why_not)
+
     def _compare(self, column: str, actual, expected, tolerance, note: str | None = None) -> Finding:
         return compare(actual, expected, tolerance, lambda i: (Location(self.step, *self.data.location(i)), column), note)
 
@@ -162,7 +169,7 @@ class TokenStep:
     def advantage_raw(self) -> Finding:
         a = self.algorithm
         if not a.recomputable:
-            return skipped(a.why_not)
+            return self._without_estimator()
         needed = ("advantage_raw", "return", "value") if a.returns_minus_values else ("advantage_raw", *self._inputs())
         if (missing := self._missing(needed)) is not None:
             return missing
@@ -174,7 +181,7 @@ class TokenStep:
     def whitening(self) -> Finding:
         a = self.algorithm
         if a.whitened is None:
-            return skipped(a.why_not)
+            return self._without_estimator()
         if (missing := self._missing(("advantage", "advantage_raw"))) is not None:
             return missing
         advantage, raw = self.col["advantage"], self.col["advantage_raw"]
@@ -225,8 +232,10 @@ class TokenStep:
         return self._raw_moments, None
 
     def whitening_stats(self) -> Finding:
+        if self.algorithm.whitened is None:
+            return self._without_estimator()
         if not self.algorithm.whitened:
-            return skipped("whitening is off" if self.algorithm.whitened is False else self.algorithm.why_not)
+            return skipped("whitening is off")
         recorded = self._recorded_stats()
         if recorded is None:
             return Finding("skipped", note="no whitening statistics recorded")
@@ -247,7 +256,7 @@ class TokenStep:
     def returns(self) -> Finding:
         a = self.algorithm
         if not a.recomputable:
-            return skipped(a.why_not)
+            return self._without_estimator()
         if (missing := self._missing(("return", *self._inputs()))) is not None:
             return missing
         r = self.recomputed
@@ -275,7 +284,7 @@ class TokenStep:
     def turn_rewards(self) -> Finding:
         present = [name for name in TURN_REWARDS if self.col[name] is not None]
         if not present:
-            return Finding("skipped", note="no per-turn rewards (verl_ext.turn_rewards off, or a trace before format 6)")
+            return Finding("skipped", note=f"no per-turn rewards (verl_ext.turn_rewards off, or a trace before format {since(TURN_REWARDS[0])})")
         starts = self.data.layout.turn_starts
         ends = np.append(starts[1:], True)  # the next valid token starts a turn, or the sample is over
         checked, wrong_tokens, first = 0, 0, None
@@ -303,7 +312,7 @@ class TokenStep:
     def turns(self) -> Finding:
         column = self.data.table.column("turn")
         if column.null_count == len(column):
-            return Finding("skipped", note="no turn column (a trace written before format 4)")
+            return Finding("skipped", note=f"no turn column (a trace written before format {since('turn')})")
         stored = floats(column)
         expected = self.data.layout.row_turns()
         wrong = np.flatnonzero(stored != expected)  # a null (NaN) is wrong too
@@ -317,7 +326,7 @@ class TokenStep:
     def roles(self) -> Finding:
         column = self.data.table.column("role")
         if column.null_count == len(column):
-            return Finding("skipped", note="no role column (a trace written before format 5)")
+            return Finding("skipped", note=f"no role column (a trace written before format {since('role')})")
         roles = column.to_numpy(zero_copy_only=False)
         assistant = roles == ROLE_ASSISTANT
         wrong = np.flatnonzero(assistant != self.data.layout.mask)  # a null role on a valid token is wrong too

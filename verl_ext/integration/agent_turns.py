@@ -7,13 +7,14 @@ two Continuous-Token merges (``AgentLoopBase.ct_merge_assistant_token`` for the 
 ``ct_merge_context_msg`` for appended messages, whose roles it is given). The wrappers here record
 each merge's role and length as the loop makes it, unchanged; the wrapped ``ToolAgentLoop.run``
 opens one record per sample (a ``ContextVar``: every sample runs in its own asyncio task), cuts it
-to the response verl returns, and puts it in the sample's ``extra_fields`` under :data:`TURNS_KEY`::
+to the response verl returns, and puts it in the sample's ``extra_fields`` under :data:`TURNS_KEY`, as
+:class:`~verl_ext.trace.agent_record.AgentRecord` encodes it::
 
     {"roles": [["assistant", 12], ["tool", 7], ["assistant", 10]], "tool_calls": 1, "turn_limit": False,
      "tool_reward_turns": [0]}
 
 verl carries ``extra_fields`` to the trainer's batch (legacy: one object column per key; V1: the
-``extra_fields`` field), where the trace (:mod:`verl_ext.integration.trace_hook`) and the per-turn
+``extra_fields`` field), where the trace (:mod:`verl_ext.trace.capture`) and the per-turn
 rewards (:mod:`verl_ext.integration.turn_rewards_hook`) read it. Only runs that trace
 (``verl_ext.trace``) or place per-turn rewards (``verl_ext.turn_rewards``) record: any other batch has
 no extra column.
@@ -27,7 +28,7 @@ no extra column.
 * ``turn_limit``: the loop stopped because ``max_assistant_turns`` or ``max_user_turns`` was
   reached while the last turn still asked for a tool (verl's own parser on that turn), following
   ``ToolAgentLoop._handle_generating_state``'s order: the length check first, then the limits.
-* ``tool_reward_turns``: the assistant turn (docs/definitions.md §10) whose call earned each entry of
+* ``tool_reward_turns``: the assistant turn (docs/definitions.md §7) whose call earned each entry of
   the loop's own ``extra_fields["tool_rewards"]``, in order: the turn before the tool messages of
   each context merge, the merge verl threw away included (its call was made and rewarded). None when
   the loop's rewards do not pair one to one with its tool messages (a tool that returned no reward).
@@ -43,6 +44,7 @@ import functools
 import logging
 from typing import Any, Callable
 
+from verl_ext.trace.agent_record import AgentRecord
 from verl_ext.trace.schema import ROLE_ASSISTANT, ROLE_OTHER, ROLE_TOOL, ROLE_USER
 
 logger = logging.getLogger("verl_ext")
@@ -152,7 +154,7 @@ def wrap_agent_loop_run(original: Callable) -> Callable:
 
 
 async def _summary(loop: Any, record: _Record, output: Any) -> dict | None:
-    """The record of a finished sample (module docstring), or None when it does not match its response."""
+    """The encoded record of a finished sample (module docstring), or None when it does not match its response."""
     mask = list(output.response_mask)
     merges = record.cut(len(mask))
     expanded = [role == ROLE_ASSISTANT for role, size, _, _ in merges for _ in range(size)]
@@ -165,12 +167,13 @@ async def _summary(loop: Any, record: _Record, output: Any) -> dict | None:
             roles[-1][1] += size
         else:
             roles.append([role, size])
-    return {
-        "roles": roles,
-        "tool_calls": sum(tools for _, _, tools, _ in merges),
-        "turn_limit": await _stopped_at_turn_limit(loop, merges, output),
-        "tool_reward_turns": _tool_reward_turns(record, output),
-    }
+    turns = _tool_reward_turns(record, output)
+    return AgentRecord(
+        roles=tuple((role, size) for role, size in roles),
+        tool_calls=sum(tools for _, _, tools, _ in merges),
+        turn_limit=await _stopped_at_turn_limit(loop, merges, output),
+        tool_reward_turns=None if turns is None else tuple(turns),
+    ).encode()
 
 
 def _tool_reward_turns(record: _Record, output: Any) -> list[int] | None:

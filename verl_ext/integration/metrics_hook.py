@@ -1,21 +1,14 @@
-"""Where verl's trainers meet the live metrics (:mod:`verl_ext.step_metrics`), trace or no trace.
+"""The live metrics (:mod:`verl_ext.step_metrics`) of verl's batch, trace or no trace.
 
 Every step, on the driver, from the batch verl holds once it has its advantages: the critic against
 the Monte-Carlo return (overall, at each response's last token, by decile and, on multi-turn steps,
 at the start of each assistant turn), the advantage's spread and whitening, the spread of the
 scores within prompt groups, and where the credit lands (on multi-turn steps also per turn); named
 ``verl_ext/…`` in verl's metrics, so every logger of ``trainer.logger`` shows them
-(docs/definitions.md §11). The patches in :mod:`verl_ext.integration.patches` call in here:
-
-* ``session(trainer)`` around ``fit()`` (legacy and V1 trainer): ``verl_ext.metrics`` of the run.
-  Outside ``fit()`` nothing is computed: no logger would receive it.
-* ``after_advantage(data, gamma, advantage_raw)`` at the end of ``compute_advantage``, which both
-  trainers call: the step's metrics, computed once and held. The seam gives the raw advantage (for
-  verl's ``gae``, returns − values); where there is none (``grpo``, whose normalization is its own)
-  the advantage itself stands for it.
-* ``take()``: the held metrics, once. The legacy trainer's step metrics are a local of ``fit()``; they
-  reach it through the dict ``compute_data_metrics`` returns there (ray_trainer.py:1772). The V1
-  trainer hands its step metrics to ``_compute_advantage`` (trainer_base.py:600).
+(docs/definitions.md §9). :meth:`verl_ext.integration.step.AdvantageStep.compute_metrics` calls
+:func:`live_metrics` with the raw advantage of the step's estimator (for verl's ``gae``, returns −
+values); where there is none (``grpo``, whose normalization is its own) the advantage itself stands
+for it. The step holds them until the trainer takes them (:mod:`verl_ext.integration.step`).
 
 Cost: one Monte-Carlo return (the ``mc`` kernel), the compaction of four (B, T) tensors to their valid
 tokens (one index, then a take each), and a few passes over those in float64, all on the CPU tensors the driver holds
@@ -24,42 +17,7 @@ tokens (one index, then a take each), and a few passes over those in float64, al
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
-
-from verl_ext.options import metrics_enabled
-
-
-#: ``verl_ext.metrics`` of the run in ``fit()``; None outside it.
-_enabled: bool | None = None
-_held: dict[str, float] = {}
-
-
-@contextlib.contextmanager
-def session(trainer: Any) -> Iterator[None]:
-    """The run's ``verl_ext.metrics`` for the duration of ``fit()``."""
-    global _enabled, _held
-    outer, _enabled = _enabled, metrics_enabled(trainer.config)
-    try:
-        yield
-    finally:
-        _enabled, _held = outer, {}
-
-
-def after_advantage(data: Any, gamma: float, advantage_raw: Any = None, extra: dict[str, float] | None = None) -> None:
-    """Compute and hold the step's metrics; ``advantage_raw``: the advantage before whitening, None
-    where there is none (module docstring); ``extra``: metrics computed on the way (per-turn rewards)."""
-    global _held
-    if not _enabled:
-        return
-    _held = live_metrics(data, gamma, advantage_raw) | (extra or {})
-
-
-def take() -> dict[str, float]:
-    """The metrics of the step whose advantages were computed last, once (then {})."""
-    global _held
-    held, _held = _held, {}
-    return held
+from typing import Any
 
 
 def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float]:

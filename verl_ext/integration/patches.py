@@ -2,8 +2,9 @@
 
 Each function here is named by a record of :mod:`verl_ext.touches` (which says why and for which
 verl versions) and applied by :mod:`verl_ext.patching` right after its verl module is imported.
-Every wrapper delegates to the original for anything that is not verl-ext's business. They import
-what they need when applied (verl has torch loaded by then), so that loading the plugin stays light.
+Every wrapper delegates to the original for anything that is not verl-ext's business; what a training
+step does is told in one place, :mod:`verl_ext.integration.step`. They import what they need when
+applied (verl has torch loaded by then), so that loading the plugin stays light.
 """
 
 from __future__ import annotations
@@ -19,44 +20,8 @@ logger = logging.getLogger("verl_ext")
 # --------------------------------------------------------------------------- advantages
 
 
-def compute_registered_advantage(data: Any, name: str, gamma: float, lam: float, config: Any):
-    """Run verl-ext estimator ``name`` on a verl ``DataProto``; store advantages and returns in it.
-
-    verl's batch -> the estimator (with the critic's values) -> whitening -> back into the batch.
-    Returns the :class:`verl_ext.registry.Estimate`.
-    """
-    from verl_ext import registry
-
-    estimator = registry.get(name)
-    batch = data.batch
-    values = batch["values"] if "values" in batch.keys() else None
-    if estimator.needs_critic and values is None:
-        raise RuntimeError(
-            f"algorithm.adv_estimator={name} needs the critic's values, but the batch has none: "
-            "the critic is off (check critic.enable) or this trainer did not compute values before advantages"
-        )
-    settings = estimator.settings(config, gamma=gamma, lam=lam)
-    result = registry.run(estimator, batch["token_level_rewards"], values, batch["response_mask"], settings)
-    batch["advantages"] = result.advantages
-    batch["returns"] = result.returns
-    return result
-
-
-def _verl_advantage_raw(data: Any, name: str, gamma: float, lam: float, config: Any):
-    """The raw advantage of verl's own estimator where it is returns − values (verl's GAE: verl keeps
-    only the whitened advantage), for the trace and the live metrics; None where the batch cannot
-    tell (grpo, an estimator verl-ext knows nothing about)."""
-    from verl_ext import registry
-
-    estimator = registry.lookup(name)
-    if estimator is None or not estimator.is_returns_minus_values(estimator.settings(config, gamma=gamma, lam=lam)):
-        return None
-    return data.batch["returns"] - data.batch["values"]
-
-
 def wrap_compute_advantage(original: Callable) -> Callable:
-    from verl_ext import registry
-    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook, turn_rewards_hook
+    from verl_ext.integration import step
 
     signature = inspect.signature(original)  # bind by name: the positional order differs across versions
 
@@ -64,19 +29,7 @@ def wrap_compute_advantage(original: Callable) -> Callable:
     def compute_advantage(*args, **kwargs):
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
-        arguments = call.arguments
-        data, name = arguments["data"], registry.name_of(arguments["adv_estimator"])
-        turn_reward_metrics = turn_rewards_hook.place(data)  # before any estimator reads the rewards
-        if name in registry.names():
-            result = compute_registered_advantage(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
-            advantage_raw = result.advantage_raw
-        else:
-            data = original(*args, **kwargs)
-            advantage_raw = _verl_advantage_raw(data, name, arguments["gamma"], arguments["lam"], arguments.get("config"))
-        trace_hook.after_advantage(data, advantage_raw=advantage_raw)
-        metrics_hook.after_advantage(data, gamma=arguments["gamma"], advantage_raw=advantage_raw, extra=turn_reward_metrics)
-        nonfinite_hook.after_advantage(data)  # after the capture: a traced step is kept when this raises
-        return data
+        return step.advantage_step(call.arguments, lambda: original(*args, **kwargs))
 
     return compute_advantage
 
@@ -143,33 +96,28 @@ def wrap_validate_config(original: Callable) -> Callable:
     return validate_config
 
 
-# --------------------------------------------------------------------------- the trace
+# --------------------------------------------------------------------------- the training step (step.py)
 
 
 def wrap_apply_kl_penalty(original: Callable) -> Callable:
-    from verl_ext.integration import trace_hook
+    from verl_ext.integration import step
 
     @functools.wraps(original)
     def apply_kl_penalty(data, kl_ctrl, *args, **kwargs):
         beta = kl_ctrl.value  # read before the call: the adaptive controller updates itself inside
         data, metrics = original(data, kl_ctrl, *args, **kwargs)
-        trace_hook.record_kl(data, beta=beta, kl_penalty=kwargs.get("kl_penalty", args[0] if args else "kl"))
+        step.record_kl(data, beta=beta, kl_penalty=kwargs.get("kl_penalty", args[0] if args else "kl"))
         return data, metrics
 
     return apply_kl_penalty
 
 
 def _wrap_fit(original: Callable, trainer_kind: str) -> Callable:
-    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook, turn_rewards_hook
+    from verl_ext.integration import step
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
-        with (
-            nonfinite_hook.session(self),
-            metrics_hook.session(self),
-            turn_rewards_hook.session(self),
-            trace_hook.session(self, trainer_kind),
-        ):
+        with step.fit_session(self, trainer_kind):
             return original(self, *args, **kwargs)
 
     return fit
@@ -184,28 +132,36 @@ def wrap_v1_fit(original: Callable) -> Callable:
 
 
 def wrap_v1_compute_advantage(original: Callable) -> Callable:
-    from verl_ext.integration import metrics_hook, nonfinite_hook, trace_hook, turn_rewards_hook
+    from verl_ext.integration import step
 
     @functools.wraps(original)
     def _compute_advantage(self, batch, metrics):
-        with nonfinite_hook.deferred():  # verl_ext.nonfinite=raise: once the trace has the step
-            turn_rewards_hook.before_v1_advantage(batch)
-            batch = turn_rewards_hook.after_v1_advantage(self, original(self, batch, metrics))
-            metrics.update(metrics_hook.take())  # the step's metrics, which V1 hands us
-            return trace_hook.after_v1_advantage(self, batch)
+        return step.v1_advantage_step(batch, metrics, lambda: original(self, batch, metrics))
 
     return _compute_advantage
+
+
+def wrap_v1_multi_trajectory_advantage(original: Callable) -> Callable:
+    from verl_ext.integration import step
+
+    @functools.wraps(original)
+    def compute_advantage_for_multi_trajectories(*args, **kwargs):
+        data = original(*args, **kwargs)
+        step.v1_batch_advantaged(data)
+        return data
+
+    return compute_advantage_for_multi_trajectories
 
 
 # --------------------------------------------------------------------------- the live metrics
 
 
 def wrap_compute_data_metrics(original: Callable) -> Callable:
-    from verl_ext.integration import metrics_hook
+    from verl_ext.integration import step
 
     @functools.wraps(original)
     def compute_data_metrics(*args, **kwargs):
-        return {**original(*args, **kwargs), **metrics_hook.take()}
+        return {**original(*args, **kwargs), **step.take_metrics()}
 
     return compute_data_metrics
 
@@ -244,14 +200,14 @@ def wrap_make_iterator(original: Callable) -> Callable:
 
 
 def wrap_reduce_metrics(original: Callable) -> Callable:
-    from verl_ext.integration import trace_hook
+    from verl_ext.integration import step, trace_hook
 
     @functools.wraps(original)
     def reduce_metrics(metrics: dict, *args, **kwargs):
         reports = trace_hook.take_update_reports(metrics)  # before verl averages them as numbers
         reduced = original(metrics, *args, **kwargs)
         if reports:
-            trace_hook.after_update(reports, reduced)
+            step.record_update(reports, reduced)
         return reduced
 
     return reduce_metrics

@@ -1,24 +1,18 @@
-"""Where verl's trainers meet the per-token trace.
+"""The per-token trace of verl's batch: the functions the advantage step (:mod:`verl_ext.integration.step`)
+and the update's metrics call, given the run's writer.
 
-The patches in :mod:`verl_ext.integration.patches` call in here at six moments of a training
-step; everything returns at once when tracing is off (``verl_ext.trace.dir`` unset), so the
-hooks cost nothing then:
-
-* ``session(trainer, kind)`` around ``fit()``: opens the :class:`~verl_ext.trace.writer.TraceWriter`
-  (which checks the directory and writes the run record) before the first step, flushes it at
-  the end, also when training fails.
-* ``record_kl`` inside ``apply_kl_penalty``: kld_t, recomputed with verl's own
-  ``core_algos.kl_penalty`` on the same inputs, and the β read before the controller updates.
-* ``record_turn_rewards`` in ``compute_advantage``: the per-turn rewards added to the rewards
-  (:mod:`.turn_rewards_hook`), by source.
-* ``after_advantage`` at the end of ``compute_advantage``: the legacy trainer's batch is captured
-  here, with the raw (unwhitened) advantage when the estimator has one.
-* ``after_v1_advantage`` after the V1 trainer stored advantages in TransferQueue: the V1 batch is
-  read back from TransferQueue, i.e. exactly what its actor and critic will be given.
-* ``take_update_reports`` / ``after_update`` when the trainer reduces an update's metrics: the
-  per-token reports of the workers' loss functions (:mod:`update_hook`) become the step's update
-  tables. A traced step (with ``verl_ext.trace.update`` on) carries the row key that asks the
-  workers for them; it is added at capture time, in both trainers.
+* :func:`open_trace` around ``fit()``: opens the :class:`~verl_ext.trace.writer.TraceWriter` (which
+  checks the directory and writes the run record) before the first step, flushes it at the end, also
+  when training fails.
+* :func:`kl_of` inside ``apply_kl_penalty``: kld_t, recomputed with verl's own ``core_algos.kl_penalty``
+  on the same inputs (the step keeps it, with the β read before the controller updates).
+* :func:`submit_step`: one step's capture, from the legacy trainer's batch at the end of
+  ``compute_advantage``, or from the V1 trainer's batch as verl stores it in TransferQueue
+  (:func:`v1_tensors`), with the raw (unwhitened) advantage when the estimator has one and the per-turn
+  rewards placed. A traced step (with ``verl_ext.trace.update`` on) carries :data:`update_hook.ROW_KEY`,
+  which asks the workers for their per-token reports (:func:`rows`).
+* :func:`take_update_reports` / :func:`submit_updates` when the trainer reduces an update's metrics: the
+  per-token reports of the workers' loss functions (:mod:`update_hook`) become the step's update tables.
 """
 
 from __future__ import annotations
@@ -27,51 +21,22 @@ import contextlib
 import datetime
 import socket
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
-from verl_ext.integration.agent_turns import TURNS_KEY
 from verl_ext.options import TraceOptions
 
 
-@dataclass
-class _Session:
-    trainer: Any
-    kind: str  # "legacy" or "v1"
-    writer: Any
-    options: TraceOptions
-    pending: dict = field(default_factory=dict)  # what earlier hooks of this step left for the capture
-
-    @property
-    def step(self) -> int:
-        return int(self.trainer.global_steps)
-
-    def traces_current_step(self) -> bool:
-        return self.options.traces_step(self.step)
-
-
-_active: _Session | None = None
-
-
 @contextlib.contextmanager
-def session(trainer: Any, kind: str) -> Iterator[None]:
-    global _active
-    options = TraceOptions.from_config(trainer.config)
-    if not options.enabled:
-        yield
-        return
+def open_trace(trainer: Any, kind: str, options: TraceOptions) -> Iterator[Any]:
+    """The run's writer (``kind``: "legacy" or "v1"), for a run with tracing on."""
     from verl_ext.trace.writer import TraceWriter
 
     record = run_record(trainer.config, kind, options)
     _say_where_a_cluster_writes(options.dir, record.node)
     with TraceWriter(options, record) as writer:  # never hides fit()'s error
-        _active = _Session(trainer, kind, writer, options)
-        try:
-            yield
-        finally:
-            _active = None
+        yield writer
 
 
 def _ray_node() -> str | None:
@@ -102,74 +67,72 @@ def _say_where_a_cluster_writes(directory: str, node: str | None) -> None:
         )
 
 
-def record_kl(data: Any, beta: float, kl_penalty: str) -> None:
-    if _active is None or not _active.traces_current_step():
-        return
+def kl_of(data: Any, kl_penalty: str) -> torch.Tensor:
+    """kld_t of the batch's valid tokens, as verl's ``apply_kl_penalty`` computes it."""
     from verl.trainer.ppo import core_algos
 
     batch = data.batch
     kld = core_algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kl_penalty=kl_penalty)
-    _active.pending.update(kl=kld * batch["response_mask"], kl_coef=float(beta))
+    return kld * batch["response_mask"]
 
 
-def record_turn_rewards(turn_score: torch.Tensor, tool_reward: torch.Tensor) -> None:
-    """The per-turn rewards :mod:`.turn_rewards_hook` added to the step's rewards, by source."""
-    if _active is None or not _active.traces_current_step():
-        return
-    _active.pending.update(turn_score=turn_score, tool_reward=tool_reward)
+def submit_step(
+    writer: Any, trainer: Any, batch: Any, uid: Any, computed: dict[str, torch.Tensor | None], kl_coef: float | None, agent_turns: Any
+) -> None:
+    """Hand one step to the writer. ``batch``: verl's tensors under verl's batch keys; ``computed``: the
+    columns verl-ext computed (advantage_raw, kl, turn_score, tool_reward; None where there is none);
+    ``agent_turns``: the agent loop's record of each sample (one per row, or None)."""
+    from verl_ext.trace.capture import StepCapture
+    from verl_ext.trace.schema import FLOAT_COLUMNS
+
+    def get(name: str) -> torch.Tensor | None:
+        return batch[name] if name in batch.keys() else None
+
+    prompts = get("prompts")
+    prompt_mask = get("prompt_mask")
+    if prompt_mask is None and prompts is not None and get("attention_mask") is not None:
+        prompt_mask = batch["attention_mask"][:, : prompts.shape[1]]  # verl: prompt part, left-padded
+    floats = {column.name: get(column.verl_key) for column in FLOAT_COLUMNS if column.verl_key} | computed
+    writer.submit(
+        StepCapture(
+            step=int(trainer.global_steps),
+            mask=batch["response_mask"],
+            token_id=get("responses"),
+            uid=None if uid is None else [str(u) for u in uid],
+            floats=floats,
+            prompts=prompts,
+            prompt_mask=prompt_mask,
+            kl_coef=kl_coef,
+            eos_token_ids=_eos_token_ids(trainer),
+            max_response_length=trainer.config.data.get("max_response_length"),
+            agent_turns=None if agent_turns is None else list(agent_turns),
+        )
+    )
 
 
-def after_advantage(data: Any, advantage_raw: torch.Tensor | None) -> None:
-    """``advantage_raw``: the step's advantage before whitening (the seam's: verl-ext's estimator's, or
-    returns − values of verl's GAE); None where there is none to record (verl's grpo, …)."""
-    if _active is None or not _active.traces_current_step():
-        return
-    batch = data.batch
-    if _active.kind == "v1":
-        _active.pending["advantage_raw"] = advantage_raw  # captured once V1 has stored its results
-        return
-    _submit(batch, data.non_tensor_batch.get("uid"), advantage_raw, data.non_tensor_batch.get(TURNS_KEY))
-    if _active.options.update:
-        from verl_ext.integration.update_hook import ROW_KEY
-
-        batch[ROW_KEY] = torch.arange(len(batch["response_mask"]))  # the token table's sample, to the workers
+def rows(batch_size: int) -> torch.Tensor:
+    """The value of :data:`update_hook.ROW_KEY` in a traced batch: each sample's row, which the
+    workers' reports name (the token table's ``sample``)."""
+    return torch.arange(batch_size)
 
 
-def after_v1_advantage(trainer: Any, batch_meta: Any) -> Any:
-    """Capture the V1 step; returns the batch meta the updates should use (with the row key when asked)."""
-    if _active is None or not _active.traces_current_step():
-        return batch_meta
-    import transfer_queue as tq
+#: What the V1 trainer's batch at its advantage step lacks and the trace needs, read from TransferQueue.
+V1_TOKEN_FIELDS = ("responses", "prompts")
 
-    from verl_ext.trace.schema import V1_COLUMNS
 
-    wanted = [column.v1_key for column in V1_COLUMNS]
-    if not (trainer.config.algorithm.use_kl_in_reward or "turn_score" in _active.pending):
-        wanted.remove("token_level_rewards")  # stored only when they differ from the scores (KL, per-turn rewards)
-    if batch_meta.fields is not None:
-        wanted = [name for name in wanted if name in batch_meta.fields or name == "uid"]
-        if "extra_fields" in batch_meta.fields:  # the agent loop's, with verl-ext's record of turns
-            wanted.append("extra_fields")
-    stored = tq.kv_batch_get(keys=batch_meta.keys, partition_id=batch_meta.partition_id, select_fields=wanted)
-    uid = stored.pop("uid").tolist()
-    extra_fields = stored.pop("extra_fields").tolist() if "extra_fields" in wanted else None
-    agent_turns = None if extra_fields is None else [e.get(TURNS_KEY) if isinstance(e, dict) else None for e in extra_fields]
-    prompts = stored.pop("prompts")
-    # under verl's batch keys, which the capture reads (the scores are rm_scores in V1)
-    tensors = {column.verl_key: _padded(stored[column.v1_key]) for column in V1_COLUMNS if column.v1_key in stored.keys()}
-    tensors.setdefault("token_level_rewards", tensors["token_level_scores"])
-    tensors["prompts"] = _padded(prompts)  # right-padded here, unlike the legacy batch
-    prompt_lengths = prompts.offsets().diff()
-    tensors["prompt_mask"] = torch.arange(tensors["prompts"].shape[1]) < prompt_lengths.unsqueeze(1)
-    _submit(tensors, uid, _active.pending.get("advantage_raw"), agent_turns)
-    if not _active.options.update:
-        return batch_meta
-    from tensordict import TensorDict
-
-    from verl_ext.integration.update_hook import ROW_KEY
-
-    rows = TensorDict({ROW_KEY: torch.arange(len(batch_meta.keys))}, batch_size=len(batch_meta.keys))
-    return tq.kv_batch_put(keys=batch_meta.keys, partition_id=batch_meta.partition_id, fields=rows)
+def v1_tensors(data: Any, stored: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The V1 step's tensors under verl's batch keys, as the legacy batch has them: ``data``, the batch
+    verl computed the advantages on and stores (its padded tensors equal TransferQueue's nested ones on
+    every response position), and ``stored``, the :data:`V1_TOKEN_FIELDS` read from TransferQueue."""
+    tensors = {key: data.batch[key] for key in data.batch.keys()}
+    if "responses" in stored:
+        tensors["responses"] = _padded(stored["responses"])
+    if "prompts" in stored:
+        prompts = stored["prompts"]
+        tensors["prompts"] = _padded(prompts)  # right-padded here, unlike the legacy batch
+        prompt_lengths = prompts.offsets().diff()
+        tensors["prompt_mask"] = torch.arange(tensors["prompts"].shape[1]) < prompt_lengths.unsqueeze(1)
+    return tensors
 
 
 def take_update_reports(metrics: dict) -> dict[str, list[dict]]:
@@ -190,16 +153,15 @@ LOGGED = {
 }
 
 
-def after_update(reports: dict[str, list[dict]], reduced: dict) -> None:
-    if _active is None:
-        return
+def submit_updates(writer: Any, step: int, reports: dict[str, list[dict]], reduced: dict) -> None:
+    """Hand an update's reports (:func:`take_update_reports`) to the writer, with verl's reduced metrics."""
     from verl_ext.trace.capture import UpdateCapture
 
     for kind, parts in reports.items():
         if kind not in LOGGED:
             continue
         logged = {key: float(reduced[key]) for key in LOGGED[kind] if key in reduced}
-        _active.writer.submit_update(UpdateCapture(step=_active.step, kind=kind, parts=parts, logged=logged))
+        writer.submit_update(UpdateCapture(step=step, kind=kind, parts=parts, logged=logged))
 
 
 def _flatten(value: Any) -> Iterator[dict]:
@@ -209,41 +171,6 @@ def _flatten(value: Any) -> Iterator[dict]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _flatten(item)
-
-
-def _submit(batch: Any, uid: Any, advantage_raw: torch.Tensor | None, agent_turns: Any = None) -> None:
-    """``agent_turns``: the agent loop's record of each sample's turns (one per row, or None)."""
-    from verl_ext.trace.capture import StepCapture
-    from verl_ext.trace.schema import FLOAT_COLUMNS
-
-    session = _active
-    pending, session.pending = session.pending, {}
-
-    def get(name: str) -> torch.Tensor | None:
-        return batch[name] if name in batch.keys() else None
-
-    prompts = get("prompts")
-    prompt_mask = get("prompt_mask")
-    if prompt_mask is None and prompts is not None and get("attention_mask") is not None:
-        prompt_mask = batch["attention_mask"][:, : prompts.shape[1]]  # verl: prompt part, left-padded
-    floats = {column.name: get(column.verl_key) for column in FLOAT_COLUMNS if column.verl_key}
-    computed = ("kl", "turn_score", "tool_reward")  # by verl-ext
-    floats |= {"advantage_raw": advantage_raw} | {name: pending.get(name) for name in computed}
-    session.writer.submit(
-        StepCapture(
-            step=session.step,
-            mask=batch["response_mask"],
-            token_id=get("responses"),
-            uid=None if uid is None else [str(u) for u in uid],
-            floats=floats,
-            prompts=prompts,
-            prompt_mask=prompt_mask,
-            kl_coef=pending.get("kl_coef"),
-            eos_token_ids=_eos_token_ids(session.trainer),
-            max_response_length=session.trainer.config.data.get("max_response_length"),
-            agent_turns=None if agent_turns is None else list(agent_turns),
-        )
-    )
 
 
 def _eos_token_ids(trainer: Any) -> tuple[int, ...] | None:
@@ -311,14 +238,16 @@ def _run_estimator(algorithm: Any):
 
 def update_settings(config: Any) -> dict[str, Any]:
     """How the actor and critic losses are computed and aggregated (what the update checks need)."""
+    from verl_ext.integration.update_hook import clip_bounds
+
     actor, critic, n = config.actor_rollout_ref.actor, config.get("critic") or {}, int(config.actor_rollout_ref.rollout.n)
-    clip = actor.get("clip_ratio", 0.2)
+    clip_low, clip_high = clip_bounds(actor)
     settings = {
         "actor": {
             "loss_mode": str((actor.get("policy_loss") or {}).get("loss_mode", "vanilla")),
             "loss_agg_mode": str(actor.loss_agg_mode),
-            "clip_ratio_low": float(actor.get("clip_ratio_low") if actor.get("clip_ratio_low") is not None else clip),
-            "clip_ratio_high": float(actor.get("clip_ratio_high") if actor.get("clip_ratio_high") is not None else clip),
+            "clip_ratio_low": float(clip_low),
+            "clip_ratio_high": float(clip_high),
             "clip_ratio_c": float(actor.clip_ratio_c),
             "loss_scale_factor": actor.get("loss_scale_factor"),
             "ppo_epochs": int(actor.get("ppo_epochs", 1)),

@@ -2,7 +2,7 @@
 
 verl computes each micro-batch's loss in its workers' loss functions (``verl.workers.utils.losses``
 ``ppo_loss`` and ``value_loss``), on padded (b, T) response tensors. When the batch carries
-:data:`ROW_KEY` (the trainer's side adds it to the steps it traces, :mod:`trace_hook`), the wrappers
+:data:`ROW_KEY` (the trainer's side adds it to the steps it traces, :mod:`step`), the wrappers
 here run verl's own loss function unchanged and report, for every valid token of the micro-batch,
 what the update did with it: the actor's log-prob, ratio, advantage, per-token loss term, clip and
 entropy; the critic's prediction, its clipped value, return and per-token loss term. The rows are
@@ -79,8 +79,7 @@ def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=Non
     advantages, mask = inputs["advantages"], inputs["response_mask"].bool()
     # compute_policy_loss_vanilla's own expressions (core_algos.py:1327-1364)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    low, high = clip_bounds(config)
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
     clipped = torch.gt(pg_losses2, pg_losses1)
@@ -100,6 +99,15 @@ def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=Non
     }
     metrics[PAYLOAD_KEY] = [_report("actor", data, mask, columns, dp_group)]
     return loss, metrics
+
+
+def clip_bounds(actor: Any) -> tuple[float, float]:
+    """(ε_low, ε_high) of the PPO clip as verl resolves them: ``clip_ratio_low`` and ``clip_ratio_high``
+    where set, else ``clip_ratio`` (verl's default 0.2). ``actor``: the actor's config, as the loss
+    function receives it or as the trainer's config holds it (both answer ``get``)."""
+    clip = actor.get("clip_ratio", 0.2)
+    low, high = actor.get("clip_ratio_low"), actor.get("clip_ratio_high")
+    return (clip if low is None else low, clip if high is None else high)
 
 
 def traced_value_loss(original: Callable, config, model_output, data, dp_group=None):

@@ -34,8 +34,8 @@ import pyarrow as pa
 import torch
 
 from verl_ext.estimators import whitening_moments
-from verl_ext.kernels import turn_starts
 from verl_ext.torch_threads import one_torch_thread
+from verl_ext.trace.agent_record import ASSISTANT_CODE, AgentRecord
 from verl_ext.trace.schema import (
     FLOAT_COLUMN_NAMES,
     LAYOUT,
@@ -50,6 +50,7 @@ from verl_ext.trace.schema import (
     StepEntry,
     UpdateEntry,
 )
+from verl_ext.turns import turn_index, turn_starts
 
 
 @dataclass
@@ -71,8 +72,8 @@ class StepCapture:
     kl_coef: float | None = None  # β applied at this step
     eos_token_ids: Sequence[int] | None = None  # what ends a response (for the eos/truncated flags)
     max_response_length: int | None = None  # data.max_response_length (for the truncated flag)
-    #: B records of the agent loop ({"roles": [[role, tokens], ...], "tool_calls", "turn_limit"}, or
-    #: None for a sample without one: verl_ext.integration.agent_turns); None: no sample has one
+    #: B records of the agent loop (each as AgentRecord.encode wrote it, or None for a sample without
+    #: one: verl_ext.trace.agent_record); None: no sample has one
     agent_turns: Sequence[Mapping[str, Any] | None] | None = None
 
 
@@ -108,9 +109,9 @@ class StepSnapshot:
 
     @cached_property
     def turn_starts(self) -> np.ndarray:
-        """(N, W) bool: the first token of every assistant turn (:func:`verl_ext.kernels.turn_starts`),
+        """(N, W) bool: the first token of every assistant turn (:func:`verl_ext.turns.turn_starts`),
         for the token table's ``turn`` and the prompt table's ``assistant_turns``."""
-        return turn_starts(torch.from_numpy(self.mask)).numpy()
+        return turn_starts(self.mask)
 
 
 def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "SnapshotMemory | None" = None) -> StepSnapshot:
@@ -231,8 +232,8 @@ def token_table(snapshot: StepSnapshot) -> pa.Table:
 
 def turns(starts: np.ndarray) -> np.ndarray:
     """(N, W) turn starts -> (N, W) int32: the assistant turn of every position (schema.TURN_DOC): the
-    turns begun up to it, less one; 0 before the first."""
-    return np.maximum(np.cumsum(starts, axis=1, dtype=np.int32) - 1, 0)
+    turns begun up to it, less one (:func:`verl_ext.turns.turn_index`); 0 before the first."""
+    return np.maximum(turn_index(starts), 0).astype(np.int32)
 
 
 def prompt_table(snapshot: StepSnapshot) -> pa.Table:
@@ -283,24 +284,23 @@ def _agent_turns(records: Sequence[Mapping[str, Any] | None] | None, mask: np.nd
     ``assistant`` wherever the mask is true: verl's response mask marks exactly the tokens the model
     generated. A hole's tokens take the agent loop's record when it covers the response and agrees
     with its mask; otherwise (no record, or one that disagrees) they stay unknown."""
-    role = np.where(mask, np.int8(0), np.int8(-1)).astype(np.int8)
+    role = np.where(mask, np.int8(ASSISTANT_CODE), np.int8(-1)).astype(np.int8)
     if records is None:
         return {"role": role}
     kept = mask.shape[0]
     tool_calls = np.full(kept, -1, np.int32)
     turn_limit = np.full(kept, -1, np.int8)
-    index = {name: code for code, name in enumerate(ROLE_CODES)}
-    for row, record in enumerate(records[:kept]):
-        if not record:
+    for row, encoded in enumerate(records[:kept]):
+        record = AgentRecord.decode(encoded)
+        if record is None:
             continue
-        runs = record.get("roles") or []
-        codes = np.repeat(np.array([index.get(name, -1) for name, _ in runs], np.int8), [int(n) for _, n in runs])
+        codes = record.role_codes()
         length = int(lengths[row])
-        if len(codes) < length or not np.array_equal(codes[:length] == 0, mask[row, :length]) or (codes[:length] < 0).any():
+        if len(codes) < length or not np.array_equal(codes[:length] == ASSISTANT_CODE, mask[row, :length]) or (codes[:length] < 0).any():
             continue
         role[row, :length] = codes[:length]
-        tool_calls[row] = int(record.get("tool_calls", -1))
-        turn_limit[row] = int(record["turn_limit"]) if record.get("turn_limit") is not None else -1
+        tool_calls[row] = -1 if record.tool_calls is None else record.tool_calls
+        turn_limit[row] = -1 if record.turn_limit is None else int(record.turn_limit)
     return {"role": role, "tool_calls": tool_calls, "turn_limit": turn_limit}
 
 

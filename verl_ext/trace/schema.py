@@ -206,7 +206,7 @@ FLOAT_COLUMN_NAMES = tuple(column.name for column in FLOAT_COLUMNS)
 
 #: Multi-turn responses (an agent loop's tool answers are mask-0 holes inside the response).
 TURN_DOC = (
-    "k: the assistant turn of token t (docs/definitions.md §10): 0 up to the end of the first run of "
+    "k: the assistant turn of token t (docs/definitions.md §7): 0 up to the end of the first run of "
     "valid tokens, then 1 from the first valid token after a hole, …; a hole's tokens keep the turn before it"
 )
 #: ``role`` values: who wrote a response token, as the agent loop appended it
@@ -285,6 +285,11 @@ CRITIC_UPDATE_COLUMNS = (
     Column("vf_clipped", pa.bool_(), "the clipped square is the larger one (counted in critic/vf_clipfrac)"),
 )
 UPDATE_COLUMNS = {"actor": ACTOR_UPDATE_COLUMNS, "critic": CRITIC_UPDATE_COLUMNS}
+
+
+def since(name: str) -> int:
+    """The schema version that added the token or prompt column ``name`` (its ``Column.since``)."""
+    return next(column.since for column in (*TOKEN_COLUMNS, *PROMPT_COLUMNS) if column.name == name)
 
 
 def added_after(version: int) -> frozenset[str]:

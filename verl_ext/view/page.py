@@ -166,7 +166,7 @@ def page_data(trace, start_step: int, start_sample: int | None, selection: Selec
     tokens and its statistics, with the summary and the check of those steps."""
     from verl_ext.inspect.check import check_trace
     from verl_ext.inspect.summary import summarize
-    from verl_ext.view.payload import StepSource, check_failures, clean, run_info
+    from verl_ext.view.payload import StepSource, check_failures, check_not_checked, clean, run_info
 
     summary = {row["step"]: row for row in summarize(trace, selection.steps).to_pylist()}
     report = check_trace(trace, selection.steps)
@@ -194,7 +194,9 @@ def page_data(trace, start_step: int, start_sample: int | None, selection: Selec
         "check": {
             "steps": list(report.steps),
             "passed": report.passed,
+            "verdict": report.verdict,
             "failures": check_failures(report),
+            "not_checked": check_not_checked(report),
             "identities": [{"identity": r.identity, "title": r.title, "status": r.status} for r in report.identities],
         },
         "steps": steps,

@@ -3,11 +3,11 @@ the self-contained page and for the server (the script in ``static/viewer.js`` r
 only chooses what to send and encodes it: every number, flag and join comes from
 :mod:`verl_ext.inspect` (StepData, StepLayout, the update join, the comparison) and the trace reader.
 
-* :func:`page_schema`: what the page's script knows of the data, sent with it (the clip codes, the
-  token table's float columns, the update columns and how to show each, the summary's fields, the
-  quantities a token can be coloured by), all derived from their records (:mod:`verl_ext.trace.schema`,
-  :data:`verl_ext.inspect.summary.SUMMARY_SCHEMA`): a new column or field reaches the page by its
-  record alone;
+* :func:`page_schema`: what the page's script knows of the data, sent with it (the clip codes and
+  their colours, the index of an unknown code, the token table's float columns, the update columns
+  and how to show each, the summary's fields, the quantities a token can be coloured by), all
+  derived from their records (:mod:`verl_ext.trace.schema`, :data:`verl_ext.inspect.summary.SUMMARY_SCHEMA`):
+  a new column or field reaches the page by its record alone;
 * :func:`run_info`: what the page says about the run (estimator, steps, tokenizer).
 * :class:`StepSource`: one step read once (token table, prompts, update tables), and from it
   - :meth:`~StepSource.overview`: every sample of the step with its flags (wrong answer, truncated,
@@ -30,7 +30,8 @@ import base64
 import hashlib
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -47,15 +48,32 @@ CENTRES = {"ratio": 1.0}
 #: A code column (``clip``, ``role``) as small integers: the index in its codes (CLIP_CODES,
 #: ROLE_CODES), NO_CODE when null or unknown (:func:`code_indices`).
 NO_CODE = 255
+#: The colour of a token in each clip region (an unclipped token's is white, with dark text).
+CLIP_COLOURS = {schema.CLIP_NONE: "#ffffff", schema.CLIP_LOW: "#4575b4", schema.CLIP_HIGH: "#d73027", schema.CLIP_DUAL: "#7b3294"}
 #: Update-table columns the page does not show per token: where a row was trained beyond its
 #: mini-batch (the join keys and the token table's own columns are left out as well).
 UPDATE_NOT_SHOWN = ("epoch", "microbatch", "rank")
-#: How the page shows an update column, by its Arrow type; and how it travels.
+#: How each encoding travels: little-endian float32, int32, uint8.
+_DTYPES = {"f4": np.dtype("<f4"), "i4": np.dtype("<i4"), "u1": np.dtype("u1")}
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How the page shows an update column (its ``name``), how it travels, how its values are read
+    from the table, and what a token the epoch did not train gets."""
+
+    name: str
+    encoding: str
+    read: Callable[[pa.ChunkedArray], np.ndarray]
+    untrained: float
+
+
+#: The kind of an update column, by its Arrow type.
 _KINDS = (
-    (pa.types.is_string, "code", "u1"),  # an index into CLIP_CODES
-    (pa.types.is_boolean, "flag", "u1"),
-    (pa.types.is_integer, "int", "i4"),
-    (pa.types.is_floating, "float", "f4"),
+    (pa.types.is_string, _Kind("code", "u1", lambda data: code_indices(data, schema.CLIP_CODES), NO_CODE)),
+    (pa.types.is_boolean, _Kind("flag", "u1", lambda data: data.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint8), 0)),
+    (pa.types.is_integer, _Kind("int", "i4", lambda data: data.to_numpy().astype(np.int32), 0)),
+    (pa.types.is_floating, _Kind("float", "f4", lambda data: floats(data, np.float32), np.nan)),
 )
 #: The summary's fields the step line leaves out (the whitening μ, σ stand for the raw advantage's
 #: mean and std; the rest are in ``verl-ext summary``); every other field of SUMMARY_SCHEMA is shown.
@@ -103,11 +121,10 @@ def update_columns() -> dict[str, tuple[schema.Column, ...]]:
     }
 
 
-def _kind(column: schema.Column) -> tuple[str, str]:
-    """(how the page shows it, how it travels) of an update column."""
-    for test, kind, encoding in _KINDS:
+def _kind(column: schema.Column) -> _Kind:
+    for test, kind in _KINDS:
         if test(column.type):
-            return kind, encoding
+            return kind
     raise TypeError(f"update column {column.name}: the view cannot show type {column.type}")
 
 
@@ -121,7 +138,7 @@ def page_schema() -> dict:
     shown: dict[str, str] = {}
     for columns in update_columns().values():
         for column in columns:
-            shown.setdefault(column.name, _kind(column)[0])
+            shown.setdefault(column.name, _kind(column).name)
     quantities = []
     for key, kind, label, *reads in QUANTITIES:
         name = reads[0] if reads else key
@@ -134,6 +151,9 @@ def page_schema() -> dict:
     fields = [name for name in summary_module.SUMMARY_SCHEMA.names if name not in SUMMARY_NOT_SHOWN]
     return {
         "clip_codes": list(schema.CLIP_CODES),
+        "clip_colours": {code: CLIP_COLOURS[code] for code in schema.CLIP_CODES},
+        "clip_none": schema.CLIP_NONE,
+        "no_code": NO_CODE,
         "float_columns": [column.name for column in schema.FLOAT_COLUMNS],
         "update_columns": [{"name": name, "kind": kind} for name, kind in shown.items()],
         "summary_fields": [{"key": name, "label": SUMMARY_LABELS.get(name, name), "digits": SUMMARY_DIGITS.get(name, 4)} for name in fields],
@@ -146,8 +166,7 @@ def page_schema() -> dict:
 
 def encode(values: np.ndarray, kind: str) -> dict[str, str]:
     """An array as ``{"t": kind, "b": base64}``; kind "f4" (float32), "i4" (int32) or "u1" (uint8)."""
-    dtype = {"f4": "<f4", "i4": "<i4", "u1": "u1"}[kind]
-    return {"t": kind, "b": base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode("ascii")}
+    return {"t": kind, "b": base64.b64encode(np.ascontiguousarray(values, dtype=_DTYPES[kind]).tobytes()).decode("ascii")}
 
 
 def clean(value: Any) -> Any:
@@ -362,11 +381,10 @@ class StepSource:
             for name in rows.columns:
                 if name in columns:
                     continue
-                encoding = rows.encodings[name]
-                fill = NO_CODE if name in rows.codes else np.nan if encoding == "f4" else 0
-                out = np.full(part.num_rows, fill, {"i4": np.int32, "u1": np.uint8, "f4": np.float32}[encoding])
+                kind = rows.kinds[name]
+                out = np.full(part.num_rows, kind.untrained, _DTYPES[kind.encoding])
                 out[target] = rows.values(name)[picked][found]
-                columns[name] = encode(out, encoding)
+                columns[name] = encode(out, kind.encoding)
         return {"epoch": epoch, "trained": encode(trained, "u1"), "columns": columns}
 
     # ------------------------------------------------------------------ estimators and statistics
@@ -433,6 +451,7 @@ class StepSource:
             "comparison_notes": notes,
             "scales": {f"est:{label}": _largest(values) for label, values in raw.items()},
             "check": None if report is None else check_failures(report, self.step),
+            "not_checked": None if report is None else check_not_checked(report),
         })  # fmt: skip
 
 
@@ -458,6 +477,16 @@ def check_failures(report, step: int | None = None) -> list[dict]:
     return failures
 
 
+def check_not_checked(report) -> list[dict]:
+    """Why identities of a CheckReport that apply to the run were not evaluated (the check is
+    incomplete, never passed then): each reason with the identities it kept from being checked."""
+    titles = {result.identity: result.title for result in report.identities}
+    return [
+        {"reason": reason, "identities": [{"identity": name, "title": titles.get(name, name)} for name in names]}
+        for reason, names in report.not_checked.items()
+    ]
+
+
 class _UpdateRows:
     """One update table of a step (the columns the page shows) as numpy arrays, findable by
     (sample, epoch): code columns as their index in CLIP_CODES, flags as 0/1, floats as float32."""
@@ -468,7 +497,7 @@ class _UpdateRows:
         self.sample = table.column("sample").to_numpy()
         self.token_index = table.column("token_index").to_numpy()
         self.epoch = table.column("epoch").to_numpy()
-        self.encodings: dict[str, str] = {}
+        self.kinds: dict[str, _Kind] = {}
         self._values: dict[str, np.ndarray] = {}
         self.codes: dict[str, np.ndarray] = {}
         #: the float columns (non-finite values are flagged)
@@ -477,16 +506,12 @@ class _UpdateRows:
             data = table.column(column.name)
             if data.null_count >= max(table.num_rows, 1):
                 continue
-            kind_shown, self.encodings[column.name] = _kind(column)
-            if kind_shown == "code":
-                values = self.codes[column.name] = code_indices(data, schema.CLIP_CODES)
-            elif kind_shown == "flag":
-                values = data.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint8)
-            elif kind_shown == "int":
-                values = data.to_numpy().astype(np.int32)
-            else:
-                values = self.floats[column.name] = floats(data, np.float32)
-            self._values[column.name] = values
+            kind = self.kinds[column.name] = _kind(column)
+            values = self._values[column.name] = kind.read(data)
+            if kind.name == "code":
+                self.codes[column.name] = values
+            elif kind.name == "float":
+                self.floats[column.name] = values
         self.columns = list(self._values)
         # rows by (epoch, sample): the writer's order already, so sorting is only a fallback
         key = self.epoch.astype(np.int64) << 32 | self.sample.astype(np.int64)

@@ -7,7 +7,7 @@ Routes (GET and HEAD only; any other method is 405, any other path 404):
     /api/run                          the run (the trace is listed again: steps written since appear)
     /api/step?step=N                  the step's responses and their flags
     /api/sample?step=N&sample=S       one response, token by token
-    /api/stats?step=N                 the step's summary, the estimators compared, its check failures
+    /api/stats?step=N                 the step's summary, the estimators compared, its check failures and what it could not check
     /api/prompt?key=K                 where a prompt appears across steps
 
 Read-only, and no URL names a file: every answer is computed from the trace the server was started

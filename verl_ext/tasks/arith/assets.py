@@ -19,43 +19,35 @@
   ``extra_info.index``); validation problems are held out from the warm start and from RL.
 * the reward function is :mod:`verl_ext.tasks.arith.reward` (a source file verl loads by path).
 
-The build is idempotent and safe to race: a finished build is a directory named after the hash of
-its spec, published with an atomic rename; a second process that asks while the first builds waits
-for it (a lock file beside the cache) and then reads the cache.
+``describe()`` prints what the demo shows of them before training.
+
+The build is idempotent and safe to race (:func:`verl_ext.tasks.common.cached_build`): a finished
+build is a directory named after the hash of its spec, published with an atomic rename; a second
+process that asks while the first builds waits for it (a lock file beside the cache) and then reads
+the cache.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from verl_ext.tasks.arith import reward
 from verl_ext.tasks.arith.task import Problem, balanced_sample, problem_sets
 from verl_ext.tasks.arith.value_pretraining import ValuePretrainingSettings
 from verl_ext.tasks.arith.warm_start import WarmStartSettings
+from verl_ext.tasks.common import BOS, EOS, PAD, ROLE_TOKENS, UNK, cached_build, character_tokenizer, tiny_llama
 
 #: Bump when the layout or content of the assets changes, so old caches are not reused.
 ASSETS_FORMAT = 4
 
-PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
-ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 #: What the task and the seed dialogue ("请问1+1=2？" / "是的，等于2！") need.
 CHARACTERS = "0123456789+-*/=?()., \n" + "请问是的，等于！？不"
-#: Renders ``<|role|>content`` per message; an assistant turn ends with EOS.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}" + EOS + "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 DATA_SOURCE = "verl_ext/sum_check"
 
 
@@ -96,46 +88,9 @@ class CpuAssets:
     max_prompt_length: int = 16
 
 
-def default_cache_dir() -> Path:
-    """``$VERL_EXT_CPU_ASSETS`` if set, else ``~/.cache/verl_ext/cpu_assets``."""
-    return Path(os.environ.get("VERL_EXT_CPU_ASSETS") or Path.home() / ".cache" / "verl_ext" / "cpu_assets")
-
-
 def build_assets(cache_dir: str | os.PathLike | None = None, spec: AssetSpec = AssetSpec()) -> CpuAssets:
     """Build the assets for ``spec`` under ``cache_dir`` unless they already exist; return their paths."""
     return _paths(cached_build(cache_dir, spec, lambda staging: _build(staging, spec)))
-
-
-def cached_build(cache_dir: str | os.PathLike | None, spec, build: Callable[[Path], None]) -> Path:
-    """The directory of ``spec``'s assets under ``cache_dir`` (default :func:`default_cache_dir`):
-    ``build(staging)`` writes them once, into a staging directory published by an atomic rename
-    with ``spec.json`` (the dataclass ``spec``, whose ``key()`` names the directory) beside them.
-    A second caller waits for a build in progress (a lock file beside the cache) and then reads it."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / spec.key()
-    if not (target / "spec.json").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / f".{spec.key()}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits for the first build instead of building too
-            if not (target / "spec.json").exists():
-                _publish(target, spec, build)
-    return target
-
-
-def _publish(target: Path, spec, build: Callable[[Path], None]) -> None:
-    """Build into a staging directory beside ``target``, then publish it with an atomic rename."""
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the published assets are plain files
-    try:
-        build(staging)
-        (staging / "spec.json").write_text(json.dumps(asdict(spec), indent=2))
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "spec.json").exists():  # not another builder (without the lock) winning the race
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _build(staging: Path, spec: AssetSpec) -> None:
@@ -157,60 +112,13 @@ def _paths(target: Path) -> CpuAssets:
 
 
 def token_id(character: str) -> int:
-    """The id of one character in the tokenizer :func:`build_tokenizer` builds."""
+    """The id of one character in the tokenizer :func:`build_tokenizer` builds, without building it."""
     return len((PAD, UNK, BOS, EOS, *ROLE_TOKENS)) + CHARACTERS.index(character)
 
 
-def special_token_id(token: str) -> int:
-    """The id of a special token (``EOS``, ``PAD``, a role) in the tokenizer :func:`build_tokenizer` builds."""
-    return (PAD, UNK, BOS, EOS, *ROLE_TOKENS).index(token)
-
-
-def build_tokenizer(
-    roles: tuple[str, ...] = ROLE_TOKENS, characters: str = CHARACTERS, plain_tokens: tuple[str, ...] = (),
-    chat_template: str = CHAT_TEMPLATE,
-):
-    """A character-level tokenizer: the special tokens and ``roles``, then one token per character of
-    ``characters``, then ``plain_tokens``: multi-character tokens that are not special, so that verl's
-    reward, which decodes without special tokens, still sees them (a tool's ``<tool_response>``)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = [PAD, UNK, BOS, EOS, *roles]
-    vocab = {token: index for index, token in enumerate(specials + list(characters))}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
-    backend.decoder = decoders.Fuse()  # join characters back without separators
-    backend.add_special_tokens(specials)
-    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in plain_tokens])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=EOS
-    )
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def tiny_llama(tokenizer, spec):
-    """A ``llama`` initialised at random (seeded by ``spec.seed``) of ``spec``'s hidden size, layers and
-    heads, for ``tokenizer``'s vocabulary."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=2 * spec.hidden_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(spec.seed)
-    return LlamaForCausalLM(config)
+def build_tokenizer():
+    """The task's tokenizer: one token per character of :data:`CHARACTERS` (:func:`verl_ext.tasks.common.character_tokenizer`)."""
+    return character_tokenizer(CHARACTERS)
 
 
 def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Problem], val: list[Problem]) -> None:
@@ -276,3 +184,26 @@ def _write_prompts(directory: Path, spec: AssetSpec) -> tuple[list[Problem], lis
         rows = [prompt_row(problem, split, index) for index, problem in enumerate(problems)]
         pd.DataFrame(rows).to_parquet(directory / f"{split}.parquet")
     return train, val
+
+
+def describe() -> None:
+    """The task, its warm start and its pretrained critic, as the demo shows them before training
+    (the assets built first, when they are not in the cache)."""
+    assets = build_assets()
+    report = json.loads(assets.warm_start_report.read_text())
+    right, wrong = Problem(2, 3, 5), Problem(2, 3, 6)
+    print(f"  task: {right.question()} -> {right.answer()}    {wrong.question()} -> {wrong.answer()}")
+    print("  reward on the last token: 1.0 fully right; else 0.2 for the right sum + 0.2 for the right verdict")
+    greedy, sampled = report["held_out_greedy"], report["held_out_sampled"]
+    print(
+        f"  warm start ({report['settings']['steps']} supervised steps, verdict prior "
+        f"{report['settings']['verdict_prior']}): held-out sum right {greedy['sum']:.2f} (greedy); "
+        f"verdict right {sampled['verdict']:.2f} sampled, {greedy['verdict']:.2f} greedy"
+    )
+    critic = json.loads(assets.value_pretraining_report.read_text())
+    fit = critic["held_out_fit"]
+    print(
+        f"  critic pretrained on the warm start's own answers ({critic['wrong_verdicts']:.0%} wrong verdicts, "
+        f"{critic['updates']} updates): held-out explained variance {fit['ev_after_verdict']:.2f} after the verdict, "
+        f"{fit['ev_before_verdict']:.2f} before it"
+    )

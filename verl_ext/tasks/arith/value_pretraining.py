@@ -29,7 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from verl_ext.tasks.arith.task import VERDICT_MARK, Problem, score_response, verdict_index
-from verl_ext.tasks.arith.warm_start import left_padded, position_ids, prompt_ids
+from verl_ext.tasks.arith.warm_start import prompt_ids
+from verl_ext.tasks.common import left_padded, position_ids
 from verl_ext.torch_threads import one_torch_thread
 
 

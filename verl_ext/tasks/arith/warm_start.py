@@ -11,11 +11,11 @@ Deterministic given the seed: one CPU thread, seeded sampling of problems and ve
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
 from verl_ext.tasks.arith.task import NO, YES, Problem, score_response
+from verl_ext.tasks.common import fine_tune, left_padded
 from verl_ext.torch_threads import one_torch_thread
 
 
@@ -51,38 +51,6 @@ def supervised_fine_tune(model, tokenizer, problems: list[Problem], settings: Wa
     return fine_tune(model, tokenizer.pad_token_id, batch, settings, seed)
 
 
-def fine_tune(model, pad_id: int, batch, settings, seed: int) -> float:
-    """Fine-tune ``model`` in place for ``settings.steps`` steps on ``batch(rng)`` (a list of rows
-    ``(prompt_ids, response_ids)`` or ``(prompt_ids, response_ids, loss_mask)``); return the last loss.
-
-    Loss: mean negative log-likelihood of the response tokens with loss (all of them when a row has
-    no ``loss_mask``). Adam, linear warm-up then cosine decay to 0.1 of ``settings.lr``, gradient
-    norm clipped at 1.
-    """
-    import torch
-
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    with one_torch_thread():
-        for step in range(settings.steps):
-            input_ids, attention_mask, response_mask = left_padded(batch(rng), pad_id)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-            target = response_mask[:, 1:]
-            loss = -(logp * target).sum() / target.sum()
-            for group in optimizer.param_groups:
-                group["lr"] = settings.lr * _schedule(step, settings)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-    model.eval()
-    return float(loss.detach())
-
-
 def evaluate(model, tokenizer, problems: list[Problem], *, samples: int = 1, greedy: bool = True, seed: int = 0) -> Evaluation:
     """Generate for each problem (greedy, or ``samples`` samples at temperature 1) and score the answers."""
     import torch
@@ -113,11 +81,6 @@ def evaluate(model, tokenizer, problems: list[Problem], *, samples: int = 1, gre
     )
 
 
-def _schedule(step: int, settings: WarmStartSettings) -> float:
-    warmup = min(1.0, (step + 1) / settings.warmup_steps)
-    return warmup * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / settings.steps)))
-
-
 def prompt_ids(tokenizer, problem: Problem) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": problem.question()}], tokenize=False, add_generation_prompt=True
@@ -131,27 +94,3 @@ def answer_ids(tokenizer, problem: Problem, right_verdict: bool) -> list[int]:
     if not right_verdict:
         answer = answer.replace(YES, NO) if problem.right else answer.replace(NO, YES)
     return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-
-
-def left_padded(rows: list[tuple], pad_id: int):
-    """(input_ids, attention_mask, response_mask) of prompt+response rows, left-padded as verl does.
-
-    A row is ``(prompt_ids, response_ids)``, or ``(prompt_ids, response_ids, response_mask)`` when
-    some response tokens are not the model's (a tool's answer: 0)."""
-    import torch
-
-    width = max(len(row[0]) + len(row[1]) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    response_mask = torch.zeros((len(rows), width))
-    for index, (prompt, response, *mask) in enumerate(rows):
-        start = width - len(prompt) - len(response)
-        input_ids[index, start:] = torch.tensor(prompt + response)
-        attention_mask[index, start:] = 1
-        if response:
-            response_mask[index, width - len(response) :] = torch.tensor(mask[0] if mask else [1.0] * len(response))
-    return input_ids, attention_mask, response_mask
-
-
-def position_ids(attention_mask):
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)

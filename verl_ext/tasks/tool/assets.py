@@ -1,6 +1,7 @@
 """The tool task's assets, built at run time like the arithmetic task's (nothing downloaded).
 
-``build_assets()`` writes, once per spec, into the same cache as :mod:`verl_ext.tasks.arith.assets`:
+``build_assets()`` writes, once per spec, into the same cache as :mod:`verl_ext.tasks.arith.assets`
+(:func:`verl_ext.tasks.common.cached_build`):
 
 * ``model/``: the same tiny ``llama`` (hidden 128, 2 layers), warm-started on both paths
   (:mod:`verl_ext.tasks.tool.warm_start`), with the tokenizer below;
@@ -8,6 +9,8 @@
   how often its head and the tool path get the answer right);
 * ``train.parquet`` / ``val.parquet``: verl RLHFDataset rows with ``agent_name: tool_agent``, so
   verl's own ``ToolAgentLoop`` runs every prompt.
+
+``describe()`` prints what the demo shows of them before training.
 
 What the tokenizer and chat template give verl's tool agent loop (hermes format):
 
@@ -33,12 +36,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verl_ext.tasks.arith.assets import EOS, ROLE_TOKENS, build_tokenizer, cached_build, tiny_llama
 from verl_ext.tasks.arith.assets import CHARACTERS as ARITH_CHARACTERS
 from verl_ext.tasks.arith.task import Problem
+from verl_ext.tasks.common import EOS, ROLE_TOKENS, cached_build, character_tokenizer, tiny_llama
 from verl_ext.tasks.tool import reward
 from verl_ext.tasks.tool.task import (
-    CALL_END, CALL_PREFIX, CALL_SEPARATOR, CALL_START, CALL_SUFFIX, RESPONSE_END, RESPONSE_START, problem_sets,
+    CALL_END, CALL_PREFIX, CALL_SEPARATOR, CALL_START, CALL_SUFFIX, RESPONSE_END, RESPONSE_START, call_text, problem_sets,
 )  # fmt: skip
 from verl_ext.tasks.tool.warm_start import WarmStartSettings
 
@@ -130,8 +133,8 @@ def build_assets(cache_dir=None, spec: AssetSpec = AssetSpec()) -> ToolAssets:
 
 
 def build_tool_tokenizer():
-    return build_tokenizer(
-        roles=(*ROLE_TOKENS, TOOL_ROLE), characters=ARITH_CHARACTERS, plain_tokens=PLAIN_TOKENS, chat_template=CHAT_TEMPLATE
+    return character_tokenizer(
+        ARITH_CHARACTERS, roles=(*ROLE_TOKENS, TOOL_ROLE), plain_tokens=PLAIN_TOKENS, chat_template=CHAT_TEMPLATE
     )
 
 
@@ -176,3 +179,21 @@ def _build(staging: Path, spec: AssetSpec) -> None:
         f"{held_out.head_acc:.2f} from its head (sum right {held_out.tool_sum:.2f} / {held_out.head_sum:.2f})",
         file=sys.stderr, flush=True,
     )  # fmt: skip
+
+
+def describe() -> None:
+    """The task and its warm start, as the demo shows them before training (the assets built
+    first, when they are not in the cache)."""
+    assets = build_assets()
+    report = json.loads(assets.warm_start_report.read_text())
+    problem = Problem(37, 48, 86)
+    print(f"  task: {problem.question()} -> {problem.answer()}, sums of {AssetSpec.digits}-digit numbers, with a calculator to call:")
+    print(f"    {call_text(problem)}</s> <|tool|><tool_response>{problem.a + problem.b}</tool_response><|assistant|> {problem.answer()}</s>")
+    print("    (the tool's message and the next <|assistant|> are verl's tool agent loop's: mask 0, not trained)")
+    print("  reward on the last token, of the answer after the tool's: 1.0 fully right; else 0.2 right sum + 0.2 right verdict")
+    settings, held_out = report["settings"], report["held_out"]
+    print(
+        f"  warm start ({settings['steps']} supervised steps; tool prior {settings['tool_prior']}, verdict prior "
+        f"{settings['verdict_prior']}): held out, it calls the tool with probability {held_out['call_probability']:.2f};"
+        f" greedy sum right {held_out['tool_sum']:.2f} through the tool, {held_out['head_sum']:.2f} from its head"
+    )

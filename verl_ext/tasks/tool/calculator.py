@@ -3,7 +3,7 @@
 It also gives the call a small reward, as a user might for a well-formed call: both arguments are
 integers in the call's JSON. verl keeps it in ``extra_fields["tool_rewards"]`` and leaves it out of
 the token rewards; with ``verl_ext.turn_rewards=true`` it is added to the reward of the calling turn's
-last token (docs/definitions.md §10). A malformed call earns nothing: verl answers an unknown name or
+last token (docs/definitions.md §7). A malformed call earns nothing: verl answers an unknown name or
 broken JSON itself with reward 0, and here arguments of another type get 0.
 """
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from verl_ext.tasks.arith import warm_start as arith_warm_start
 from verl_ext.tasks.arith.task import Problem, score_response
-from verl_ext.tasks.arith.warm_start import answer_ids, fine_tune, left_padded, position_ids, prompt_ids
+from verl_ext.tasks.arith.warm_start import answer_ids, prompt_ids
+from verl_ext.tasks.common import fine_tune, left_padded, position_ids
 from verl_ext.tasks.tool.task import call_text
 from verl_ext.torch_threads import one_torch_thread
 

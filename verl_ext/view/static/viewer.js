@@ -18,7 +18,8 @@
   // (token table), delta (td0's re-estimate), update (the chosen PPO epoch's row), difference (of two
   // token columns); "estimate" (a re-estimated raw advantage) is added per estimator of the step.
   const BASE_QUANTITIES = DATA.quantities;
-  const CLIP_COLOURS = { none: "#ffffff", low: "#4575b4", high: "#d73027", dual: "#7b3294" };
+  const CLIP_COLOURS = DATA.clip_colours;  // clip code -> the colour of its tokens
+  const CLIP_NONE = DATA.clip_none;  // the code of an unclipped token (light: dark text on it)
   const FILTERS = {
     all: () => true,
     wrong: (s) => s.wrong,
@@ -28,7 +29,7 @@
     tool: (s) => s.tool_calls > 0,
     notool: (s) => s.tool_calls === 0,
   };
-  const NO_ROLE = 255;  // payload.NO_CODE: a token whose role no agent loop recorded
+  const NO_CODE = DATA.no_code;  // a code column's index where the code is null or unknown (a role no agent loop recorded)
   // Token colours are classes c-20 … c20 (see colourRules).
   const STEPS = 20;
 
@@ -278,7 +279,7 @@
       sheet.insertRule(`.tok.c${k} { background-color: ${diverging(k / STEPS)};${Math.abs(k / STEPS) > 0.65 ? " color: #fff;" : ""} }`, sheet.cssRules.length);
     }
     for (const code of CLIP_CODES) {
-      sheet.insertRule(`.tok.clip-${code} { background-color: ${CLIP_COLOURS[code]};${code === "none" ? "" : " color: #fff;"} }`, sheet.cssRules.length);
+      sheet.insertRule(`.tok.clip-${code} { background-color: ${CLIP_COLOURS[code]};${code === CLIP_NONE ? "" : " color: #fff;"} }`, sheet.cssRules.length);
     }
     sheet.insertRule(".tok.c-inf { background-color: #000; color: #fff; }", sheet.cssRules.length);
   }
@@ -476,19 +477,22 @@
   function renderCheck(view, stats) {
     const box = clear($("check"));
     box.className = "panel";
-    let failures, scope;
+    let failures, notChecked, scope;
     if (!SERVED) {
       failures = DATA.check.failures;
+      notChecked = DATA.check.not_checked || [];
       scope = DATA.check.steps.length === 1 ? `step ${DATA.check.steps[0]}` : `the ${DATA.check.steps.length} steps in this file`;
     } else if (stats && stats.check) {
       failures = stats.check;
+      notChecked = stats.not_checked || [];
       scope = `step ${view.step}`;
     } else {
       return;
     }
-    box.classList.add(failures.length ? "fail" : "pass");
+    box.classList.add(failures.length ? "fail" : notChecked.length ? "incomplete" : "pass");
     if (!failures.length) {
-      box.appendChild(el("span", { text: `verl-ext check: every identity of docs/definitions.md §8 holds on ${scope}` }));
+      if (notChecked.length) appendNotChecked(box, notChecked, scope);
+      else box.appendChild(el("span", { text: `verl-ext check: every identity of docs/definitions.md §8 holds on ${scope}` }));
       return;
     }
     box.appendChild(el("b", { text: `verl-ext check: ${failures.length} failed (identity, step) on ${scope}` }));
@@ -501,6 +505,23 @@
       const inView = stepsShown().includes(f.step) && f.sample !== null;
       item.appendChild(inView ? link(f.text, where, { class: "failure" }) : el("span", { text: f.text }));
       if (f.violations > 1) item.appendChild(document.createTextNode(` — ${f.violations} tokens in all`));
+      list.appendChild(item);
+    }
+    box.appendChild(list);
+    if (notChecked.length) appendNotChecked(box, notChecked, scope);
+  }
+
+  // Identities that apply to the run but could not be evaluated here (the run's estimator does not
+  // import where the page was made): the check is incomplete, which the panel never shows as holding.
+  function appendNotChecked(box, notChecked, scope) {
+    const count = notChecked.reduce((n, reason) => n + reason.identities.length, 0);
+    box.appendChild(el("b", { text: `verl-ext check: incomplete, ${count} ${count === 1 ? "identity" : "identities"} not checked on ${scope}` }));
+    const list = el("ul", { id: "not-checked" });
+    for (const reason of notChecked) {
+      const names = reason.identities.map((i) => i.identity);
+      const item = el("li", { "data-identities": names.join(",") });
+      item.appendChild(el("b", { text: names.join(", ") }));
+      item.appendChild(document.createTextNode(`: ${reason.reason}`));
       list.appendChild(item);
     }
     box.appendChild(list);
@@ -548,8 +569,8 @@
       if (!(idNull && idNull[row] === 1)) span.setAttribute("data-id", ids[row]);
       span.setAttribute("data-mask", valid ? "1" : "0");
       span.setAttribute("data-turn", turns[row]);
-      if (roles[row] !== NO_ROLE) span.setAttribute("data-role", chunk.role_names[roles[row]]);
-      if (!valid && roles[row] !== NO_ROLE) span.classList.add(`role-${chunk.role_names[roles[row]]}`);
+      if (roles[row] !== NO_CODE) span.setAttribute("data-role", chunk.role_names[roles[row]]);
+      if (!valid && roles[row] !== NO_CODE) span.classList.add(`role-${chunk.role_names[roles[row]]}`);
       // the first token the policy wrote after a hole opens an assistant turn
       if (valid && row > view.begin && turns[row] !== turns[row - 1]) span.classList.add("turn-start");
       span._row = row;

@@ -1,0 +1,53 @@
+"""The per-token trace of a training step (verl_ext.integration.trace_hook), in-process: the plugin's
+real fit() wrapper of the legacy trainer around the stand-in for verl's advantage step of
+tests/integration/test_nonfinite_seam.py. The trace holds the batch verl's own compute_advantage left
+and each per-turn reward by its source, and a step that raises is on disk after the raise. A whole
+run of verl's trainer with the trace on: tests/e2e/test_fit_with_trace.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.integration.test_nonfinite_seam import STEP, make_step, run_step
+from tests.integration.test_turn_rewards_seam import run_legacy_step
+from verl_ext.nonfinite import NonFiniteError
+
+
+def padded(table, column: str, shape: tuple[int, int]) -> np.ndarray:
+    """A token-table column (a pandas frame's) back at its (sample, token_index), nan where no row is."""
+    out = np.full(shape, np.nan)
+    out[table["sample"].to_numpy(), table["token_index"].to_numpy()] = table[column].to_numpy(dtype=np.float64)
+    return out
+
+
+def test_raise_keeps_the_traced_step(compose, tmp_path):
+    """With the trace on, the legacy trainer's step is captured before the raise and on disk after it."""
+    from verl_ext.trace.reader import open_trace
+
+    tensors = make_step()
+    tensors["values"][2, 1] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"^verl-ext: step 7: advantages not finite"):
+        run_step(compose, "legacy", tensors, "mc", "verl_ext.nonfinite=raise", f"verl_ext.trace.dir={tmp_path / 'trace'}")
+    table = open_trace(str(tmp_path / "trace")).read_step(STEP).to_pandas()
+    assert np.isnan(table.query("sample == 2 and token_index == 1")["value"]).all()
+
+
+def test_a_traced_step_holds_the_batch_and_each_per_turn_reward_by_source(compose, tmp_path):
+    """The legacy trainer's step with per-turn rewards: on every valid token the trace's reward, value,
+    return and advantage are the batch's after verl's compute_advantage, and the turn scores and tool
+    rewards sit apart, each on its turn's last token, where tests/integration/test_turn_rewards_seam.py
+    places their sum by hand (turn 0 ends at token 2, turn 1 at the row's last token)."""
+    from verl_ext.trace.reader import open_trace
+
+    batch, _ = run_legacy_step(compose, "mc", "verl_ext.turn_rewards=true", f"verl_ext.trace.dir={tmp_path / 'trace'}")
+    table = open_trace(str(tmp_path / "trace")).read_step(STEP).to_pandas()
+    mask = batch.batch["response_mask"].numpy() != 0
+    for column, key in (("reward", "token_level_rewards"), ("value", "values"), ("return", "returns"), ("advantage", "advantages")):
+        traced = padded(table, column, mask.shape)[mask]
+        np.testing.assert_array_equal(traced, batch.batch[key].numpy()[mask].astype(np.float64), err_msg=column)
+    turn_score, tool_reward = np.zeros(mask.shape), np.zeros(mask.shape)
+    turn_score[0, 2], turn_score[0, 11], turn_score[2, 2], turn_score[5, 2], turn_score[5, 11] = 0.2, 0.3, 0.5, 0.1, 0.2
+    tool_reward[0, 2], tool_reward[1, 2], tool_reward[1, 7], tool_reward[4, 2] = 0.1, 0.1, 0.05, 0.1
+    np.testing.assert_allclose(padded(table, "turn_score", mask.shape)[mask], turn_score[mask], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(padded(table, "tool_reward", mask.shape)[mask], tool_reward[mask], rtol=1e-6, atol=0)
