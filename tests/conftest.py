@@ -155,7 +155,9 @@ def pytest_sessionstart(session):
 
     build = "import sys; from verl_ext.tasks import get_task; get_task(sys.argv[1]).build_assets()"
     config._asset_builds = [
-        subprocess.Popen([sys.executable, "-c", build, name], stdout=subprocess.DEVNULL) for name in ("arith", "tool")
+        # quiet: a build that fails here fails again, with its output, in the first test that needs it
+        subprocess.Popen([sys.executable, "-c", build, name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for name in ("arith", "tool")
     ]
 
 
