@@ -39,8 +39,7 @@ from typing import Callable
 
 import torch
 
-# turn_starts is re-exported: the estimators and the live metrics take it from here with the kernels
-from verl_ext.turns import turn_index, turn_starts  # noqa: F401
+from verl_ext.turns import turn_index
 
 #: Block length K of the blocked discounted scan. The in-block sums cost K multiply-adds per token
 #: on CUDA, one elsewhere (and K − 1 small operations per block level); 16 measured fastest on one

@@ -27,7 +27,7 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float
     import torch
 
     from verl_ext import registry
-    from verl_ext.kernels import turn_starts
+    from verl_ext.turns import turn_starts
     from verl_ext.step_metrics import Responses, prefixed, step_metrics
 
     batch = data.batch
