@@ -9,6 +9,8 @@
 #   recipes/cpu_demo.sh                                   # 5 steps of verl's gae (critic on), legacy trainer
 #   ESTIMATOR=grpo ROLLOUT_N=4 recipes/cpu_demo.sh         # verl's grpo, 4 samples per prompt
 #   V1=1 recipes/cpu_demo.sh                               # verl 0.9's default V1 trainer
+#   PRECISION=bf16 recipes/cpu_demo.sh                     # verl's GPU mixed precision (bf16 parameters and
+#                                                          # autocast, fp32 reduce) instead of fp32 everywhere
 #   TASK=tool ESTIMATOR=grpo ROLLOUT_N=4 recipes/cpu_demo.sh   # the tool task: verl's ToolAgentLoop and a calculator
 #   recipes/cpu_demo.sh algorithm.use_kl_in_reward=True    # any hydra override; it wins
 #   RAY_ADDRESS=127.0.0.1:6379 recipes/cpu_demo.sh          # join a running Ray cluster (its nodes
@@ -30,6 +32,7 @@ TASK=${TASK:-}  # empty: verl_ext.apps.overrides' default task
 ROLLOUT_N=${ROLLOUT_N:-1}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
 V1=${V1:-}
+PRECISION=${PRECISION:-fp32}  # fp32 or bf16
 CONFIG_ARGS=()  # verl's own ppo_trainer.yaml unless CONFIG_PATH names a directory with another config
 if [[ -n ${CONFIG_PATH:-} ]]; then
   CONFIG_ARGS=(--config-path="$(realpath "$CONFIG_PATH")" --config-name="${CONFIG_NAME:-verl_ext_trainer}")
@@ -42,7 +45,7 @@ echo "[cpu-demo] tiny model, tokenizer and prompts (built once, then cached) ...
 # One override (and one NAME=value) per line; a failure here stops the script (set -e).
 overrides=$(
   "$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --steps "$STEPS" --estimator "$ESTIMATOR" ${TASK:+--task "$TASK"} \
-    --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" ${V1:+--v1} ${RAY_ADDRESS:+--ray-address "$RAY_ADDRESS"} -- "$@"
+    --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" --precision "$PRECISION" ${V1:+--v1} ${RAY_ADDRESS:+--ray-address "$RAY_ADDRESS"} -- "$@"
 )
 environment=$("$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --env)
 mapfile -t OVERRIDES <<<"$overrides"

@@ -143,7 +143,7 @@ def live_metrics(rewards, values, advantage_raw, advantages, scores, mask, uid, 
 
     def ev(pairs):
         g = [p[0] for p in pairs]
-        if len(g) < 2 or statistics.variance(g) == 0:
+        if len(g) < 8 or statistics.variance(g) == 0:  # docs/definitions.md §9: a bucket needs 8 tokens
             return None
         return 1 - statistics.variance([gi - vi for gi, vi in pairs]) / statistics.variance(g)
 

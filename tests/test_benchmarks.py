@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ("bench_trace.py", ["--batch", "8", "--length", "64", "--repeats", "1"]),
         ("bench_check.py", ["--tokens", "2000", "--steps", "2", "--samples", "8", "--repeat", "1"]),
+        ("bench_update_payload.py", ["--ranks", "1", "--samples", "4", "--response", "8", "--epochs", "1"]),
     ],
 )
 def test_a_benchmark_runs(script, arguments, tmp_path):

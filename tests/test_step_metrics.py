@@ -15,7 +15,7 @@ def padded_step(seed: int):
     """(B, T) rewards, values, raw advantage, advantage, scores, mask and uids: lengths 1 … 23 with
     interior holes, one response without valid tokens, groups of 1 to 3 responses."""
     rng = np.random.default_rng(seed)
-    B, T = 11, 24
+    B, T = 40, 24  # enough responses for every bucket to hold MIN_EV_TOKENS tokens
     lengths = rng.integers(1, T, size=B)
     lengths[:3] = (1, 3, 10)
     mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
@@ -114,11 +114,32 @@ def test_turns_by_hand():
     g, v = np.array([1.0, 9, 0.5, 3.0, 9]), np.array([0.0, 9, 0.25, 2.0, 9])
     by_turn = critic_by_turn(v, g, responses)
     assert list(by_turn) == ["turn0", "turn1", "after_hole"]
-    # turn0: the first tokens 0 and 3: G = [1, 3], V = [0, 2]: G − V = [1, 1] does not vary: EV = 1
-    assert by_turn["turn0"]["tokens"] == 2 and by_turn["turn0"]["explained_var"] == pytest.approx(1.0)
+    # turn0: the first tokens 0 and 3: G = [1, 3], V = [0, 2]: G − V = [1, 1] does not vary: EV = 1,
+    # left blank in the bucket, which has 2 tokens, fewer than MIN_EV_TOKENS = 8
+    (turn0,) = critic_by_group(v[[0, 3]], g[[0, 3]], np.zeros(2, np.int64), 1)
+    assert turn0["explained_var"] == pytest.approx(1.0)
+    assert by_turn["turn0"] == {**turn0, "explained_var": None} and by_turn["turn0"]["tokens"] == 2
     assert by_turn["turn1"] == by_turn["after_hole"] == {
         "tokens": 1, "explained_var": None, "mean_abs_error": 0.25, "mean_return": 0.5, "mean_value": 0.25,
     }  # fmt: skip
     assert turn_shares(np.array([1.0, -1, 2, 1, -1]), responses) == pytest.approx({"turn0": 4 / 6, "turn1": 2 / 6})
     assert not Responses.of([3, 2], [True, False, False, True, False]).multi_turn
     assert not Responses.of([3, 2]).multi_turn
+
+
+@pytest.mark.parametrize("responses", [7, 8])
+def test_a_bucket_needs_eight_tokens_for_its_explained_variance(responses):
+    """Responses of one token each: d0, last and all hold one token a response. G alternates 0, 1
+    and V = G/2, so G − V = G/2 and EV = 1 − Var(G)/4 / Var(G) = 0.75, shown from 8 tokens on
+    (docs/definitions.md §9); the means are kept either way."""
+    from verl_ext.step_metrics import critic_by_position
+
+    g = np.arange(responses) % 2.0
+    by_position = critic_by_position(g / 2, g, Responses.of([1] * responses))
+    for bucket in ("d0", "last", "all"):
+        stats = by_position[bucket]
+        assert stats["tokens"] == responses
+        assert stats["explained_var"] == (None if responses < 8 else pytest.approx(0.75)), bucket
+        assert stats["mean_abs_error"] == pytest.approx(g.sum() / 2 / responses)
+    got = step_metrics(Responses.of([1] * responses), returns=g, values=g / 2, advantage_raw=None, advantage=None)
+    assert ("critic/ev_mc/d0" in got) == ("critic/ev_mc_last" in got) == (responses >= 8)

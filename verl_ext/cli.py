@@ -34,6 +34,10 @@ def _run_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The step ``show``, ``plot`` and ``view`` take without --step, and why.
+LAST_STEP_DEFAULT = "the last traced step, the policy as training left it: what one looks at after a run"
+
+
 def _count(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum`` (a bad one is argparse's one-line error, exit 2)."""
 
@@ -138,7 +142,7 @@ def check(args: argparse.Namespace) -> int:
 
 def show_arguments(parser: argparse.ArgumentParser) -> None:
     _run_argument(parser)
-    parser.add_argument("--step", type=int, metavar="S", help="step (default: the first traced step)")
+    parser.add_argument("--step", type=int, metavar="S", help=f"step (default: {LAST_STEP_DEFAULT})")
     parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample (row in the step's batch; default 0)")
     parser.add_argument(
         "--epoch", type=int, metavar="E", help="add what the update of PPO epoch E did: mini-batch, log-prob, ratio, clip, loss terms"
@@ -154,7 +158,7 @@ def show(args: argparse.Namespace) -> int:
     from verl_ext.inspect.table import decoder_for, sample_view
 
     trace = _open_run(args.run)
-    step = trace.steps[0] if args.step is None else args.step
+    step = trace.steps[-1] if args.step is None else args.step
     decoder = decoder_for(trace, args.tokenizer)
     view = sample_view(trace, step, args.sample, decoder, epoch=args.epoch)
     if not decoder.available:  # said after the step was read, so that a bad trace stays a one-line error
@@ -171,12 +175,15 @@ def show(args: argparse.Namespace) -> int:
 
 
 def summary_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.step_metrics import MIN_EV_TOKENS
+
     _run_argument(parser)
     parser.add_argument(
         "--critic",
         action="store_true",
-        help="instead, the critic by position: explained variance of the values against the Monte-Carlo return, "
-        "and mean |V − G|, per step and decile of the response (CSV: one row per step and bucket)",
+        help="instead, the critic by position: explained variance of the values against the Monte-Carlo return "
+        f"(blank for a bucket of fewer than {MIN_EV_TOKENS} tokens), the tokens and mean |V − G|, per step and decile of the response "
+        "(CSV: one row per step and bucket)",
     )
     _format_arguments(parser)
     _quiet_argument(parser)
@@ -185,18 +192,21 @@ def summary_arguments(parser: argparse.ArgumentParser) -> None:
 def summary(args: argparse.Namespace) -> int:
     """One line of statistics per traced step."""
     from verl_ext.inspect.render import render
-    from verl_ext.inspect.summary import summarize
+    from verl_ext.inspect.summary import blank_notes, summarize
 
     trace = _open_run(args.run)
     if args.critic:
         return _critic_summary(trace, args)
-    _emit(render(summarize(trace, progress=_progress(args, "summary")), args.format, args.digits))
+    table = summarize(trace, progress=_progress(args, "summary"))
+    _emit(render(table, args.format, args.digits))
+    for note in blank_notes(trace, table):
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
 def _critic_summary(trace, args: argparse.Namespace) -> int:
     """``summary --critic``: steps × position buckets, EV then mean |V − G| (CSV: the long table)."""
-    from verl_ext.inspect.critic import critic_diagnostics, steps_by_bucket
+    from verl_ext.inspect.critic import critic_diagnostics, few_tokens_note, steps_by_bucket
     from verl_ext.inspect.render import render
     from verl_ext.inspect.stepdata import RecordedAlgorithm
 
@@ -205,10 +215,14 @@ def _critic_summary(trace, args: argparse.Namespace) -> int:
         _emit(render(diagnostics, "csv"))
         return 0
     gamma = RecordedAlgorithm.from_record(trace.record).gamma
+    note = few_tokens_note(diagnostics)
     sections = [
         f"explained variance 1 − Var(G − V)/Var(G) of the values V against the Monte-Carlo return G (γ = {gamma:g}),\n"
         "by position: d0 … d9 the deciles of each response's valid tokens, last its last valid token, all every one:",
         render(steps_by_bucket(diagnostics, "explained_var"), args.format, args.digits),
+        *([f"note: {note}"] if note else []),
+        "tokens by position:",
+        render(steps_by_bucket(diagnostics, "tokens"), args.format, args.digits),
         "mean |V − G| by position:",
         render(steps_by_bucket(diagnostics, "mean_abs_error"), args.format, args.digits),
     ]
@@ -222,7 +236,7 @@ def _critic_summary(trace, args: argparse.Namespace) -> int:
 def plot_arguments(parser: argparse.ArgumentParser) -> None:
     _run_argument(parser)
     parser.add_argument("--out", default="verl-ext-plots", metavar="DIR", help="output directory (default: ./verl-ext-plots)")
-    parser.add_argument("--step", type=int, metavar="S", help="step of the per-step figures (default: the last traced step)")
+    parser.add_argument("--step", type=int, metavar="S", help=f"step of the per-step figures (default: {LAST_STEP_DEFAULT})")
     parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample of the token heatmap (default 0)")
     _tokenizer_argument(parser)
     _quiet_argument(parser)
@@ -364,7 +378,7 @@ def view_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = VIEW_EPILOG.format(host=DEFAULT_HOST, port=DEFAULT_PORT, max_tokens=DEFAULT_MAX_TOKENS)
     _run_argument(parser)
     parser.add_argument("--out", metavar="FILE.html", help="write one self-contained page to this file instead of serving")
-    parser.add_argument("--step", type=int, metavar="S", help="step shown first (default: the last traced step)")
+    parser.add_argument("--step", type=int, metavar="S", help=f"step shown first (default: {LAST_STEP_DEFAULT})")
     parser.add_argument("--sample", type=_count(0), metavar="I", help="response shown first (default: the step's first)")
     parser.add_argument("--steps", type=_step_list, metavar="LIST", help="with --out: the steps in the file, e.g. 1,5,10-20 (default: see below)")
     parser.add_argument(
@@ -429,13 +443,17 @@ def doctor_arguments(parser: argparse.ArgumentParser) -> None:
 
 def doctor(args: argparse.Namespace) -> int:
     """Is verl-ext loaded, is every touch of verl applied, are its estimators registered?"""
-    from verl_ext.integration.diagnosis import diagnose
+    from verl_ext.integration.diagnosis import diagnose, verl_noise
 
-    findings = list(diagnose(fresh_import=not args.no_subprocess))
+    with verl_noise() as noise:  # verl's import-time warnings (no accelerator, optional engines): not findings
+        findings = list(diagnose(fresh_import=not args.no_subprocess))
     width = max(len(f.topic) for f in findings)
     broken = [f for f in findings if not f.ok]
     lines = [f"{'ok ' if finding.ok else 'BAD'}  {finding.topic:<{width}}  {finding.detail}" for finding in findings]
     _emit("\n".join(lines) + f"\n\n{len(findings) - len(broken)} ok, {len(broken)} broken")
+    if noise:
+        sources = ", ".join(dict.fromkeys(noise))
+        print(f"note: not shown: {len(noise)} warning(s) that verl and its dependencies give when loaded on this machine (from {sources})", file=sys.stderr)
     return 1 if broken else 0
 
 
@@ -443,6 +461,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.cpu.overrides import PRECISIONS
     from verl_ext.tasks import DEFAULT_TASK, TASKS
 
     others = [task for task in TASKS.values() if task.name != DEFAULT_TASK]
@@ -456,7 +475,8 @@ def demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=tuple(TASKS), default=DEFAULT_TASK, help=", or ".join([f"{DEFAULT_TASK} (default)", *(f"{task.name}: {task.summary}" for task in others)]))
     parser.add_argument("--estimator", default=None, help=f"algorithm.adv_estimator (default {by_task('estimator')})")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
-    parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: one with a verdict and a score below 1; with --task tool, one that called the tool)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="the CPU backend's: fp32 everywhere (default), or bf16, verl's GPU mixed precision")
+    parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: a wrong answer whose verdict gets a negative advantage, else one with a verdict and a score below 1; with --task tool, one that called the tool; the demo prints which and why)")
     parser.add_argument(
         "--turn-rewards", action="store_true",
         help="add the agent loop's per-turn rewards to the rewards (verl_ext.turn_rewards=true; with --task tool, the calculator's 0.1 for a well-formed call)",
@@ -519,6 +539,35 @@ def _require_writable(directory: Path, what: str) -> None:
         raise UsageError(f"cannot write {what} to {directory}: {error.strerror or error}") from None
 
 
+# --------------------------------------------------------------------------- selftest
+
+
+def selftest_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "Exit code: 0 when both runs pass the check, 1 when a run fails (its error in one line, with the log's "
+        "path) or its trace fails the check (the first violated identity, step, sample, token)."
+    )
+    from verl_ext.cpu.overrides import PRECISIONS
+
+    parser.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help="where the runs write (default: a new temporary directory)")
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="fp32",
+        help="on a CPU-only machine, the CPU backend's: fp32 everywhere (default), or bf16, verl's GPU mixed precision; "
+        "on a GPU verl's own settings and your overrides decide",
+    )  # fmt: skip
+    _quiet_argument(parser)
+    parser.add_argument("overrides", nargs="*", help="your hydra overrides for verl's trainer, after --; they win")
+
+
+def selftest(args: argparse.Namespace) -> int:
+    """Before a long run: 2 traced steps of mc and of grpo through verl's trainer with your overrides, checked."""
+    from verl_ext.apps.selftest import run_selftest
+
+    if args.output_dir is not None:
+        _require_writable(args.output_dir, "the selftest's runs")
+    return run_selftest(list(args.overrides), args.output_dir, quiet=args.quiet, precision=args.precision)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 #: name -> (declare arguments, run). Order is the order of ``verl-ext --help``.
@@ -532,6 +581,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[a
     "doctor": (doctor_arguments, doctor),
     "demo": (demo_arguments, demo),
     "study": (study_arguments, study),
+    "selftest": (selftest_arguments, selftest),
 }
 
 

@@ -31,6 +31,10 @@ DECILES = tuple(f"d{i}" for i in range(10))
 BUCKETS = (*DECILES, "last", "all")
 #: The statistics of one bucket (:func:`critic_by_group`).
 CRITIC_STATISTICS = ("tokens", "explained_var", "mean_abs_error", "mean_return", "mean_value")
+#: A position bucket's explained variance needs this many tokens (docs/definitions.md §9): below it,
+#: Var(G) of a handful of returns can sit near 0 by chance and the ratio swings far below −1 (the
+#: demo's d9, 2 to 7 tokens from its few responses of 10 tokens or more: −2 to −31) and means nothing.
+MIN_EV_TOKENS = 8
 
 #: The live metrics' names (under verl_ext/ in verl's metrics), each a quantity of :func:`step_metrics`.
 EV_ALL, EV_LAST = "critic/ev_mc", "critic/ev_mc_last"
@@ -128,12 +132,20 @@ def critic_by_group(values: np.ndarray, returns: np.ndarray, group: np.ndarray, 
 
 def critic_by_position(values: np.ndarray, returns: np.ndarray, responses: Responses) -> dict[str, dict]:
     """bucket -> the statistics of :func:`_critic_by_runs`, for every bucket of BUCKETS (``all``: the
-    deciles together)."""
+    deciles together), under :func:`enough_tokens`."""
     starts, decile = responses.decile_segments
     by_decile = _critic_by_runs(values, returns, starts, decile, len(DECILES), overall=True)
     last = responses.last
     (at_last,) = critic_by_group(values[last], returns[last], np.zeros(len(last), np.int64), 1)
-    return {**dict(zip(DECILES, by_decile)), "last": at_last, "all": by_decile[-1]}
+    by_bucket = {**dict(zip(DECILES, by_decile)), "last": at_last, "all": by_decile[-1]}
+    return {bucket: enough_tokens(stats) for bucket, stats in by_bucket.items()}
+
+
+def enough_tokens(stats: dict) -> dict:
+    """A bucket's statistics with its explained variance blanked (None) when it has fewer than
+    MIN_EV_TOKENS tokens: the one rule of the position buckets, in the live metrics, ``summary``,
+    ``summary --critic``, the plot and the view (the means stay: they are fine on few tokens)."""
+    return stats if stats["tokens"] >= MIN_EV_TOKENS else {**stats, "explained_var": None}
 
 
 def _critic_by_runs(
@@ -182,14 +194,15 @@ def _critic_by_runs(
 def critic_by_turn(values: np.ndarray, returns: np.ndarray, responses: Responses) -> dict[str, dict]:
     """``turn{k}`` -> the statistics of :func:`critic_by_group` at the first token of every response's
     turn k, for k = 0 … K−1 (K: the most turns of a response), and ``after_hole`` -> the same over the
-    first tokens of all turns k ≥ 1 (``responses`` with their ``turn_starts``)."""
+    first tokens of all turns k ≥ 1 (``responses`` with their ``turn_starts``), under :func:`enough_tokens`."""
     first = np.flatnonzero(responses.turn_starts)
     turn = responses.turn[first]
     turns = int(turn.max()) + 1 if len(turn) else 0
     by_turn = critic_by_group(values[first], returns[first], turn, turns)
     later = turn > 0
     (after_hole,) = critic_by_group(values[first][later], returns[first][later], np.zeros(int(later.sum()), np.int64), 1)
-    return {**{f"turn{k}": stats for k, stats in enumerate(by_turn)}, "after_hole": after_hole}
+    by_bucket = {**{f"turn{k}": stats for k, stats in enumerate(by_turn)}, "after_hole": after_hole}
+    return {bucket: enough_tokens(stats) for bucket, stats in by_bucket.items()}
 
 
 # --------------------------------------------------------------------------- the credit
@@ -279,7 +292,7 @@ def step_metrics(
     """The live metrics of one step (names above, without PREFIX), from its compacted valid tokens:
     ``returns`` the Monte-Carlo return G, ``values`` V, ``advantage_raw`` before whitening,
     ``advantage`` what the update gets; ``scores`` (B,) each response's score and ``uid`` its prompt
-    group. A quantity that is undefined on the step (no values, Var(G) = 0, a decile without tokens,
+    group. A quantity that is undefined on the step (no values, Var(G) = 0, a bucket of fewer than MIN_EV_TOKENS tokens,
     no group of two) is left out."""
     metrics: dict[str, float | None] = {}
     if values is not None and returns is not None:

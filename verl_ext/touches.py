@@ -100,8 +100,24 @@ PLUGIN_TOUCHES = (
         "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer.fit", "plugin",
         why="open the trace before the V1 trainer's first step and flush it when fit() ends, even on error; "
         "give every advantage step of the run (verl_ext.integration.step) the trainer's step and the run's verl_ext "
-        "options (nonfinite, metrics, turn_rewards), with the trace on or off",
+        "options (nonfinite, metrics, turn_rewards), with the trace on or off; a traced run whose step is several "
+        "updates under one step number (parameter_sync_step > 1, separate_async's default) is stopped first, in one line "
+        "(verl_ext.integration.trainer_modes), as verl's main does not validate a trainer made by hand",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_fit",
+    ),
+    Touch(
+        "registration", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.__init_subclass__", "plugin",
+        why="verl's separation, one-step-off-policy and fully-async trainers (and any later subclass) bring their own "
+        "fit(), so verl-ext's step never runs there; they share no base method before their first step (two skip "
+        "RayPPOTrainer.__init__), so a hook on every subclass made after this import wraps the constructor of one "
+        "whose fit is not RayPPOTrainer's: it stops the run in one line when the trace, the live metrics (on by "
+        "default), turn_rewards or nonfinite=raise is asked for (verl_ext.integration.trainer_modes)",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:register_legacy_trainer_check",
+    ),
+    Touch(
+        "registration", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer.__init_subclass__", "plugin",
+        why="as for RayPPOTrainer: a V1 trainer registered with its own fit() would bypass verl-ext's step in silence",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:register_v1_trainer_check",
     ),
     Touch(
         "patch", "verl.workers.utils.losses", "ppo_loss", "plugin",
@@ -122,6 +138,15 @@ PLUGIN_TOUCHES = (
         why="tags each mini-batch of a traced batch with its PPO epoch and index, which verl does not pass to "
         "the loss function (engine_workers.py:273)",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_make_iterator",
+    ),
+    Touch(
+        "patch", "verl.workers.engine_workers", "TrainingWorker.train_mini_batch", "plugin",
+        why="one copy of the update's per-token reports reaches the driver: verl all-gathers the loss metrics to "
+        "every rank (engine_workers.py:209) and the driver fetches every collecting rank's output but keeps the "
+        "first (tensordict_utils.py:241-244); on a traced batch the reports are kept out of the metrics, gathered "
+        "once to rank 0 of the data-parallel group and returned in its output alone; ranks whose output verl "
+        "discards (Ulysses, tensor-parallel ranks other than 0) build none",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_train_mini_batch",
     ),
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "reduce_metrics", "plugin",
@@ -179,6 +204,25 @@ PLUGIN_TOUCHES = (
         "own order, and the turn whose call earned each of the loop's tool_rewards)",
         versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_agent_loop_run",
     ),
+    Touch(
+        "registration", "verl.workers.rollout.base", "_ROLLOUT_REGISTRY", "plugin",
+        why="private dict: ('hf_generate', 'async') -> verl_ext.hf_rollout.server.HFServerAdapter, the rollout object "
+        "inside ActorRolloutRefWorker: transformers' generate on the device torch reports, for a GPU machine without "
+        "vLLM or SGLang (verl-ext selftest) and for the CPU backend (verl registers only vllm, sglang and trtllm)",
+        versions=PLUGIN_VERSIONS, code="verl_ext.hf_rollout.registration:register_rollout_adapter",
+    ),
+    Touch(
+        "registration", "verl.workers.rollout.replica", "RolloutReplicaRegistry", "plugin",
+        why="'hf_generate' -> verl_ext.hf_rollout.server.HFReplica, the generation server the trainer starts per "
+        "replica (loaded only when a run names that rollout)",
+        versions=PLUGIN_VERSIONS, code="verl_ext.hf_rollout.registration:register_rollout_replica",
+    ),
+    Touch(
+        "override", "verl.workers.rollout.replica", "RolloutReplica.launch_servers", "plugin",
+        why="the hf_generate rollout's replica starts one HF-generate server (a named Ray actor beside its first "
+        "worker's GPU, or on the CPU backend's in-process actor loop) where verl's replicas start vLLM/SGLang servers",
+        versions=PLUGIN_VERSIONS, code="verl_ext.hf_rollout.server:HFReplica.launch_servers",
+    ),
 )  # fmt: skip
 
 CPU_TOUCHES = (
@@ -226,17 +270,6 @@ CPU_TOUCHES = (
         why="verl registers its FSDP engines for devices cuda and npu only (transformer_impl.py:1143,1594); the "
         "same classes are registered for device cpu (reads the private EngineRegistry._engines to stay idempotent)",
         versions=CPU_VERSIONS, code=f"{_CPU}:register_fsdp_engines",
-    ),
-    Touch(
-        "registration", "verl.workers.rollout.base", "_ROLLOUT_REGISTRY", "cpu",
-        why="private dict: ('hf', 'async') -> verl_ext.cpu.rollout.HFServerAdapter, the rollout object inside "
-        "ActorRolloutRefWorker (verl registers only vllm, sglang and trtllm, none of which runs on a CPU)",
-        versions=CPU_VERSIONS, code=f"{_CPU}:register_rollout_adapter",
-    ),
-    Touch(
-        "registration", "verl.workers.rollout.replica", "RolloutReplicaRegistry", "cpu",
-        why="'hf' -> verl_ext.cpu.rollout.HFReplica, the generation server the trainer starts per replica",
-        versions=CPU_VERSIONS, code=f"{_CPU}:register_rollout_replica",
     ),
     Touch(
         "registration", "verl.utils.tokenizer.continuous_token_wiring", "_MODEL_TYPE_TO_FAMILY", "cpu",
@@ -289,12 +322,6 @@ CPU_TOUCHES = (
         "sample, where verl builds one per sample through hydra.utils.instantiate (agent_loop.py:683, ~3 ms each); "
         "other agent loops are still built per sample",
         versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessAgentLoopWorker._run_agent_loop",
-    ),
-    Touch(
-        "override", "verl.workers.rollout.replica", "RolloutReplica.launch_servers", "cpu",
-        why="the hf rollout's replica starts one HF-generate server (a named Ray actor, or on the in-process "
-        "actor loop) where verl's replicas start vLLM/SGLang servers",
-        versions=CPU_VERSIONS, code="verl_ext.cpu.rollout:HFReplica.launch_servers",
     ),
 )  # fmt: skip
 

@@ -1,7 +1,8 @@
 """The learning run that tests/apps/test_learning.py and test_credit.py share: verl's real trainer (in
 process) on the CPU task, ``mc``, seed 0, and beside it the same run for its first few steps only (the
 reproducibility check compares the two). Both modules are in the xdist group of two trainers at once,
-so one worker runs them and the session fixture trains once."""
+so one worker runs them and the session fixture trains once. And the run of ``verl-ext demo --task tool``
+that tests/apps/test_tool_demo.py and test_readme_commands.py share."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+
+from tests.cpu.helpers import run
 
 LEARNING_STEPS = 25
 #: The steps of the second run: within the learning recipe's warm-up (5 steps), so that its learning
@@ -33,6 +36,25 @@ def learning_runs(tmp_path_factory, cpu_env):
         if process.wait(timeout=600) != 0:
             pytest.fail(f"learning run failed:\n{(out / 'output.log').read_text()[-4000:]}")
     return outputs
+
+
+#: The steps of the tool demo's run: a few, since what its tests read is the command's work, not learning.
+TOOL_DEMO_STEPS = 3
+#: The ``xdist_group`` of the tests that read the tool demo's run (tests/apps/test_tool_demo.py and
+#: test_readme_commands.py): one worker runs them all, so that the session fixture runs once.
+TOOL_DEMO_GROUP = "tool-demo"
+
+
+@pytest.fixture(scope="session")
+def tool_demo(tmp_path_factory, cpu_env):
+    """``verl-ext demo --task tool --turn-rewards``, a few steps: (its output directory, its stdout)."""
+    # its own run: what is tested is the `demo --task tool` command, which starts its trainer itself
+    out = tmp_path_factory.mktemp("tool_demo")
+    command = [
+        sys.executable, "-m", "verl_ext.cli", "demo", "--task", "tool", "--turn-rewards", "--steps", str(TOOL_DEMO_STEPS),
+        "--output-dir", str(out),
+    ]  # fmt: skip
+    return out, run(command, cpu_env(out), out, timeout=600).stdout
 
 
 @pytest.fixture(scope="session")

@@ -180,3 +180,36 @@ def test_the_demo_credit_lines_work_without_a_critic(tmp_path, capsys):
     assert list(credits) == [1] and credits[1].ev_after_verdict is None and credits[1].shares_by_estimator == {}
     line = capsys.readouterr().out
     assert line.startswith("  step   1") and "critic EV" not in line
+
+
+def test_the_demo_shows_a_wrong_answer_whose_verdict_is_pushed_down_and_says_why(tmp_path):
+    """The demo's rule for the response it shows token by token (and in the heatmap): the first not
+    fully right whose verdict token gets a negative advantage; else the first not fully right with
+    a verdict; else sample 0. Scores and advantages set by hand."""
+    from dataclasses import replace
+
+    import torch
+
+    from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
+    from verl_ext.apps import demo
+    from verl_ext.trace.reader import open_trace
+
+    def trace_with(advantages, scores, name):
+        batch = by_definition(random_batch(1, B=4, T=3, interior=False), "mc", 1.0)
+        batch.mask[:] = 1
+        final = torch.zeros(4, 3)
+        final[:, 2] = torch.tensor(scores)
+        batch = replace(batch, scores=final, rewards=final.clone(), advantages=torch.tensor(advantages))
+        return open_trace(write_trace(tmp_path / name, algorithm("mc"), {1: batch}))
+
+    verdicts = {0: 1, 1: 1, 2: 2}  # sample 3 has no verdict
+    advantages = [[0.1, 0.2, 0.3], [0.1, 0.4, 0.2], [0.5, 0.5, -0.75], [-1.0, -1.0, -1.0]]
+    # sample 0 right; 1 wrong, its verdict pushed up (+0.4); 2 wrong, pushed down (−0.75); 3 wrong, no verdict
+    sample, why = demo._interesting_sample(trace_with(advantages, [1.0, 0.2, 0.0, 0.0], "a"), 1, verdicts)
+    assert sample == 2
+    assert why == "the first not fully right (score 0.0) whose verdict, token 2, gets a negative advantage (-0.75): the update pushes that verdict down"
+    advantages[2][2] = 0.75  # no wrong verdict is pushed down: the first wrong one with a verdict
+    sample, why = demo._interesting_sample(trace_with(advantages, [1.0, 0.2, 0.0, 0.0], "b"), 1, verdicts)
+    assert (sample, why) == (1, "the first with a verdict that is not fully right (score 0.2)")
+    sample, why = demo._interesting_sample(trace_with(advantages, [1.0, 1.0, 1.0, 0.0], "c"), 1, verdicts)
+    assert (sample, why) == (0, "the first response (every verdict was right)")

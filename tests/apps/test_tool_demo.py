@@ -10,25 +10,21 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 
-from tests.cpu.helpers import run
+from tests.apps.conftest import TOOL_DEMO_GROUP
+from tests.apps.conftest import TOOL_DEMO_STEPS as STEPS
 
-STEPS = 3
+pytestmark = pytest.mark.xdist_group(TOOL_DEMO_GROUP)  # the run is shared with test_readme_commands.py
+
 QUESTION = re.compile(r"请问(\d+)\+(\d+)=(\d+)？")
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # verl's hermes parser's
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory, cpu_env):
-    # its own run: what is tested is the `demo --task tool` command, which starts its trainer itself
-    out = tmp_path_factory.mktemp("tool_demo")
-    command = [
-        sys.executable, "-m", "verl_ext.cli", "demo", "--task", "tool", "--turn-rewards", "--steps", str(STEPS), "--output-dir", str(out),
-    ]  # fmt: skip
-    return out, run(command, cpu_env(out), out, timeout=600).stdout
+@pytest.fixture
+def demo(tool_demo):
+    return tool_demo  # tests/apps/conftest.py
 
 
 def test_the_demo_passes_check_and_reports_the_tool_call_rate(demo):

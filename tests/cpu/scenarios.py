@@ -77,7 +77,7 @@ def hf_server(output_dir: Path):
     from transformers import AutoTokenizer
 
     from verl_ext.tasks.arith.assets import build_assets
-    from verl_ext.cpu.rollout import HFGenerationServer
+    from verl_ext.hf_rollout.server import HFGenerationServer
 
     assets = build_assets()
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
@@ -116,6 +116,7 @@ def hf_server(output_dir: Path):
         "after_update": [o.model_dump() for o in after],
         "response_length": config.response_length,
         "prompt_lengths": [len(p) for p in prompts],
+        "model_devices": sorted({str(p.device) for p in server.model.parameters()}),
     }
     (output_dir / "server.json").write_text(json.dumps(result))
 
@@ -131,7 +132,7 @@ def deterministic_sampling(assets, tokenizer, prompts, config) -> dict:
 
     import torch
 
-    from verl_ext.cpu.rollout import HFGenerationServer
+    from verl_ext.hf_rollout.server import HFGenerationServer
 
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
     context = prompts[1] + tokenizer.encode("等于7，", add_special_tokens=False)

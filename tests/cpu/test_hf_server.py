@@ -20,6 +20,13 @@ def server_run(tmp_path_factory, assets, assets_dir):
     return json.loads((output / "server.json").read_text())
 
 
+def test_the_server_generates_on_the_device_torch_reports(server_run):
+    from verl_ext.hf_rollout import rollout_device
+
+    assert rollout_device() == "cpu"  # this host: the CPU backend's tests are skipped where CUDA is available
+    assert server_run["model_devices"] == ["cpu"]
+
+
 def test_concurrent_requests_share_one_generate_call(server_run):
     # 4 rounds of 3 concurrent requests (sampled, greedy twice, greedy after update), 3 calls of 3 rows
     # then the stop-token request alone, then the last round

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from verl_ext.cpu.overrides import cpu_overrides, merge_overrides, override_key
 
 
@@ -56,7 +58,7 @@ def test_overrides_compose_and_pass_verls_validation(assets, tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     reports = json.loads(completed.stdout.strip().splitlines()[-1])
     expected = [
-        {"rollout": "hf", "critic": critic, "strategy": "fsdp2", "n": n} for (_, n, _, _), critic in CASES
+        {"rollout": "hf_generate", "critic": critic, "strategy": "fsdp2", "n": n} for (_, n, _, _), critic in CASES
     ]
     assert reports == expected
 
@@ -85,3 +87,46 @@ def test_the_learning_recipe_sizes_its_batches_from_the_batch_it_ends_up_with(as
         assert config.actor_rollout_ref.actor.ppo_mini_batch_size == (prompts // 2 if prompts % 2 == 0 else prompts)
     with pytest.raises(UsageError, match="data.train_batch_size must be an integer >= 1, got '0'"):
         learning_overrides(tmp_path, "mc", 0, 2, 2, extra=["data.train_batch_size=0"])
+
+
+PRECISION = """
+import json, sys
+from verl_ext.cpu.overrides import compose_config
+reports = []
+for overrides in json.loads(sys.argv[1]):
+    config = compose_config(overrides)
+    engines = (config.actor_rollout_ref.actor.fsdp_config, config.actor_rollout_ref.ref.fsdp_config, config.critic.fsdp)
+    reports.append([None if e.get("mixed_precision") is None else dict(e.mixed_precision) for e in engines])
+print(json.dumps(reports))
+"""
+
+
+def test_bf16_leaves_verls_mixed_precision_unset_and_fp32_forces_it(assets, tmp_path):
+    # unset is what a GPU run has: verl's FSDPEngine then uses bf16 parameters and autocast, fp32
+    # reduce and buffers (workers/engine/fsdp/transformer_impl.py, _build_fsdp_module)
+    override_lists = [cpu_overrides(assets, tmp_path, precision=precision) for precision in ("bf16", "fp32")]
+    completed = subprocess.run(
+        [sys.executable, "-c", PRECISION, json.dumps(override_lists)],
+        env={**os.environ, "VERL_EXT_CPU": "1"}, capture_output=True, text=True, timeout=180,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    bf16, fp32 = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert bf16 == [None, None, None]
+    assert fp32 == [dict.fromkeys(("param_dtype", "reduce_dtype", "buffer_dtype"), "fp32")] * 3
+    assert cpu_overrides(assets, tmp_path) == override_lists[1]  # fp32 stays the default
+
+
+def test_an_unknown_precision_names_the_valid_ones(assets, tmp_path):
+    with pytest.raises(ValueError, match=r"^precision 'fp16': expected one of fp32, bf16$"):
+        cpu_overrides(assets, tmp_path, precision="fp16")
+
+
+def test_the_learning_runs_pass_the_precision_on(assets_dir, assets, tmp_path, monkeypatch):
+    from verl_ext.apps.learning import learning_overrides, main
+
+    monkeypatch.setenv("VERL_EXT_CPU_ASSETS", str(assets_dir))
+    mixed = [o for o in learning_overrides(tmp_path, "mc", 0, 2, 2) if ".mixed_precision." in o]
+    assert len(mixed) == 9  # actor, reference and critic, three dtypes each: fp32 by default
+    assert not [o for o in learning_overrides(tmp_path, "mc", 0, 2, 2, precision="bf16") if ".mixed_precision." in o]
+    with pytest.raises(SystemExit):  # argparse's one line naming the choices
+        main([str(tmp_path), "--precision", "fp16"])

@@ -6,9 +6,15 @@ Covers no module of verl-ext itself: what the Ray tests check is in their own fi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 #: A custom resource only the worker node has.
@@ -38,3 +44,33 @@ def ray_cluster(assets):
     cluster.wait_for_nodes()
     yield RayCluster(cluster.address, cluster.head_node.node_id, worker.node_id)
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def selftest_run(tmp_path_factory, assets_dir, assets, ray_cluster):
+    """``verl-ext selftest --precision bf16 -- <overrides>`` as a user types it, on this cluster
+    (``RAY_ADDRESS``): its two runs of verl's legacy trainer (mc with its critic, grpo with groups) in
+    verl's GPU settings (tests/e2e/gpu_world.py: bf16, packed sequences, entropy in the loss, dynamic
+    batch size), with a probe of the plugin's activation in every process (tests/e2e/activation_probe.py).
+    Read by tests/e2e/test_selftest.py and test_multinode.py.
+    Returns (output directory, probe directory, the completed selftest)."""
+    # its own runs: one selftest serves the three files (the suite's only legacy runs on Ray)
+    from tests.e2e.gpu_world import GPU_WORLD_OVERRIDES
+
+    out = tmp_path_factory.mktemp("selftest")
+    probes = out / "probes"
+    probes.mkdir()
+    probe = {"VERL_USE_EXTERNAL_MODULES": "tests.e2e.activation_probe", "VERL_EXT_TEST_PROBE_DIR": str(probes)}
+    overrides = [
+        *GPU_WORLD_OVERRIDES,
+        *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{name}='{value}'" for name, value in probe.items()),
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",
+    ]
+    env = {
+        **os.environ, **probe, "PYTHONPATH": str(ROOT), "VERL_EXT_CPU_ASSETS": str(assets_dir), "RAY_ADDRESS": ray_cluster.address,
+    }  # fmt: skip
+    script = Path(sys.executable).with_name("verl-ext")
+    command = [str(script), "selftest", "--output-dir", str(out), "--precision", "bf16", "--", *overrides]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    (out / "selftest.log").write_text(completed.stdout + completed.stderr)
+    return out, probes, completed

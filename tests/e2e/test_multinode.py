@@ -5,16 +5,18 @@ trace, and its workers run on the other node.
 The plugin must load from its entry point in every process (recorded by tests/e2e/activation_probe.py
 once verl's core_algos is imported), the run must say at start which node writes the local trace
 directory, the run record must name that node, and the trace must be complete and pass the checker.
+The run is the mc run of ``verl-ext selftest`` (tests/e2e/conftest.py), in verl's GPU settings: bf16,
+packed sequences, entropy in the loss, dynamic batch size (tests/e2e/gpu_world.py).
 
 Covers: verl_ext.integration's plugin activation (entry point, every process) and its trace_hook on a
-Ray node other than the driver's (run record, node), verl_ext.trace (writer, reader),
+Ray node other than the driver's (run record, node), its update_hook and the check's bf16 tolerances
+(verl_ext.inspect.update) in a bf16 run, verl_ext.trace (writer, reader),
 verl_ext.inspect.check through verl_ext.cli, and the CPU backend (verl_ext.cpu) on Ray.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,37 +25,17 @@ import pytest
 
 from tests.cpu.helpers import RAY_GROUP
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def multinode_run(ray_cluster, tmp_path_factory, assets):
-    # its own run: the legacy trainer on Ray, with a probe of the plugin's activation in every process
-    from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
-
-    from tests.cpu.helpers import main_ppo_with_verl_ext_config
-
-    out = tmp_path_factory.mktemp("multinode")
-    probes = out / "probes"
-    probes.mkdir()
-    overrides = merge_overrides(
-        cpu_overrides(assets, out, steps=2, estimator="mc", ray_address=ray_cluster.address),
-        [
-            f"verl_ext.trace.dir={out / 'trace'}",
-            "trainer.val_before_train=False",  # nothing here reads a validation
-            "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES=tests.e2e.activation_probe",
-            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_PROBE_DIR='{probes}'",
-            f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",
-        ],
-    )
-    env = {
-        **os.environ, **cpu_environment(out), "PYTHONPATH": str(ROOT),
-        "VERL_USE_EXTERNAL_MODULES": "tests.e2e.activation_probe", "VERL_EXT_TEST_PROBE_DIR": str(probes),
-    }  # fmt: skip
-    result = main_ppo_with_verl_ext_config(overrides, env, out)
+def multinode_run(selftest_run, ray_cluster):
+    """The mc run of ``verl-ext selftest`` (tests/e2e/conftest.py): the legacy trainer on this cluster."""
+    out, probes, completed = selftest_run
+    assert completed.returncode == 0, (completed.stdout + completed.stderr)[-6000:]
     reports = [json.loads(path.read_text()) for path in probes.glob("*.json")]
-    return out, ray_cluster.worker_node, ray_cluster.head_node, reports, result.stdout + result.stderr
+    run = out / "mc"
+    return run, ray_cluster.worker_node, ray_cluster.head_node, reports, (run / "train.log").read_text()
 
 
 def test_the_plugin_loads_from_its_entry_point_in_every_process(multinode_run):
@@ -86,3 +68,31 @@ def test_the_trace_is_complete_and_passes_the_checker(multinode_run):
         [sys.executable, "-m", "verl_ext.cli", "check", str(out / "trace"), "--quiet"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_each_update_row_arrives_once(multinode_run):
+    """verl's driver fetches every collecting rank's output and keeps the first: the update tables hold each
+    trainable (sample, token) of the token table once per PPO epoch, all carried by data-parallel rank 0's
+    output (this run has one rank; tests/integration/test_update_hook.py checks two, through verl's gather
+    and collect)."""
+    from verl_ext.trace.reader import open_trace
+
+    out, *_ = multinode_run
+    trace = open_trace(str(out / "trace"))
+    for step in trace.steps:
+        tokens = trace.read_step(step, columns=["sample", "token_index", "mask"]).to_pydict()
+        trainable = {(s, t) for s, t, m in zip(tokens["sample"], tokens["token_index"], tokens["mask"]) if m}
+        for kind in ("actor", "critic"):
+            table = trace.update_table(kind, step, columns=["sample", "token_index", "epoch", "rank"]).to_pydict()
+            keys = list(zip(table["sample"], table["token_index"], table["epoch"]))
+            epochs = trace.record.update[kind]["ppo_epochs"]
+            assert len(keys) == len(set(keys)) == len(trainable) * epochs, (kind, step)
+            assert {(s, t) for s, t, _ in keys} == trainable and set(table["rank"]) == {0}
+
+
+def test_the_run_is_in_verls_gpu_settings_and_its_trace_holds_the_bf16_numbers_it_used(selftest_run):
+    from tests.e2e.gpu_world import assert_gpu_world
+
+    out = selftest_run[0]
+    for estimator, critic in (("mc", True), ("grpo", False)):
+        assert_gpu_world(out / estimator, out / estimator / "trace", critic=critic)

@@ -34,6 +34,9 @@ STEPS = 2
 def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
     # its own run: the V1 trainer on Ray through the recipe, with a capture of what the actor update read
     from tests.cpu.helpers import run
+    from verl_ext.cpu.overrides import merge_overrides
+
+    from tests.e2e.gpu_world import GPU_WORLD_OVERRIDES
     from tests.e2e.test_fit_with_trace import UPDATE_OVERRIDES, user_module_env
 
     out = tmp_path_factory.mktemp("v1")
@@ -44,7 +47,7 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
         "algorithm.use_kl_in_reward=True",
         "algorithm.kl_ctrl.kl_coef=0.05",
         f"+verl_ext.trace.dir={out / 'trace'}",  # verl's own config has no verl_ext node
-        *UPDATE_OVERRIDES,
+        *merge_overrides(UPDATE_OVERRIDES, GPU_WORLD_OVERRIDES),  # with PRECISION=bf16: verl's GPU settings
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
@@ -52,7 +55,7 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
     ]
     env = {
         **os.environ, **user, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
-        "V1": "1", "ESTIMATOR": "td_half", "STEPS": str(STEPS), "RAY_ADDRESS": ray_cluster.address,
+        "V1": "1", "PRECISION": "bf16", "ESTIMATOR": "td_half", "STEPS": str(STEPS), "RAY_ADDRESS": ray_cluster.address,
     }  # fmt: skip
     run(["bash", str(RECIPE), *overrides], env, out, timeout=600)  # its output: out/output.log
     return out
@@ -148,3 +151,9 @@ def test_v1_update_tables_cover_every_trained_token_and_reproduce_verls_metrics(
         assert pg_loss == pytest.approx(metrics[step]["actor/pg_loss"], rel=1e-5, abs=1e-7)
         vf_loss = 0.5 * critic.groupby(["epoch", "minibatch"])["vf_loss"].mean().mean()
         assert vf_loss == pytest.approx(metrics[step]["critic/vf_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_the_run_is_in_verls_gpu_settings_and_its_trace_holds_the_bf16_numbers_it_used(v1_run):
+    from tests.e2e.gpu_world import assert_gpu_world
+
+    assert_gpu_world(v1_run, v1_run / "trace")

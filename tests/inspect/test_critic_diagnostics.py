@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from tests.inspect.inspect_helpers import Batch, algorithm, by_definition, random_batch, write_trace
@@ -15,6 +16,7 @@ import verl_ext.inspect as vi
 from verl_ext.errors import UsageError
 from verl_ext.inspect.critic import BUCKETS, CRITIC_SCHEMA, critic_diagnostics, steps_by_bucket
 from verl_ext.inspect.summary import summarize
+from verl_ext.step_metrics import explained_variance
 
 GAMMA = 0.9
 
@@ -23,7 +25,7 @@ GAMMA = 0.9
 
 
 def expected_rows(step: int, batch: Batch, gamma: float) -> list[dict]:
-    """Per bucket: tokens, EV, mean |V − G|, mean G, mean V; G_t = Σ_{k≥t} γ^{k−t} r_k summed
+    """Per bucket: tokens, EV (from 8 tokens on), mean |V − G|, mean G, mean V; G_t = Σ_{k≥t} γ^{k−t} r_k summed
     directly over each response's valid tokens (interior holes skipped), decile ⌊10·i/L⌋; where a
     response has a hole, turn k's first valid token (the k-th after a masked position) in turn{k}
     and, for k ≥ 1, in after_hole."""
@@ -52,7 +54,7 @@ def expected_rows(step: int, batch: Batch, gamma: float) -> list[dict]:
         v = [pair[1] for pair in members[bucket]]
         n = len(g)
         ev = None
-        if n >= 2 and statistics.variance(g) > 0:
+        if n >= 8 and statistics.variance(g) > 0:  # docs/definitions.md §9: a bucket's EV needs 8 tokens
             ev = 1 - statistics.variance([gi - vi for gi, vi in zip(g, v)]) / statistics.variance(g)
         rows.append({
             "step": step, "bucket": bucket, "tokens": n, "explained_var": ev,
@@ -76,8 +78,8 @@ def assert_rows(actual: list[dict], expected: list[dict]) -> None:
 @pytest.fixture
 def batches() -> dict[int, Batch]:
     """Three steps of responses of different lengths (8 … 24 valid tokens), interior holes in every
-    other response, different batch sizes; an mc run with γ = 0.9."""
-    return {step: by_definition(random_batch(step, B=4 + step, T=24), "mc", GAMMA) for step in (1, 2, 3)}
+    other response, different batch sizes (11 … 13: a bucket's EV needs 8 tokens); an mc run with γ = 0.9."""
+    return {step: by_definition(random_batch(step, B=10 + step, T=24), "mc", GAMMA) for step in (1, 2, 3)}
 
 
 @pytest.fixture
@@ -118,12 +120,16 @@ def test_by_hand(tmp_path):
         assert (rows[bucket]["tokens"], rows[bucket]["mean_return"], rows[bucket]["mean_value"]) == pytest.approx((1, 0.5, 0.3))
     # all: G = [.25, .5, 1, .25, .5], V = [.2, .4, .6, .1, .3]; G − V = [.05, .1, .4, .15, .2]
     # Var(G) = (.0625 + 0 + .25 + .0625 + 0)/4 = .09375; Var(G − V) = (.0169 + .0064 + .0484 + .0009 + .0004)/4 = .01825
-    assert rows["all"]["explained_var"] == pytest.approx(1 - 0.01825 / 0.09375)
+    # 5 tokens, fewer than the 8 a bucket's EV needs (docs/definitions.md §9): blank; the formula on them
+    assert rows["all"]["explained_var"] is None and rows["all"]["tokens"] == 5
+    G, V = np.array([0.25, 0.5, 1, 0.25, 0.5]), np.array([0.2, 0.4, 0.6, 0.1, 0.3])
+    assert explained_variance(V, G) == pytest.approx(1 - 0.01825 / 0.09375)
     assert rows["all"]["mean_abs_error"] == pytest.approx(0.18)
     assert (rows["all"]["mean_return"], rows["all"]["mean_value"]) == pytest.approx((0.5, 0.32))
     # last: G = [1, .5], V = [.6, .3]: Var(G) = .125, Var(G − V) = Var([.4, .2]) = .02
     assert rows["last"]["tokens"] == 2
-    assert rows["last"]["explained_var"] == pytest.approx(1 - 0.02 / 0.125)
+    assert rows["last"]["explained_var"] is None  # 2 tokens
+    assert explained_variance(np.array([0.6, 0.3]), np.array([1.0, 0.5])) == pytest.approx(1 - 0.02 / 0.125)
     assert rows["last"]["mean_abs_error"] == pytest.approx(0.3)
     # deciles: response 0 (L = 3) ranks 0, 1, 2 -> d0, d3, d6; response 1 (L = 2) ranks 0, 1 -> d0, d5
     assert {b: r["tokens"] for b, r in rows.items() if r["tokens"] and b in BUCKETS} == {"d0": 2, "d3": 1, "d5": 1, "d6": 1, "last": 2, "all": 5}
@@ -193,10 +199,19 @@ def test_summary_critic_command(tmp_path, run_cli):
     path = hand_trace(tmp_path / "t")
     code, out, err = run_cli("summary", path, "--critic")
     assert code == 0 and err == ""
-    title, ev, mae_title, mae = out.strip().split("\n\n")
+    title, ev, note, tokens_title, tokens, mae_title, mae = out.strip().split("\n\n")
     assert title.startswith("explained variance 1 − Var(G − V)/Var(G)") and "(γ = 0.5)" in title
-    # text drops the columns that are null in every step: d0 (G does not vary) and the empty deciles
-    assert ev.splitlines() == ["step    last     all", f"   7  0.8400  {1 - 0.01825 / 0.09375:.4f}"]
+    # text drops the columns that are null in every step: here every bucket, none of 8 tokens or more
+    assert ev.splitlines() == ["step", "   7"]
+    # the buckets with 1 to 7 tokens (counted by hand below): d0, d3, d5, d6, last, all, turn0, turn1, after_hole
+    assert note == (
+        "note: EV is blank where a bucket holds fewer than 8 tokens (9 step × bucket cells here): on a handful of "
+        "returns it swings far below −1 and says nothing (docs/definitions.md §9)"
+    )
+    assert tokens_title == "tokens by position:"
+    assert tokens.splitlines()[0].split() == ["step", *BUCKETS, "turn0", "turn1", "after_hole"]
+    # response 0 (L = 3): d0, d3, d6; response 1 (L = 2): d0, d5; a last token each; turn0 both, turn1 response 1
+    assert tokens.splitlines()[1].split() == ["7", "2", "0", "0", "1", "0", "1", "1", "0", "0", "0", "2", "5", "2", "1", "1"]
     assert mae_title == "mean |V − G| by position:"
     assert mae.splitlines()[0].split() == ["step", "d0", "d3", "d5", "d6", "last", "all", "turn0", "turn1", "after_hole"]
     assert mae.splitlines()[1].split() == ["7", "0.1000", "0.1000", "0.2000", "0.4000", "0.3000", "0.1800", "0.1000", "0.2000", "0.2000"]
@@ -206,9 +221,28 @@ def test_summary_critic_command(tmp_path, run_cli):
     assert lines[0] == "step,bucket,tokens,explained_var,mean_abs_error,mean_return,mean_value"
     assert [line.split(",")[1] for line in lines[1:]] == [*BUCKETS, "turn0", "turn1", "after_hole"]
     assert lines[1 + BUCKETS.index("d1")] == "7,d1,0,,,,"
+    assert lines[1 + BUCKETS.index("last")].split(",")[:4] == ["7", "last", "2", ""]  # 2 tokens: no EV
 
     code, out, _ = run_cli("summary", path, "--critic", "--format", "markdown", "--digits", "2")
-    assert "| step | last | all |" in out and "| 7 | 0.84 | 0.81 |" in out
+    assert "| step | d0 | d1 | d2 | d3 |" in out and "| 7 | 0.10 | 0.10 | 0.20 | 0.40 | 0.30 | 0.18 |" in out
+
+
+def test_summary_critic_command_shows_the_buckets_of_eight_tokens(mc_trace, batches, run_cli):
+    """11 to 13 responses a step: the EV of every bucket with 8 tokens or more, blank below."""
+    code, out, _ = run_cli("summary", mc_trace, "--critic", "--format", "markdown", "--digits", "6")
+    table = [line.strip("|").split("|") for line in out.split("\n\n")[1].splitlines()]
+    columns = [cell.strip() for cell in table[0]]
+    shown = {(int(cells[0]), column): cell.strip() for cells in table[2:] for column, cell in zip(columns, cells)}
+    blank = 0
+    for step in (1, 2, 3):
+        for row in expected_rows(step, batches[step], GAMMA):
+            cell = shown.get((step, row["bucket"]), "")  # a column blank on every step is left out
+            if row["explained_var"] is None:
+                assert cell == "", (step, row["bucket"])
+                blank += 0 < row["tokens"] < 8
+            else:
+                assert float(cell) == pytest.approx(row["explained_var"], abs=5e-7), (step, row["bucket"])
+    assert {"last", "all"} <= set(columns) and blank  # some buckets shown, some blanked for their few tokens
 
 
 def test_plot_draws_the_matrix(mc_trace, batches, tmp_path, run_cli):
@@ -248,11 +282,11 @@ def test_the_traced_metrics_of_a_multi_turn_step_follow_the_definitions(tmp_path
     import tests.reference as ref
     from verl_ext.inspect.critic import traced_step_metrics
 
-    batch = by_definition(random_batch(1, B=8, T=30, holes=3), "mc", GAMMA)
+    batch = by_definition(random_batch(1, B=24, T=30, holes=3), "mc", GAMMA)  # turn1 in 8 responses or more
     path = write_trace(tmp_path / "t", algorithm("mc", gamma=GAMMA), {1: batch})
     got = traced_step_metrics(path, 1)
     arrays = [None if x is None else x.double().numpy() for x in (batch.rewards, batch.values, batch.advantage_raw, batch.advantages, batch.scores, batch.mask)]
-    want = ref.live_metrics(*arrays[:5], arrays[5], [f"u{i}" for i in range(8)], GAMMA)
+    want = ref.live_metrics(*arrays[:5], arrays[5], [f"u{i}" for i in range(24)], GAMMA)
     assert {"critic/ev_mc/turn1", "critic/ev_mc/after_hole", "credit/share/turn2"} <= set(want), sorted(want)
     assert sorted(got) == sorted(want)
     for key, value in want.items():

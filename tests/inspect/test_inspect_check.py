@@ -2,12 +2,14 @@
 functions, and catches a single token changed by 1e-2 relative in each identity, naming its place; a
 step of the run record missing on disk fails it."""
 
+import json
 import shutil
 import sys
 from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -19,13 +21,14 @@ from tests.inspect.inspect_helpers import (
     nudge,
     random_batch,
     rewrite_step,
+    valid_positions,
     write_trace,
 )
 
 from verl_ext import registry
 from verl_ext.inspect.identities import IDENTITIES as RECORDS
 from verl_ext.inspect.check import check_trace
-from verl_ext.trace.schema import TOKEN_SCHEMA
+from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, TOKEN_SCHEMA, token_file
 
 IDENTITIES = tuple(record.name for record in RECORDS if record.table != "update")  # without update tables
 
@@ -224,6 +227,49 @@ def test_a_sample_without_valid_tokens_is_not_a_truncation(tmp_path):
     report = check_trace(write_trace(tmp_path / "t", algorithm(name, **extra), {1: by_definition(b, **args)}))
     assert report.passed
     assert report["whitening_stats"].status == "pass" and report["whitening"].notes == ()
+
+
+def bf16_batches(rewards_in_bf16: bool) -> dict:
+    """Two steps of td0 with the KL in the reward as a bf16 trainer makes them: kl is bf16 (from bf16
+    log-probs), β·kl is multiplied in bf16; ``rewards_in_bf16``: the batch also holds the rewards so."""
+    batches = {}
+    for step in (1, 2):
+        b = random_batch(step, kl_coef=0.3)
+        kl = b.kl.to(torch.bfloat16)
+        rewards = b.scores - 0.3 * kl  # float32 − bf16 product: the product rounded in bf16
+        rewards = rewards.to(torch.bfloat16) if rewards_in_bf16 else rewards
+        defined = by_definition(replace(b, kl=kl.float(), rewards=rewards.float()), "td0", gamma=1.0)
+        batches[step] = replace(defined, kl=kl, rewards=rewards)
+    return batches
+
+
+def stored_dtypes(path: str, step: int) -> dict:
+    metadata = pq.ParquetFile(f"{path}/{token_file(step)}").schema_arrow.metadata
+    return json.loads(metadata[STEP_RECORD_METADATA_KEY.encode()])["stored_dtypes"]
+
+
+@pytest.mark.parametrize("rewards_in_bf16", [False, True], ids=["bf16-kl", "bf16-kl-and-rewards"])
+def test_rewards_of_a_bf16_trainer_pass_with_their_recorded_dtypes_and_only_so(tmp_path, rewards_in_bf16):
+    """verl's V1 trainer in bf16 multiplies β into a bf16 kl (one bf16 rounding of β·kl); a trainer may
+    also hold the rewards themselves in bf16. The capture records the dtype of each tensor it read and
+    the identity allows exactly those roundings (half an ulp each), no more."""
+    path = write_trace(tmp_path / "t", algorithm("td0", kl="kl"), bf16_batches(rewards_in_bf16))
+    assert stored_dtypes(path, 1) == {"kl": "bf16", **({"reward": "bf16"} if rewards_in_bf16 else {})}
+    report = check_trace(path)["rewards"]
+    assert report.status == "pass", str(report.first)
+    assert any("kl held in bf16 by the trainer" in note for note in report.notes)
+    assert any("reward held in bf16 by the trainer" in note for note in report.notes) == rewards_in_bf16
+    for step in (1, 2):  # the same numbers without the record of their dtypes: float32 identities they miss
+        rewrite_step(path, step, entry=lambda e: {**e, "stored_dtypes": {}})
+    assert check_trace(path)["rewards"].status == "fail"
+
+
+def test_a_reward_off_by_more_than_bf16_roundings_still_fails(tmp_path):
+    batches = bf16_batches(rewards_in_bf16=True)
+    sample, token = valid_positions(batches[1])[3]
+    batches[1].rewards[sample, token] = float(batches[1].rewards[sample, token]) * 1.05 + 0.05  # bf16 rounds by 0.4%
+    report = check_trace(write_trace(tmp_path / "t", algorithm("td0", kl="kl"), batches))["rewards"]
+    assert report.status == "fail" and (report.first.location.sample, report.first.location.token_index) == (sample, token)
 
 
 def test_kl_in_reward_without_a_recorded_beta_fails(tmp_path):

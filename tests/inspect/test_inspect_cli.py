@@ -62,6 +62,34 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, run_cli, command, case):
     assert message.format(missing=tmp_path / "missing", plain=tmp_path / "plain") in err
 
 
+@pytest.mark.parametrize("command", [*COMMANDS, "compare", "view"])
+def test_a_run_folder_points_at_the_trace_inside_it(tmp_path, run_cli, command):
+    """``verl-ext check RUN_DIR`` where RUN_DIR holds ``trace/`` (the demo's and the recipes' layout):
+    the one-line error names RUN_DIR/trace."""
+    good_trace(tmp_path / "run" / "trace")
+    (tmp_path / "run" / "plots").mkdir()
+    extra = {"compare": ["--step", "1"], "view": ["--out", str(tmp_path / "v.html")], "plot": ["--out", str(tmp_path / "p")]}
+    code, out, err = run_cli(command, str(tmp_path / "run"), *extra.get(command, []))
+    assert (code, out) == (2, "")
+    assert err == (
+        f"verl-ext {command}: {tmp_path / 'run'} is not a verl-ext trace: it has no _run.json; "
+        f"the trace is in {tmp_path / 'run'}/trace: pass that path instead\n"
+    )
+
+
+def test_show_plot_and_view_default_to_the_last_step_and_say_so(tmp_path, run_cli, capsys):
+    path = good_trace(tmp_path / "t")  # steps 1, 2, 3
+    code, out, _ = run_cli("show", path)
+    assert code == 0 and out.startswith("step 3 · sample 0 ·")
+    code, out, _ = run_cli("plot", path, "--out", str(tmp_path / "plots"), "--quiet")
+    assert code == 0 and "positions_step3.png" in out and "step1" not in out and "step2" not in out
+    for command in ("show", "plot", "view"):
+        with pytest.raises(SystemExit):
+            run_cli(command, "--help")
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert "(default: the last traced step, the policy as training left it" in help_text, command
+
+
 def test_check_exit_codes_and_report(tmp_path, run_cli):
     code, out, err = run_cli("check", good_trace(tmp_path / "good"), "--quiet")
     assert code == 0 and err == ""

@@ -56,3 +56,8 @@ def test_empty_step():
     assert layout.samples == 0
     assert list(layout.problems()) == []
     assert list(layout.row_groups()) == []
+
+
+def test_valid_position_counts_the_valid_rows_before_each_and_marks_a_masked_row():
+    layout = StepLayout(*long_format([[True, False, True], [False, True], [True]]))
+    assert layout.valid_position.tolist() == [0, -1, 1, -1, 2, 3]  # by hand

@@ -105,3 +105,30 @@ def test_figures_draw_the_traces_numbers(gae_trace):
     shown = [t.get_text() for t in heatmap.axes[0].texts if re.fullmatch(r"[+-]\d+\.\d\d", t.get_text())]
     sample1 = frame[(frame.step == 3) & (frame["sample"] == 1) & frame["mask"]]
     assert shown == [f"{a:+.2f}" for a in sample1["advantage"]]
+
+
+@pytest.mark.parametrize("response_tokens", [1, 3])
+def test_the_heatmaps_title_and_footnote_stay_inside_the_figure(monkeypatch, tmp_path, char_tokenizer, response_tokens):
+    """A short response under a long prompt of CJK characters drawn as code points (no CJK font):
+    every line of the title and of the footnote lies within the saved figure."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    monkeypatch.setattr(plots, "_candidate_fonts", lambda: [])
+    b = by_verl_gae(random_batch(1, B=2, T=3, interior=False), 1.0, 1.0)
+    prompt = "请问12+34=46？是的，等于！" * 4  # 68 characters, 36 of them drawn as U+XXXX
+    b = replace(b, prompts=torch.tensor([token_ids(prompt)] * 2), prompt_mask=torch.ones(2, len(prompt), dtype=torch.bool))
+    b.mask[0, response_tokens:] = 0
+    path = write_trace(tmp_path / "t", algorithm("gae"), {1: b}, tokenizer_path=char_tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FontFallbackWarning)
+        fig = advantage_heatmap(path, sample=0)
+    canvas = FigureCanvasAgg(fig)
+    fig.savefig(io.BytesIO(), format="png", dpi=130)  # the layout as saved
+    renderer = canvas.get_renderer()
+    texts = [fig._suptitle, fig._supxlabel]
+    assert all(text is not None for text in texts) and "U+8BF7" in fig._suptitle.get_text()
+    for text in texts:
+        box = text.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 <= fig.bbox.height, text.get_text()

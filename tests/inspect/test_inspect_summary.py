@@ -27,8 +27,9 @@ def test_summary_numbers_by_hand(tmp_path):
         "return": 0.8, "adv_raw_mean": 0.48, "adv_raw_std": (0.208 / 4) ** 0.5, "adv_mean": 0.48,
         "adv_std": (0.208 / 4) ** 0.5, "explained_var": 1 - 0.052 / 0.075,
         "clip_low": None, "clip_high": None, "clip_dual": None, "adv_dlogp_corr": None,  # no update tables
-        "ev_mc": 1 - 0.052 / 0.075,  # an mc run: the recorded returns are the MC returns
-        "ev_mc_last": 1 - 0.02 / 0.125,  # last tokens: G = [1, 0.5], G − V = [0.4, 0.2]
+        # an mc run: G is the recorded return, but ev_mc's 5 tokens (explained_var above) and ev_mc_last's 2
+        # (G = [1, 0.5], G − V = [0.4, 0.2]: 1 − 0.02/0.125) are fewer than the 8 a bucket's EV needs
+        "ev_mc": None, "ev_mc_last": None,
         # sample 1's hole makes two turns of it: 1.5 turns a sample; its last token (|A| = 0.2) is after the hole
         "turns": 1.5, "adv_share_after_hole": 0.2 / 2.4,
         "tool_calls": None,  # no agent loop said how many
@@ -54,13 +55,11 @@ def test_summary_command(tmp_path, run_cli):
         "adv_mean",
         "adv_std",
         "explained_var",
-        "ev_mc",
-        "ev_mc_last",
         "turns",
         "adv_share_after_hole",
     ]  # fmt: skip  (kl: none)
     assert line.split()[:4] == ["3", "2", "5", "0.7500"]
-    assert line.split()[-5:] == ["0.3067", "0.3067", "0.8400", "1.5000", "0.0833"]
+    assert line.split()[-3:] == ["0.3067", "1.5000", "0.0833"]  # ev_mc, ev_mc_last: blank on every step, left out
     code, out, _ = run_cli("summary", path, "--format", "csv")
     assert out.splitlines()[0].startswith("step,samples,tokens,score,reward,kl,")
 
@@ -81,3 +80,42 @@ def test_tool_calls_are_the_mean_over_the_responses_whose_agent_loop_said(tmp_pa
     row = summarize(write_multi_turn_trace(tmp_path / "t", "no-tokenizer")).to_pylist()[0]
     assert row["tool_calls"] == pytest.approx(2 / 3)
 
+
+
+def test_summary_says_why_adv_dlogp_corr_is_blank(tmp_path, run_cli):
+    """The worked update of tests/inspect/test_inspect_update.py (two epochs of two mini-batches)
+    with log_prob = old_log_prob on every row, as on the first step of a warm-up from a learning
+    rate of 0: Δlog-prob does not vary, the correlation is undefined, and the summary says why."""
+    from tests.inspect.test_inspect_update import hand_trace
+
+    def unmoved(parts):
+        for actor in parts["actor"]:
+            actor["columns"]["log_prob"] = actor["columns"]["old_log_prob"].copy()
+
+    path = hand_trace(tmp_path / "t", unmoved)
+    assert summarize(path).column("adv_dlogp_corr").to_pylist() == [None]
+    code, out, err = run_cli("summary", path)
+    assert code == 0 and out
+    assert err == (
+        "note: adv_dlogp_corr is blank at step 1: log_prob = old_log_prob on every row of its last epoch: the update "
+        "computed every log-prob before the policy moved (a learning rate of 0, e.g. on the first step of verl's "
+        "warm-up: actor.optim.lr_warmup_steps starts it at 0)\n"
+    )
+    code, _, err = run_cli("summary", hand_trace(tmp_path / "moved"))  # the policy moved: a correlation, no note
+    assert code == 0 and err == ""
+
+
+def test_a_single_mini_batch_of_one_epoch_is_named_as_the_reason(tmp_path):
+    """One mini-batch in one epoch: every log-prob is computed before the only optimizer step."""
+    from tests.inspect.test_inspect_update import hand_trace
+    from verl_ext.inspect.update import why_no_correlation
+    from verl_ext.trace.reader import open_trace
+
+    def one_minibatch_unmoved(parts):
+        parts["actor"] = [actor for actor in parts["actor"] if actor["epoch"] == 0]
+        for actor in parts["actor"]:
+            actor["minibatch"] = 0
+            actor["columns"]["log_prob"] = actor["columns"]["old_log_prob"].copy()
+
+    trace = open_trace(hand_trace(tmp_path / "t", one_minibatch_unmoved))
+    assert why_no_correlation(trace, 1).endswith("(one mini-batch in one epoch: its only optimizer step comes after them)")

@@ -82,7 +82,7 @@ def critic_part(epoch: int, sample: int) -> dict:
     })  # fmt: skip
 
 
-def hand_trace(directory, change=None) -> str:
+def hand_trace(directory, change=None, settings=SETTINGS) -> str:
     """The worked example as a trace; ``change(kind, parts)`` plants an error first."""
     batch = random_batch(1, B=2, T=3, interior=False)
     batch.mask[:] = 1
@@ -95,7 +95,7 @@ def hand_trace(directory, change=None) -> str:
     if change is not None:
         change(parts)
     updates = [UpdateCapture(1, kind, parts[kind], LOGGED[kind]) for kind in ("critic", "actor")]
-    return write_trace(directory, algorithm("grpo"), {1: batch}, updates={1: updates}, update_settings=SETTINGS)
+    return write_trace(directory, algorithm("grpo"), {1: batch}, updates={1: updates}, update_settings=settings)
 
 
 UPDATE = ("update_rows", "ratio", "ratio_first", "pg_loss", "clip", "vf_loss", "update_metrics")
@@ -342,3 +342,41 @@ def test_a_wrong_logged_ppo_kl_fails_update_metrics(tmp_path, monkeypatch):
     assert update_statuses(hand_trace(tmp_path / "t"))["update_metrics"] == "pass"
     monkeypatch.setitem(LOGGED, "actor", {**LOGGED["actor"], "actor/ppo_kl": kl + 1e-3})
     assert update_statuses(hand_trace(tmp_path / "u"))["update_metrics"] == "fail"
+
+
+#: The factor of −A where a clip applies: verl clamps the bf16 ratio to 1 ± 0.2 in bf16 (1.203125,
+#: 0.80078125), and multiplies −A by c = 3 in float32.
+CODE_FACTOR = {"high": float(torch.tensor(1.2).bfloat16()), "low": float(torch.tensor(0.8).bfloat16()), "dual": 3.0}
+
+
+def computed_in_bf16(parts) -> None:
+    """The actor's numbers as verl's loss has them under its GPU default: log-probs stored in bf16, the
+    ratio exp(Δ) computed in bf16 from them, each term −A·x in float32 from that ratio (the clip codes
+    of the worked example stay: bf16 moves a ratio by a few 1e-3)."""
+    for p in parts["actor"]:
+        columns = p["columns"]
+        log_prob, old = (torch.tensor(columns[name]).bfloat16() for name in ("log_prob", "old_log_prob"))
+        ratio = torch.exp(torch.clamp(log_prob - old, min=-20.0, max=20.0))
+        assert ratio.dtype == torch.bfloat16
+        columns["log_prob"], columns["old_log_prob"] = log_prob.float().numpy(), old.float().numpy()
+        columns["ratio"] = ratio.float().numpy()
+        factor = [CODE_FACTOR.get(code, r) for code, r in zip(columns["clip"], columns["ratio"])]
+        columns["pg_loss"] = (-columns["advantage"] * np.array(factor, np.float32)).astype(np.float32)
+
+
+BF16_ACTOR = ("ratio", "ratio_first", "pg_loss", "clip")
+
+
+def test_a_bf16_loss_is_checked_with_bf16_roundings(tmp_path):
+    """With the run record saying the actor's loss computed in bf16, its roundings pass and float32's
+    tolerance would not; an error of a few bf16 roundings (5% of one ratio) still fails."""
+    bf16 = {kind: {**settings, "dtype": "bf16"} for kind, settings in SETTINGS.items()}
+    statuses = lambda path: {k: v for k, v in update_statuses(path).items() if k in BF16_ACTOR}  # noqa: E731
+    assert statuses(hand_trace(tmp_path / "bf16", computed_in_bf16, bf16)) == dict.fromkeys(BF16_ACTOR, "pass")
+    as_fp32 = statuses(hand_trace(tmp_path / "fp32", computed_in_bf16))
+    assert as_fp32["ratio"] == as_fp32["pg_loss"] == as_fp32["clip"] == "fail"
+
+    def planted(parts):
+        computed_in_bf16(parts)
+        parts["actor"][0]["columns"]["ratio"][0] *= 1.05  # epoch 0, sample 1: ratio 1.5, no clip there
+    assert statuses(hand_trace(tmp_path / "planted", planted, bf16))["ratio"] == "fail"

@@ -51,3 +51,43 @@ def test_a_traced_step_holds_the_batch_and_each_per_turn_reward_by_source(compos
     tool_reward[0, 2], tool_reward[1, 2], tool_reward[1, 7], tool_reward[4, 2] = 0.1, 0.1, 0.05, 0.1
     np.testing.assert_allclose(padded(table, "turn_score", mask.shape)[mask], turn_score[mask], rtol=1e-6, atol=0)
     np.testing.assert_allclose(padded(table, "tool_reward", mask.shape)[mask], tool_reward[mask], rtol=1e-6, atol=0)
+
+
+BF16_KEYS = ("values", "old_log_probs", "ref_log_prob", "rollout_log_probs")
+
+
+def test_a_bf16_step_is_traced_as_the_trainer_used_it(compose, tmp_path):
+    """verl's GPU default computes in bf16 and hands over bf16 values and log-probs (the V1 trainer
+    stores them so; its traced step needs TransferQueue: tests/e2e/gpu_world.py): the trace holds exactly those numbers, read into float32, and the run record says
+    which dtype the losses computed in (mixed_precision unset: bf16, verl's FSDP default)."""
+    import torch
+
+    from verl_ext.trace.reader import open_trace
+
+    tensors = make_step()
+    tensors |= {key: tensors[key].to(torch.bfloat16) for key in BF16_KEYS}
+    batch, _ = run_step(compose, "legacy", tensors, "mc", f"verl_ext.trace.dir={tmp_path / 'trace'}")
+    trace = open_trace(str(tmp_path / "trace"))
+    table = trace.read_step(STEP).to_pandas()
+    mask = batch.batch["response_mask"].numpy() != 0
+    for column, key in (("value", "values"), ("old_log_prob", "old_log_probs"), ("ref_log_prob", "ref_log_prob")):
+        exact = tensors[key].double().numpy()[mask]  # bf16 -> float64 is exact
+        np.testing.assert_array_equal(padded(table, column, mask.shape)[mask], exact, err_msg=column)
+    assert {kind: trace.record.update[kind]["dtype"] for kind in ("actor", "critic")} == {"actor": "bf16", "critic": "bf16"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "actor", "critic"),
+    [
+        ((), "bf16", "bf16"),  # verl's default: mixed_precision unset
+        (("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+          "+critic.fsdp.mixed_precision.param_dtype=bf16"), "fp32", "bf16"),
+        (("actor_rollout_ref.actor.strategy=megatron", "critic.strategy=megatron"), "bf16", "bf16"),  # megatron.dtype's default
+        (("actor_rollout_ref.actor.strategy=megatron", "+actor_rollout_ref.actor.megatron.dtype=float16"), "fp16", "bf16"),
+    ],
+)  # fmt: skip
+def test_the_run_record_names_the_dtype_each_loss_computes_in(compose, overrides, actor, critic):
+    from verl_ext.integration.trace_hook import update_settings
+
+    settings = update_settings(compose("algorithm.adv_estimator=gae", *overrides))
+    assert (settings["actor"]["dtype"], settings["critic"]["dtype"]) == (actor, critic)

@@ -79,9 +79,10 @@ def _above(fd: int, minimum: int) -> int:
 
 
 class Browser:
-    """One headless chromium; ``page()`` opens a tab. Use as a context manager, or call ``close()``."""
+    """One headless chromium; ``page()`` opens a tab. Use as a context manager, or call ``close()``.
+    ``env``: variables set for chromium alone (e.g. FONTCONFIG_FILE: the fonts it may use)."""
 
-    def __init__(self, timeout: float = 30.0):
+    def __init__(self, timeout: float = 30.0, env: dict[str, str] | None = None):
         self.timeout = timeout
         self._profile = tempfile.mkdtemp(prefix="verl-ext-chromium-")
         to_chrome_read, self._to_chrome = os.pipe()
@@ -94,6 +95,7 @@ class Browser:
         self.process = subprocess.Popen(
             [shutil.which("bash") or "/bin/bash", "-c", launch, executable(), *FLAGS, f"--user-data-dir={self._profile}", "--remote-debugging-pipe", "about:blank"],
             pass_fds=(to_chrome_read, from_chrome_write), stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+            env={**os.environ, **env} if env else None,
         )  # fmt: skip
         os.close(to_chrome_read)
         os.close(from_chrome_write)

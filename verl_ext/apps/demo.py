@@ -67,11 +67,12 @@ def run_demo(args: argparse.Namespace) -> int:
     last_step = max(credits)
     verdicts = credits[last_step].verdicts
     if args.sample is not None:
-        sample = args.sample
+        sample, why = args.sample, "the one --sample names"
     elif task.call_token is not None:
-        sample = _sample_with_a_call(trace, last_step)
+        sample, why = _sample_with_a_call(trace, last_step)
     else:
-        sample = _interesting_sample(trace, last_step, verdicts)
+        sample, why = _interesting_sample(trace, last_step, verdicts)
+    print(f"  shown token by token below, in plots/ and first in view.html: sample {sample} of step {last_step}, {why}")
     if credits[last_step].shares_by_estimator:
         _print_side_by_side(trace, credits, sample)
     else:
@@ -125,14 +126,18 @@ def _plot(trace, directory: Path, sample: int) -> None:
     print("\n".join(map(str, paths)), flush=True)
 
 
-def _sample_with_a_call(trace, step: int) -> int:
-    """A response of ``step`` that called the tool (two assistant turns) with a score below 1, else
-    any that called, else 0."""
+def _sample_with_a_call(trace, step: int) -> tuple[int, str]:
+    """(sample, why): the first response of ``step`` that called the tool (two assistant turns) with
+    a score below 1, else the first that called, else 0."""
     prompts = trace.prompts(step).to_pandas().set_index("sample")
     scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()
     called = [int(s) for s in scores.index if prompts.at[s, "assistant_turns"] == 2]
     wrong = [s for s in called if scores[s] < 1.0]
-    return (wrong or called or [0])[0]
+    if wrong:
+        return wrong[0], f"the first that called the tool and is not fully right (score {scores[wrong[0]]:.1f})"
+    if called:
+        return called[0], "the first that called the tool (every call was right)"
+    return 0, "the first response (none called the tool)"
 
 
 def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -> int:
@@ -146,7 +151,7 @@ def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -
     command = [
         sys.executable, "-m", "verl_ext.apps.learning", str(output), "--task", args.task,
         "--estimator", args.estimator, "--seed", str(args.seed), "--steps", str(args.steps),
-        "--test-freq", str(args.steps), "--trace", "--",
+        "--test-freq", str(args.steps), "--trace", "--precision", args.precision, "--",
         *(["verl_ext.turn_rewards=true"] if args.turn_rewards else []), *args.overrides,
     ]  # fmt: skip
     with subprocess.Popen(command, cwd=output, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trainer:
@@ -206,12 +211,25 @@ def _print_side_by_side(trace, credits: dict, sample: int) -> None:
     print(render(table.select(columns), "text", 3))
 
 
-def _interesting_sample(trace, step: int, verdicts: dict[int, int]) -> int:
-    """A response of ``step`` with a verdict (``verdicts``: sample -> its token_index) that is not
-    fully right (its advantage shows the push back), else 0."""
-    scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()
-    wrong = [sample for sample, score in scores.items() if sample in verdicts and score < 1.0]
-    return int(wrong[0]) if wrong else 0
+def _interesting_sample(trace, step: int, verdicts: dict[int, int]) -> tuple[int, str]:
+    """(sample, why): the response of ``step`` whose advantages show the update at work, by this rule:
+    the first that is not fully right and whose verdict token (``verdicts``: sample -> its
+    token_index) gets a negative advantage, the verdict the update pushes down; else the first not
+    fully right with a verdict; else sample 0."""
+    table = trace.read_step(step, ["sample", "token_index", "score", "advantage"]).to_pandas()
+    scores = table.groupby("sample")["score"].sum()
+    advantage = dict(zip(zip(table["sample"], table["token_index"]), table["advantage"]))
+    wrong = [int(sample) for sample, score in scores.items() if sample in verdicts and score < 1.0]
+    for sample in wrong:
+        at_verdict = advantage.get((sample, verdicts[sample]))
+        if at_verdict is not None and at_verdict < 0:
+            return sample, (
+                f"the first not fully right (score {scores[sample]:.1f}) whose verdict, token {verdicts[sample]}, "
+                f"gets a negative advantage ({at_verdict:+.2f}): the update pushes that verdict down"
+            )
+    if wrong:
+        return wrong[0], f"the first with a verdict that is not fully right (score {scores[wrong[0]]:.1f})"
+    return 0, "the first response (every verdict was right)"
 
 
 def _explain_verdict(trace, step: int, sample: int, estimator: str, verdicts: dict[int, int]) -> None:

@@ -16,7 +16,7 @@ prompts, responses per step, seeds and step budget.
 
 From a shell (one run per process: verl's registries and the CPU backend are process-global)::
 
-    python -m verl_ext.apps.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--task tool] [--trace] [--fresh-critic] [-- OVERRIDE ...]
+    python -m verl_ext.apps.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--task tool] [--trace] [--precision bf16] [--fresh-critic] [-- OVERRIDE ...]
 
 writes ``OUTPUT_DIR/metrics.jsonl`` (verl's metrics, one line per step), ``train.log`` and, with
 ``--trace``, the per-token trace in ``OUTPUT_DIR/trace``.
@@ -72,11 +72,13 @@ def learning_overrides(
     pretrained_critic: bool = True,
     extra: list[str] = (),
     task: str = DEFAULT_TASK,
+    precision: str = "fp32",
 ) -> list[str]:
     """The hydra overrides of one learning run (CPU settings from :func:`cpu_overrides` included),
     ``extra`` last (they win).
 
     ``task``: the name of the task whose assets to train on (:data:`verl_ext.tasks.TASKS`).
+    ``precision``: the CPU backend's (:data:`verl_ext.cpu.overrides.PRECISIONS`).
     ``pretrained_critic``: start verl's critic from the value-pretrained one of the assets when the
     task has one (else from the warm start with a fresh value head, the control of the study). The
     mini- and micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
@@ -100,6 +102,7 @@ def learning_overrides(
         response_length=12,
         use_ray=False,
         seed=seed,
+        precision=precision,
     )
     settings = [
         # the actor's lr: the CPU backend's 3e-4
@@ -134,7 +137,7 @@ def _positive_int(given: dict[str, str], key: str, default: int) -> int:
 
 def run(
     output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int, trace: bool, extra: list[str],
-    pretrained_critic: bool = True, task: str = DEFAULT_TASK,
+    pretrained_critic: bool = True, task: str = DEFAULT_TASK, precision: str = "fp32",
 ) -> None:
     """Train in this process (the CPU backend is activated here)."""
     import numpy as np
@@ -149,7 +152,7 @@ def run(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / METRICS_FILE).unlink(missing_ok=True)
     os.environ["VERL_FILE_LOGGER_PATH"] = str(output_dir / METRICS_FILE)
-    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra, task)
+    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra, task, precision)
     if trace:
         overrides = merge_overrides([f"verl_ext.trace.dir={output_dir / 'trace'}"], overrides)
     # verl seeds neither torch nor numpy for the FSDP engine: the critic's fresh value head would
@@ -192,6 +195,8 @@ def validation_accuracy(metrics: dict[int, dict]) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    from verl_ext.cpu.overrides import PRECISIONS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--estimator", default="mc")
@@ -200,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--test-freq", type=int, default=TEST_FREQ, help="validate every N steps (and before training)")
     parser.add_argument("--trace", action="store_true", help="write the per-token trace to OUTPUT_DIR/trace")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="fp32 everywhere (default), or bf16: verl's GPU mixed precision")
     parser.add_argument(
         "--fresh-critic", action="store_true",
         help="start the critic from the warm start with a fresh value head instead of the pretrained critic",
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     run(
         args.output_dir.resolve(), args.estimator, args.seed, args.steps, args.test_freq, args.trace, extra,
-        pretrained_critic=not args.fresh_critic, task=args.task,
+        pretrained_critic=not args.fresh_critic, task=args.task, precision=args.precision,
     )  # fmt: skip
     return 0
 

@@ -1,7 +1,7 @@
 """The hydra overrides (or the environment) of a CPU run of an example task, one per line, for a
 shell: ``recipes/cpu_demo.sh`` runs verl's own ``python -m verl.trainer.main_ppo`` with them::
 
-    python -m verl_ext.apps.overrides --output-dir outputs/cpu --steps 5 --estimator gae [--task tool] [-- OVERRIDE ...]
+    python -m verl_ext.apps.overrides --output-dir outputs/cpu --steps 5 --estimator gae [--task tool] [--precision bf16] [-- OVERRIDE ...]
     python -m verl_ext.apps.overrides --output-dir outputs/cpu --env
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from verl_ext.cpu.overrides import cpu_environment, cpu_overrides, merge_overrides
+from verl_ext.cpu.overrides import PRECISIONS, cpu_environment, cpu_overrides, merge_overrides
 from verl_ext.tasks import DEFAULT_TASK, TASKS, get_task
 
 
@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--estimator", default="gae")
     parser.add_argument("--train-batch-size", type=int, default=8)
     parser.add_argument("--rollout-n", type=int, default=1)
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="fp32", help="fp32 everywhere (default), or bf16: verl's GPU mixed precision"
+    )
     parser.add_argument("--v1", action="store_true", help="verl's V1 trainer (the default trainer of verl 0.9)")
     parser.add_argument("--ray-address", default=None, help="join this running Ray cluster instead of starting one")
     parser.add_argument("--env", action="store_true", help="print the environment as NAME=value lines instead")
@@ -39,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         estimator=args.estimator,
         train_batch_size=args.train_batch_size,
         rollout_n=args.rollout_n,
+        precision=args.precision,
         use_v1=args.v1,
         ray_address=args.ray_address,
     )

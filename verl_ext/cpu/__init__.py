@@ -9,7 +9,8 @@ touch of verl is a record of :data:`verl_ext.touches.CPU_TOUCHES`.
 
 Public entry points (import them from their modules):
 
-* :func:`activate`: install the platform, the patches and the ``hf`` rollout in this process;
+* :func:`activate`: install the platform and the patches in this process (the rollout, ``hf_generate``
+  (:mod:`verl_ext.hf_rollout`), is the plugin's: it runs without the backend, on a GPU too);
 * :func:`verl_ext.cpu.overrides.cpu_overrides` / ``cpu_environment`` / ``merge_overrides``: the
   hydra overrides and environment variables of a CPU run, given a task's assets
   (:class:`verl_ext.cpu.overrides.RunAssets`);
@@ -25,11 +26,11 @@ from __future__ import annotations
 
 import os
 
+from verl_ext.hf_rollout import ROLLOUT_NAME
 from verl_ext.options import CPU_SWITCH as ENV_SWITCH
 from verl_ext.touches import CPU_VERSIONS
 
 PLATFORM_NAME = "cpu"
-ROLLOUT_NAME = "hf"
 
 #: Set in every process where the backend is active (inherited by a local Ray cluster's workers).
 CPU_PROCESS_ENV = {

@@ -67,7 +67,7 @@ from verl.workers.rollout.llm_server import LLMServerManager  # noqa: E402
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer  # noqa: E402
 
 from verl_ext.cpu.local_actor import LocalActorHandle, actor_loop  # noqa: E402
-from verl_ext.cpu.rollout import HFGenerationServer, HFReplica, register_local_server  # noqa: E402
+from verl_ext.hf_rollout.server import HFGenerationServer, HFReplica, register_local_server  # noqa: E402
 
 #: Called once per step: ``on_batch(step, batch, trainer)``; ``batch`` is the trainer's live batch.
 BatchHook = Callable[[int, DataProto, "InProcessPPOTrainer"], None]

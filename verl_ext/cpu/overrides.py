@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 
+#: The backend's precisions: ``fp32`` forces full fp32 everywhere (exact values and log-probs, and
+#: fast on any CPU); ``bf16`` leaves verl's mixed precision unset, as a GPU run has it: bf16
+#: parameters and autocast, fp32 reduce and buffers (verl's ``FSDPEngine._build_fsdp_module``).
+PRECISIONS = ("fp32", "bf16")
+
 
 class RunAssets(Protocol):
     """What a CPU run needs from a task: a model directory (weights and tokenizer), verl's
@@ -61,6 +66,7 @@ def cpu_overrides(
     use_ray: bool = True,
     ray_address: str | None = None,
     seed: int = 0,
+    precision: str = "fp32",
 ) -> list[str]:
     """Overrides for ``steps`` PPO steps of ``estimator`` on CPU; checkpoints go under ``output_dir``.
 
@@ -69,6 +75,7 @@ def cpu_overrides(
     GPUs) instead of starting a local one. ``seed``: the data order and the rollout's sampling.
     Adjust the result with :func:`merge_overrides` (hydra rejects a key given twice).
     """
+    check_precision(precision)
     output = Path(output_dir).resolve()
     micro_batch = train_batch_size * rollout_n  # one micro-batch per step: fewest forward passes
     overrides = [
@@ -84,19 +91,20 @@ def cpu_overrides(
         # model: the tiny llama; sdpa attention (verl's default, flash_attention_2, needs CUDA)
         f"actor_rollout_ref.model.path={assets.model_dir}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.model.use_remove_padding=False",  # packed sequences need flash-attn varlen
+        # padded, as every figure of the demos was measured; packed sequences (True) run too: with sdpa,
+        # transformers masks each sequence apart by its position ids (tests/e2e/gpu_world.py)
+        "actor_rollout_ref.model.use_remove_padding=False",
         # actor and reference: FSDP2 (FSDP1 passes an integer CUDA device_id), no torch.compile
         "actor_rollout_ref.actor.strategy=fsdp2",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
         "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
-        # full fp32 (verl's default computes in bf16): exact values and log-probs, and fast on any CPU
-        *_fp32("actor_rollout_ref.actor.fsdp_config"),
-        *_fp32("actor_rollout_ref.ref.fsdp_config"),
+        *_precision("actor_rollout_ref.actor.fsdp_config", precision),
+        *_precision("actor_rollout_ref.ref.fsdp_config", precision),
         f"actor_rollout_ref.actor.ppo_mini_batch_size={train_batch_size}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro_batch}",
         "actor_rollout_ref.actor.optim.lr=3e-4",
-        # rollout: the HF-generate backend (verl_ext.cpu.rollout), one replica, one agent-loop worker
+        # rollout: the HF-generate backend (verl_ext.hf_rollout), one replica, one agent-loop worker
         f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}",
         f"actor_rollout_ref.rollout.n={rollout_n}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -111,7 +119,7 @@ def cpu_overrides(
         "critic.model.use_remove_padding=False",
         "critic.strategy=fsdp2",
         "critic.fsdp.use_torch_compile=False",
-        *_fp32("critic.fsdp"),
+        *_precision("critic.fsdp", precision),
         f"critic.ppo_micro_batch_size_per_gpu={micro_batch}",
         "critic.optim.lr=1e-3",
         # reward: the task's rule-based reward, one reward-loop worker
@@ -153,6 +161,16 @@ def cpu_overrides(
             ),
         ]
     return overrides
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+
+
+def _precision(engine_config: str, precision: str) -> list[str]:
+    """FSDP mixed-precision settings: ``bf16`` sets none, so verl's default (a GPU run's) applies."""
+    return _fp32(engine_config) if precision == "fp32" else []
 
 
 def _fp32(engine_config: str) -> list[str]:

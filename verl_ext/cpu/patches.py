@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from verl_ext.cpu import PLATFORM_NAME, ROLLOUT_NAME
+from verl_ext.cpu import PLATFORM_NAME
 
 
 def gloo_process_group(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -110,21 +110,6 @@ def register_fsdp_engines(transformer_impl) -> None:
     ):
         if "cpu" not in EngineRegistry._engines.get(model_type, {}).get("fsdp2", {}):
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine_cls)
-
-
-def register_rollout_adapter(rollout_base) -> None:
-    # Worker side: ActorRolloutRefWorker builds its rollout with get_rollout_class(name, "async").
-    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = "verl_ext.cpu.rollout.HFServerAdapter"
-
-
-def register_rollout_replica(replica) -> None:
-    # Trainer side: LLMServerManager starts servers through RolloutReplicaRegistry.get(name).
-    def load_hf_replica():
-        from verl_ext.cpu.rollout import HFReplica
-
-        return HFReplica
-
-    replica.RolloutReplicaRegistry.register(ROLLOUT_NAME, load_hf_replica)
 
 
 def register_llama_token_family(continuous_token_wiring) -> None:

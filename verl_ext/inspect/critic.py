@@ -16,7 +16,8 @@ first token of each response's assistant turn k, the state after its k-th hole (
 and ``after_hole`` those of every turn k ≥ 1. Per (step, bucket), over the bucket's n tokens of the step:
 
 * ``explained_var`` = 1 − Var(G − V) / Var(G), variances with n − 1 as verl's
-  ``critic/vf_explained_var``; null when n < 2 or Var(G) = 0;
+  ``critic/vf_explained_var``; null when n < MIN_EV_TOKENS (8: on fewer, it swings on a handful
+  of returns) or Var(G) = 0 (:func:`verl_ext.step_metrics.enough_tokens`);
 * ``mean_abs_error`` = mean |V − G|; ``mean_return`` = mean G; ``mean_value`` = mean V
   (null when n = 0).
 
@@ -36,6 +37,7 @@ from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, Ste
 from verl_ext.step_metrics import (
     BUCKETS,
     DECILES,
+    MIN_EV_TOKENS,
     Responses,
     critic_by_position,
     critic_by_turn,
@@ -44,7 +46,8 @@ from verl_ext.step_metrics import (
 )
 
 __all__ = [
-    "BUCKETS", "DECILES", "critic_diagnostics", "explained_variance", "step_diagnostics", "steps_by_bucket", "traced_step_metrics",
+    "BUCKETS", "DECILES", "MIN_EV_TOKENS", "critic_diagnostics", "explained_variance", "few_tokens_note", "step_diagnostics",
+    "steps_by_bucket", "traced_step_metrics",
 ]  # fmt: skip
 
 #: One row per (step, bucket), every bucket of BUCKETS of every step (a bucket without tokens has
@@ -140,6 +143,18 @@ def responses(layout: StepLayout) -> Responses:
     """The step's responses as :mod:`verl_ext.step_metrics` takes them: the valid tokens of each, and
     where each assistant turn starts."""
     return Responses.of(layout.valid_counts, layout.turn_starts)
+
+
+def few_tokens_note(diagnostics: pa.Table) -> str | None:
+    """What a reader of :func:`critic_diagnostics` should know when some bucket with tokens has its
+    explained variance left blank for having fewer than MIN_EV_TOKENS; None when none has."""
+    few = sum(1 for tokens in diagnostics.column("tokens").to_pylist() if 0 < tokens < MIN_EV_TOKENS)
+    if not few:
+        return None
+    return (
+        f"EV is blank where a bucket holds fewer than {MIN_EV_TOKENS} tokens ({few} step × bucket cell{'s' if few > 1 else ''} "
+        "here): on a handful of returns it swings far below −1 and says nothing (docs/definitions.md §9)"
+    )
 
 
 def steps_by_bucket(diagnostics: pa.Table, metric: str = "explained_var") -> pa.Table:

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import functools
 import math
+import textwrap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-import pyarrow.compute as pc
 from matplotlib import colormaps, font_manager, ft2font, rcParams
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import TwoSlopeNorm
@@ -46,11 +46,12 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from verl_ext.errors import UsageError
-from verl_ext.inspect.critic import critic_diagnostics, explained_variance, steps_by_bucket
+from verl_ext.inspect.critic import MIN_EV_TOKENS, critic_diagnostics, explained_variance, steps_by_bucket
 from verl_ext.inspect.render import display_width
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.summary import summarize
 from verl_ext.inspect.table import CONTINUATION, EMPTY, decoder_for, sample_view
+from verl_ext.inspect.update_rows import UpdateRows
 from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 VALUE_COLOR, RETURN_COLOR, RAW_COLOR, ADVANTAGE_COLOR = "#1f77b4", "#d62728", "#2ca02c", "#9467bd"
@@ -59,6 +60,10 @@ HEATMAP_COLUMNS = 16
 HEATMAP_MAX_TOKENS = 512
 #: Height / width of a heatmap cell: room for the token above its value.
 CELL_ASPECT = 0.8
+#: Inches: the token heatmap of a short response is at least this wide, so that its footnote fits
+#: (the widest text of it, 7 pt), and its title lines wrap at about this many 10 pt characters an inch.
+HEATMAP_MIN_WIDTH = 6.5
+TITLE_CHARACTERS_PER_INCH = 10
 SCATTER_MAX_POINTS = 20_000
 
 
@@ -194,7 +199,14 @@ def advantage_heatmap(
     n = len(tokens)
     columns = min(HEATMAP_COLUMNS, max(n, 1))
     lines = max(1, math.ceil(n / columns))
-    fig = Figure(figsize=(1.0 + 0.8 * columns, 1.9 + 0.8 * CELL_ASPECT * lines), layout="constrained")
+    width = max(1.0 + 0.8 * columns, HEATMAP_MIN_WIDTH)
+    more = f" (first {max_tokens} of {view.table.num_rows} tokens)" if view.table.num_rows > max_tokens else ""
+    title = [f"Step {step}, sample {sample}: {column} per token{more}" + ("; hatched = masked" if not mask.all() else "")]
+    if prompt:
+        title.append("prompt: " + font.label(prompt[:100] + ("…" if len(prompt) > 100 else "")))
+    # wrapped to the figure's width: a line wider than the figure is cut off at both sides
+    title = [part for line in title for part in textwrap.wrap(line, int(width * TITLE_CHARACTERS_PER_INCH), max_lines=3, placeholder=" …")]
+    fig = Figure(figsize=(width, 1.9 + 0.8 * CELL_ASPECT * lines + 0.2 * max(0, len(title) - 2)), layout="constrained")
     axis = fig.subplots()
     shown = values[mask & np.isfinite(values)]
     limit = float(np.abs(shown).max()) if len(shown) and np.abs(shown).max() > 0 else 1.0
@@ -223,11 +235,7 @@ def advantage_heatmap(
     fig.colorbar(
         ScalarMappable(norm=norm, cmap=cmap), ax=axis, label=column, orientation="horizontal", shrink=0.5, aspect=40
     )
-    more = f" (first {max_tokens} of {view.table.num_rows} tokens)" if view.table.num_rows > max_tokens else ""
-    title = f"Step {step}, sample {sample}: {column} per token{more}" + ("; hatched = masked" if not mask.all() else "")
-    if prompt:
-        title += "\nprompt: " + font.label(prompt[:100] + ("…" if len(prompt) > 100 else ""))
-    fig.suptitle(title, fontfamily=list(font.families), fontsize=10)
+    fig.suptitle("\n".join(title), fontfamily=list(font.families), fontsize=10)
     _footnote(fig, font)
     return fig
 
@@ -355,12 +363,13 @@ def critic_heatmap(trace, progress: Progress | None = None) -> Figure:
     its last valid token, all): the explained variance 1 − Var(G − V)/Var(G) of the values against
     the Monte-Carlo return, its colour clipped to [−1, 1] and diverging around 0 (white: the critic
     explains nothing; red: below 0, V adds error; blue: towards 1, ready), and the mean |V − G|.
-    Grey: undefined (fewer than 2 tokens, or returns that do not vary). Needs values (UsageError
-    without)."""
+    Grey: undefined (an EV of fewer than MIN_EV_TOKENS tokens, returns that do not vary, no tokens),
+    as the EV panel's title says. Needs values (UsageError without)."""
     trace = as_trace(trace)
     diagnostics = critic_diagnostics(trace, progress=progress)
     panels = (
-        ("explained_var", "explained variance 1 − Var(G − V) / Var(G)", "colour clipped to [−1, 1]", colormaps["RdBu"]),
+        ("explained_var", f"explained variance 1 − Var(G − V) / Var(G)\n(grey: fewer than {MIN_EV_TOKENS} tokens, or G does not vary)",
+         "colour clipped to [−1, 1]", colormaps["RdBu"]),
         ("mean_abs_error", "mean |V − G|", "reward units", colormaps["viridis"]),
     )
     first = steps_by_bucket(diagnostics, panels[0][0])
@@ -452,8 +461,8 @@ def most_clipped_step(trace) -> int | None:
 
 def _clipped_rows(trace, step: int) -> tuple[int, int]:
     """(clipped rows, rows) of the step's actor update table."""
-    clip = trace.actor_update(step, ["clip"]).column("clip")
-    return len(clip) - pc.sum(pc.equal(clip, CLIP_NONE)).as_py(), len(clip)
+    rows = UpdateRows.read(trace, "actor", step, ["clip"])
+    return int(rows.clipped().sum()), rows.count
 
 
 def save_plots_with_notes(

@@ -25,6 +25,9 @@ NOT_CHECKED = "not checked: "
 EPS32 = float(np.finfo(np.float32).eps)  # 2^-23
 #: Below this nothing is claimed: float32 data of order one round at ~6e-8.
 ATOL = 1e-6
+#: Machine epsilon per dtype name as the trace records one (the run record's ``update.<kind>.dtype``,
+#: a step's ``stored_dtypes``); float32's where none is recorded.
+DTYPE_EPS = {"fp32": EPS32, "bf16": 2.0**-7, "fp16": 2.0**-10}
 
 
 @dataclass(frozen=True)

@@ -341,6 +341,13 @@ class StepLayout:
         begun_before_sample = np.repeat(index[self.starts] + 1 - begins[self.starts], self.row_counts)
         return np.maximum(index - begun_before_sample, 0)
 
+    @cached_property
+    def valid_position(self) -> np.ndarray:
+        """(rows,) int64: each row's index among the valid tokens (into ``valid_rows``), −1 at a masked row."""
+        position = np.full(len(self.mask), -1, np.int64)
+        position[self.valid_rows] = np.arange(len(self.valid_rows))
+        return position
+
     def valid_sample_index(self) -> np.ndarray:
         """Sample index (0 … B-1) of every valid token."""
         return np.repeat(np.arange(self.samples), self.valid_counts)

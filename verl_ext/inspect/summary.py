@@ -13,7 +13,8 @@
   positive when the update raised the probability of the tokens it was told to raise
 * ``ev_mc``, ``ev_mc_last``: 1 − Var(G − V)/Var(G) against the Monte-Carlo return G_t = Σ_{k≥t} γ^{k−t} r_k
   recomputed from the rewards (the same yardstick whatever the estimator), over all valid tokens and
-  over each response's last valid token (null without values); by position in
+  over each response's last valid token (null without values, or on fewer than 8 tokens: 8 responses
+  for ``ev_mc_last``, docs/definitions.md §9); by position in
   :mod:`verl_ext.inspect.critic` (``verl-ext summary --critic``)
 * ``turns``, ``adv_share_after_hole``, on a step with multi-turn responses only (docs/definitions.md
   §7): the mean number of assistant turns of the samples, and the share of the step's Σ|A| (raw
@@ -31,7 +32,7 @@ import pyarrow as pa
 
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
-from verl_ext.inspect.update import update_statistics
+from verl_ext.inspect.update import update_statistics, why_no_correlation
 from verl_ext.step_metrics import critic_by_position, turn_shares
 
 SUMMARY_SCHEMA = pa.schema(
@@ -77,6 +78,26 @@ def summarize(trace, steps: Iterable[int] | None = None, progress: Progress | No
         if progress is not None:
             progress(done, len(selected), tokens)
     return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)
+
+
+def blank_notes(trace, summary: pa.Table) -> list[str]:
+    """One line per reason ``adv_dlogp_corr`` of ``summary`` (:func:`summarize`'s) is blank on a
+    step of a trace with update tables (say, step 1 of a run whose learning rate warms up from 0)."""
+    trace = as_trace(trace)
+    blank = [row["step"] for row in summary.select(["step", "adv_dlogp_corr"]).to_pylist() if row["adv_dlogp_corr"] is None]
+    if not blank:
+        return []
+    if not trace.update_steps.get("actor"):
+        return []  # no update tables: the update's columns are blank on every step, and text leaves them out
+    steps_by_reason: dict[str, list[int]] = {}
+    for step in blank:
+        steps_by_reason.setdefault(why_no_correlation(trace, step), []).append(step)
+    return [f"adv_dlogp_corr is blank at {_steps_text(steps)}: {reason}" for reason, steps in steps_by_reason.items()]
+
+
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:6])) + (f", … ({len(steps)} steps)" if len(steps) > 6 else "")
+    return f"step{'s' if len(steps) > 1 else ''} {shown}"
 
 
 def step_summary(data: StepData, gamma: float) -> dict:

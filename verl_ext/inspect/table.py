@@ -36,6 +36,7 @@ import torch
 from verl_ext import estimators
 from verl_ext.errors import UsageError, one_line
 from verl_ext.inspect.stepdata import RecordedAlgorithm, as_trace, join_keys, locate
+from verl_ext.inspect.update_rows import UpdateRows
 from verl_ext.trace.reader import listing
 
 
@@ -140,8 +141,8 @@ def _with_update(trace, step: int, sample: int, epoch: int, table: pa.Table) -> 
     for kind, names in UPDATE_COLUMNS.items():
         if step not in trace.update_steps.get(kind, []):
             continue
-        update = trace.update_table(kind, step)
-        rows = update.filter(pc.and_(pc.equal(update["sample"], sample), pc.equal(update["epoch"], epoch)))
+        update = UpdateRows.read(trace, kind, step)
+        rows = update.table.take(pa.array(update.of([sample], epoch), pa.int64()))
         positions = table["t"].to_numpy()
         index, found = locate(join_keys(rows["sample"].to_numpy(), rows["token_index"].to_numpy()), join_keys(np.full(len(positions), sample), positions))
         order = pa.array(index, pa.int64(), mask=~found)  # null where the token was not trained

@@ -49,7 +49,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from verl_ext.inspect.results import ATOL, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
+from verl_ext.inspect.results import ATOL, DTYPE_EPS, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, floats, step_beta
 from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import ROLE_ASSISTANT, since
@@ -162,6 +162,11 @@ class TokenStep:
         return unchecked(a.why_not) if a.estimator_missing else skipped(a.why_not)
 
     def _compare(self, column: str, actual, expected, tolerance, note: str | None = None) -> Finding:
+        stored = getattr(self.step_record, "stored_dtypes", None) or {}
+        if column in stored:  # the trainer rounded its result to that dtype: half an ulp more (docs/definitions.md#in-a-bf16-run)
+            tolerance = tolerance + DTYPE_EPS.get(stored[column], EPS32) / 2 * np.abs(np.asarray(expected, np.float64))
+            held = f"{column} held in {stored[column]} by the trainer: + ε/2·|{column}|"
+            note = held if note is None else f"{note}; {held}"
         return compare(actual, expected, tolerance, lambda i: (Location(self.step, *self.data.location(i)), column), note)
 
     # ------------------------------------------------------------------ the identities
@@ -279,7 +284,12 @@ class TokenStep:
             return missing
         penalty = beta * self.col["kl"]
         tolerance = ELEMENTWISE(magnitude + np.abs(penalty))
-        return self._compare("reward", reward, score - penalty, tolerance, note=f"β = {beta:g}")
+        note = f"β = {beta:g}"
+        kl_dtype = (getattr(self.step_record, "stored_dtypes", None) or {}).get("kl")
+        if kl_dtype is not None:  # verl multiplies β into the kl tensor in its dtype: one rounding there
+            tolerance = tolerance + DTYPE_EPS.get(kl_dtype, EPS32) / 2 * np.abs(penalty)
+            note += f"; kl held in {kl_dtype} by the trainer, so β·kl is rounded in {kl_dtype}: + ε/2·|β·kl|"
+        return self._compare("reward", reward, score - penalty, tolerance, note=note)
 
     def turn_rewards(self) -> Finding:
         present = [name for name in TURN_REWARDS if self.col[name] is not None]

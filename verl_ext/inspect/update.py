@@ -41,10 +41,10 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-import pyarrow as pa
 
 from verl_ext.inspect.results import (
     ATOL,
+    DTYPE_EPS,
     ELEMENTWISE,
     EPS32,
     Finding,
@@ -56,27 +56,42 @@ from verl_ext.inspect.results import (
     skipped,
 )
 from verl_ext.inspect.stepdata import StepData, floats, join_keys, locate
+from verl_ext.inspect.update_rows import UpdateRows
 from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 #: How far the first mini-batch's ratio may be from 1: the recomputation noise of the log-probs
-#: (fp32 on CPU: below 1e-5; bf16 engines on GPU: up to a few 1e-3).
+#: (fp32 on CPU: below 1e-5; bf16 engines on GPU: up to a few 1e-3), plus a few roundings of the
+#: log-probs in the loss's dtype (in bf16 the step between two log-probs near −2 is 1.6e-2).
 RATIO_NOISE = 1e-2
-#: One float32 subtraction and exponential.
+#: ε is the machine epsilon of the dtype verl's loss computed in (:data:`LOSS_EPS`): the same
+#: roundings, in that dtype. One subtraction and exponential.
 RATIO = Tolerance(
     f"{ATOL:g} + 4ε·ratio·(1 + |Δlog-prob|); terms: as pg_loss",
-    lambda ratio, delta: ATOL + 4 * EPS32 * np.abs(ratio) * (1 + np.abs(delta)),
+    lambda ratio, delta, eps=EPS32: ATOL + 4 * eps * np.abs(ratio) * (1 + np.abs(delta)),
 )
-RATIO_FIRST = Tolerance(f"|ratio − 1| ≤ {RATIO_NOISE:g}", lambda: RATIO_NOISE)
-#: A policy-loss term −A·w·x, x at most max(ratio, c): a few float32 products.
+RATIO_FIRST = Tolerance(
+    f"|ratio − 1| ≤ {RATIO_NOISE:g} + 4ε·(|log_prob| + |old_log_prob|)",
+    lambda magnitude=0.0, eps=EPS32: RATIO_NOISE + 4 * eps * magnitude,
+)
+#: A policy-loss term −A·w·x, x at most max(ratio, c): a few products.
 PG_TERM = Tolerance(
-    f"{ATOL:g} + 8ε·|A|·max(ratio, c)", lambda advantage, ratio, c: ATOL + 8 * EPS32 * np.abs(advantage) * np.maximum(ratio, c)
+    f"{ATOL:g} + 8ε·|A|·max(ratio, c)",
+    lambda advantage, ratio, c, eps=EPS32: ATOL + 8 * eps * np.abs(advantage) * np.maximum(ratio, c),
 )
+#: clip(vpred, V − ε_v, V + ε_v): V ± ε_v rounds once.
+VALUE_CLIP = Tolerance(ELEMENTWISE.text, lambda scale, eps=EPS32: ATOL + 4 * eps * scale)
 VF_TERM = Tolerance(
     f"{ATOL:g} + 8ε·(|vpred| + |value| + |return| + ε_v)²",
-    lambda vpred, value, ret, epsilon: ATOL + 8 * EPS32 * (np.abs(vpred) + np.abs(value) + np.abs(ret) + epsilon) ** 2,
+    lambda vpred, value, ret, epsilon, eps=EPS32: ATOL + 8 * eps * (np.abs(vpred) + np.abs(value) + np.abs(ret) + epsilon) ** 2,
 )
-#: A float32 sum of n terms of at most m each (the fractions are exact: ATOL).
-AGGREGATE = Tolerance(f"{ATOL:g} + ε·n·max|term| (n: tokens of the largest mini-batch)", lambda n, m: ATOL + EPS32 * n * m)
+#: A sum of n terms of at most m each (the fractions are exact: ATOL).
+AGGREGATE = Tolerance(
+    f"{ATOL:g} + ε·n·max|term| (n: tokens of the largest mini-batch)", lambda n, m, eps=EPS32: ATOL + eps * n * m
+)
+#: Machine epsilon per dtype of the run record's ``update.<actor|critic>.dtype``, the dtype verl's
+#: loss computed in (verl_ext.integration.trace_hook.loss_dtype). Float32's where there is none (an
+#: engine verl-ext does not know, a trace before the field): what every fp32 run is checked with.
+LOSS_EPS = DTYPE_EPS
 
 #: (recorded metric, its check): what each logged metric is reproduced from.
 _ACTOR_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")
@@ -95,6 +110,10 @@ class UpdateStep:
         # the run record holds verl's resolved settings wherever there are update tables: nothing defaulted here
         actor = self.settings.get("actor", {})
         self.low, self.high, self.c, self.loss_mode = (actor.get(key) for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_mode"))
+
+    def eps(self, kind: str) -> float:
+        """The unit of ``kind``'s tolerances: ε of the dtype its loss computed in (:data:`LOSS_EPS`)."""
+        return LOSS_EPS.get(self.settings.get(kind, {}).get("dtype"), EPS32)
 
     def unavailable(self, kind: str | None = None) -> Finding | None:
         """Skipped when the step has no update tables, or none of ``kind``."""
@@ -133,14 +152,7 @@ class UpdateStep:
 def _table(trace, kind: str, step: int) -> dict[str, np.ndarray] | None:
     if step not in trace.update_steps.get(kind, []):
         return None
-    table = trace.update_table(kind, step)
-    return {name: _numpy(table.column(name)) for name in table.column_names}
-
-
-def _numpy(column) -> np.ndarray:
-    if column.null_count == len(column) and len(column):
-        return None
-    return floats(column) if pa.types.is_floating(column.type) else column.to_numpy(zero_copy_only=False)
+    return UpdateRows.read(trace, kind, step).arrays()
 
 
 def _token_keys(tokens: StepData) -> np.ndarray:
@@ -203,7 +215,7 @@ def ratio(u: UpdateStep) -> Finding:
     actor = u.actor
     recorded, advantage = actor["ratio"], actor["advantage"]
     delta = u.log_ratio()
-    findings = [compare(recorded, np.exp(delta), RATIO(recorded, delta), u.where(actor, "ratio"))]
+    findings = [compare(recorded, np.exp(delta), RATIO(recorded, delta, u.eps("actor")), u.where(actor, "ratio"))]
     if u.loss_mode != "vanilla":
         return combine(findings, note=f"loss mode {u.loss_mode!r}: against the log-probs only (its loss is not vanilla PPO's)")
     # outside every clip region (decided from the ratio, not from the recorded codes: a wrong code is clip's finding)
@@ -222,7 +234,12 @@ def ratio_first(u: UpdateStep) -> Finding:
     first = np.flatnonzero((actor["epoch"] == 0) & (actor["minibatch"] == 0))
     noise = float(np.max(np.abs(actor["ratio"][first] - 1))) if len(first) else None
     note = None if noise is None else f"recomputation noise max |ratio − 1| = {noise:.1e}"
-    return compare(actor["ratio"][first], np.ones(len(first)), RATIO_FIRST(), u.where(actor, "ratio", first), note)
+    if note is not None and u.eps("actor") != EPS32:  # the footer's ε is float32's
+        dtype = u.settings["actor"]["dtype"]
+        note += f"; ε of §8.6 = {dtype}'s {u.eps('actor'):.1e}, the dtype of verl's loss (docs/definitions.md#in-a-bf16-run)"
+    magnitude = np.abs(actor["log_prob"][first]) + np.abs(actor["old_log_prob"][first])
+    tolerance = RATIO_FIRST(magnitude, u.eps("actor"))
+    return compare(actor["ratio"][first], np.ones(len(first)), tolerance, u.where(actor, "ratio", first), note)
 
 
 def pg_loss(u: UpdateStep) -> Finding:
@@ -238,7 +255,8 @@ def pg_loss(u: UpdateStep) -> Finding:
     term = np.where(advantage < 0, np.minimum(l1, -advantage * c), l1)
     if actor.get("is_weight") is not None:
         term = term * actor["is_weight"]
-    return compare(actor["pg_loss"], term, PG_TERM(u.weighted_advantage(), exact, c), u.where(actor, "pg_loss"))
+    tolerance = PG_TERM(u.weighted_advantage(), exact, c, u.eps("actor"))  # the ratio verl used is rounded
+    return compare(actor["pg_loss"], term, tolerance, u.where(actor, "pg_loss"))
 
 
 def clip(u: UpdateStep) -> Finding:
@@ -253,7 +271,8 @@ def clip(u: UpdateStep) -> Finding:
     implied = np.select([codes == code for code in factor], [np.broadcast_to(f, recorded.shape) for f in factor.values()], np.nan)
     scaled = u.weighted_advantage()
     label = lambda row: f"verl's pg_loss against the term of clip {codes[row]!r}"  # noqa: E731
-    return compare(actor["pg_loss"], -scaled * implied, PG_TERM(scaled, recorded, u.c), u.where(actor, label))
+    # verl clamps the ratio to 1 ± ε_clip in the ratio's dtype: in bf16, 0.8 is 0.80078125
+    return compare(actor["pg_loss"], -scaled * implied, PG_TERM(scaled, recorded, u.c, u.eps("actor")), u.where(actor, label))
 
 
 def vf_loss(u: UpdateStep) -> Finding:
@@ -262,14 +281,15 @@ def vf_loss(u: UpdateStep) -> Finding:
     critic = u.critic
     epsilon = u.settings["critic"]["cliprange_value"]
     vpred, value, ret = critic["vpred"], critic["value"], critic["return"]
+    eps = u.eps("critic")
     clipped = np.clip(vpred, value - epsilon, value + epsilon)
     f32 = np.float32
     vp, cl, r = vpred.astype(f32), critic["vpred_clipped"].astype(f32), ret.astype(f32)
     clipped_larger = (cl - r) ** 2 > (vp - r) ** 2  # verl's comparison, in float32
     return combine([
-        compare(critic["vpred_clipped"], clipped, ELEMENTWISE(np.abs(value) + epsilon), u.where(critic, "vpred_clipped")),
+        compare(critic["vpred_clipped"], clipped, VALUE_CLIP(np.abs(value) + epsilon, eps), u.where(critic, "vpred_clipped")),
         compare(critic["vf_loss"], np.maximum((vpred - ret) ** 2, (clipped - ret) ** 2),
-                VF_TERM(vpred, value, ret, epsilon), u.where(critic, "vf_loss")),
+                VF_TERM(vpred, value, ret, epsilon, eps), u.where(critic, "vf_loss")),
         compare(critic["vf_clipped"], clipped_larger, 0.0, u.where(critic, "vf_clipped")),
     ])  # fmt: skip
 
@@ -297,7 +317,9 @@ def update_metrics(u: UpdateStep) -> Finding:
             values[clipfrac_lower_key] = (_metric_mean(table, codes == CLIP_DUAL, kind), ATOL)
             if u.loss_mode == "vanilla":  # verl's ppo_kl: the micro-batch mean of −clamp(Δlog-prob) = −log ratio
                 log_ratio = np.log(table["ratio"])
-                bound = AGGREGATE(largest, float(np.nanmax(np.abs(log_ratio))) if len(log_ratio) else 0.0)
+                # verl averages Δlog-prob in the loss's dtype, whose ratio (read here) rounds once more
+                eps = u.eps("actor")
+                bound = AGGREGATE(largest, float(np.nanmax(np.abs(log_ratio))) if len(log_ratio) else 0.0, eps) + eps
                 values[ppo_kl_key] = (_metric_mean(table, -log_ratio, kind), bound)
         else:
             values[clipfrac_key] = (_metric_mean(table, table["vf_clipped"], kind), ATOL)
@@ -381,11 +403,48 @@ def update_statistics(trace, step: int) -> dict[str, float | None]:
     last = epoch == epoch.max()
     advantage = floats(table.column("advantage"))[last]
     change = (floats(table.column("log_prob")) - floats(table.column("old_log_prob")))[last]
-    corr = float(np.corrcoef(advantage, change)[0, 1]) if len(change) > 1 and change.std() > 0 and advantage.std() > 0 else None
     return {
         "clip_low": float((clip == CLIP_LOW).mean()),
         "clip_high": float((clip == CLIP_HIGH).mean()),
         "clip_dual": float((clip == CLIP_DUAL).mean()),
-        "adv_dlogp_corr": corr,
+        "adv_dlogp_corr": _correlation(advantage, change)[0],
     }
+
+
+def _correlation(advantage: np.ndarray, change: np.ndarray) -> tuple[float | None, str | None]:
+    """(the correlation of the advantage with Δlog-prob, None), or (None, why it is undefined)."""
+    if len(change) < 2:
+        return None, "its last epoch has fewer than 2 update rows"
+    if change.std() == 0:
+        if np.any(change != 0):
+            return None, "log_prob − old_log_prob is the same on every row of its last epoch"
+        return None, (
+            "log_prob = old_log_prob on every row of its last epoch: the update computed every log-prob before "
+            "the policy moved"
+        )
+    if advantage.std() == 0:
+        return None, "the advantage is the same on every row of its last epoch"
+    return float(np.corrcoef(advantage, change)[0, 1]), None
+
+
+def why_no_correlation(trace, step: int) -> str | None:
+    """Why ``adv_dlogp_corr`` of ``step`` is blank (one clause), None when it is not: it needs the
+    actor update table and Δlog-prob that varies, i.e. an optimizer step before some mini-batch of
+    the last epoch (a learning rate of 0, as on the first step of verl's warm-up, moves nothing)."""
+    if step not in trace.update_steps.get("actor", []):
+        return "the trace has no actor update table for it (verl_ext.trace.update=false)"
+    table = trace.actor_update(step, columns=["epoch", "minibatch", "advantage", "log_prob", "old_log_prob"])
+    if not table.num_rows:
+        return "its actor update table is empty"
+    epoch = table.column("epoch").to_numpy()
+    last = epoch == epoch.max()
+    advantage = floats(table.column("advantage"))[last]
+    change = (floats(table.column("log_prob")) - floats(table.column("old_log_prob")))[last]
+    why = _correlation(advantage, change)[1]
+    if why is None or not why.startswith("log_prob = old_log_prob"):
+        return why
+    minibatches = len(np.unique(table.column("minibatch").to_numpy()[last]))
+    if epoch.max() == 0 and minibatches == 1:
+        return why + " (one mini-batch in one epoch: its only optimizer step comes after them)"
+    return why + " (a learning rate of 0, e.g. on the first step of verl's warm-up: actor.optim.lr_warmup_steps starts it at 0)"
 

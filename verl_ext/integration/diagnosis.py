@@ -10,11 +10,16 @@ a fresh ``import verl`` loads the plugin on its own, and the CPU backend's switc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 from verl_ext.options import CPU_SWITCH, EXTERNAL_MODULES, cpu_requested
 
@@ -54,11 +59,71 @@ def diagnose(fresh_import: bool = True):
     yield from _critic_findings()
     if fresh_import:
         yield _fresh_import_finding()
+    gpus = _gpu_count()
+    yield _gpu_finding(gpus)
     cpu = sys.modules.get("verl_ext.cpu")  # never imported here: a GPU run does not load the backend
     active = bool(cpu and cpu.is_active())
     requested = cpu_requested()
     state = "on" if active else ("requested, not active" if requested else "off")
-    yield Finding(active or not requested, "cpu backend", f"{state} ({CPU_SWITCH}={os.environ.get(CPU_SWITCH, '')!r})")
+    hint = f": training on this machine needs it, {CPU_SWITCH}=1" if not gpus and not active and not requested else ""
+    yield Finding(active or not requested, "cpu backend", f"{state} ({CPU_SWITCH}={os.environ.get(CPU_SWITCH, '')!r}){hint}")
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _gpu_finding(gpus: int) -> Finding:
+    """Informational: verl's trainer needs a GPU unless the CPU backend is on (never a breakage)."""
+    if not gpus:
+        return Finding(True, "gpu", "none: torch sees no CUDA device, so verl's own trainer cannot run here")
+    import torch
+
+    names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
+    return Finding(True, "gpu", f"{gpus} CUDA device(s): {', '.join(names)}")
+
+
+@contextlib.contextmanager
+def verl_noise() -> Iterator[list[str]]:
+    """Collects, instead of printing, what importing verl says on a machine it was not set up for
+    (no accelerator found, optional engines such as megatron not installed): Python warnings and
+    the log records of verl's loggers. Yields the list of their sources (module or logger names),
+    filled when the block ends."""
+    sources: list[str] = []
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    verl_logger = logging.getLogger("verl")
+    handler, propagate = Collect(logging.WARNING), verl_logger.propagate
+    verl_logger.addHandler(handler)
+    verl_logger.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield sources
+    finally:
+        verl_logger.removeHandler(handler)
+        verl_logger.propagate = propagate
+    sources += [record.name for record in records]
+    for warning in caught:
+        module = _module_of(warning.filename)
+        if module.split(".")[0] == "verl_ext":  # verl-ext's own warnings are findings of a kind: shown
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+        else:
+            sources.append(module)
+
+
+def _module_of(filename: str) -> str:
+    """``.../site-packages/verl/workers/engine/__init__.py`` -> ``verl.workers.engine``."""
+    parts = Path(filename).with_suffix("").parts
+    roots = [i for i, part in enumerate(parts) if part in ("site-packages", "dist-packages")]
+    top = roots[-1] + 1 if roots else max((i for i, part in enumerate(parts) if part == "verl_ext"), default=len(parts) - 1)
+    return ".".join(part for part in parts[top:] if part != "__init__")
 
 
 def _touch_finding(touch, state, verl_version: str) -> Finding:

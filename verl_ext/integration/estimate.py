@@ -37,4 +37,4 @@ def verl_advantage_raw(data: Any, name: str, gamma: float, lam: float, config: A
     estimator = registry.lookup(name)
     if estimator is None or not estimator.is_returns_minus_values(estimator.settings(config, gamma=gamma, lam=lam)):
         return None
-    return data.batch["returns"] - data.batch["values"]
+    return data.batch["returns"].float() - data.batch["values"].float()  # in float32 when verl's are bf16

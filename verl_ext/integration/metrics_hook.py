@@ -55,7 +55,8 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float
     has_tokens = lengths > 0
     scores = uid = None
     if "token_level_scores" in keys:
-        scores = (batch["token_level_scores"] * mask).sum(-1).numpy()[has_tokens]
+        # float32 before the sum: a bf16 column is read exactly, and summed in float32
+        scores = (batch["token_level_scores"].float() * mask).sum(-1).numpy()[has_tokens]
     if data.non_tensor_batch.get("uid") is not None:
         uid = np.asarray(data.non_tensor_batch["uid"])[has_tokens]
     metrics = step_metrics(

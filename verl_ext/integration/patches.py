@@ -112,11 +112,13 @@ def wrap_apply_kl_penalty(original: Callable) -> Callable:
     return apply_kl_penalty
 
 
-def _wrap_fit(original: Callable, trainer_kind: str) -> Callable:
+def _wrap_fit(original: Callable, trainer_kind: str, check: Callable[[Any], None] | None = None) -> Callable:
     from verl_ext.integration import step
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
+        if check is not None:
+            check(self)
         with step.fit_session(self, trainer_kind):
             return original(self, *args, **kwargs)
 
@@ -128,7 +130,27 @@ def wrap_legacy_fit(original: Callable) -> Callable:
 
 
 def wrap_v1_fit(original: Callable) -> Callable:
-    return _wrap_fit(original, "v1")
+    from verl_ext.integration.trainer_modes import check_v1_trainer
+
+    # a run made without verl's main (which validates first) is stopped here, before its first step
+    return _wrap_fit(original, "v1", check=check_v1_trainer)
+
+
+# --------------------------------------------------------------------------- trainers with their own fit
+
+
+def register_legacy_trainer_check(ray_trainer: Any) -> None:
+    """Every later subclass of ``RayPPOTrainer`` that brings its own ``fit`` checks its config when made."""
+    from verl_ext.integration.trainer_modes import check_subclasses_of
+
+    check_subclasses_of(ray_trainer.RayPPOTrainer)
+
+
+def register_v1_trainer_check(trainer_base: Any) -> None:
+    """As :func:`register_legacy_trainer_check`, for the V1 trainer's base ``PPOTrainer``."""
+    from verl_ext.integration.trainer_modes import check_subclasses_of
+
+    check_subclasses_of(trainer_base.PPOTrainer)
 
 
 def wrap_v1_compute_advantage(original: Callable) -> Callable:
@@ -187,6 +209,16 @@ def wrap_value_loss(original: Callable) -> Callable:
         return traced_value_loss(original, config, model_output, data, dp_group)
 
     return value_loss
+
+
+def wrap_train_mini_batch(original: Callable) -> Callable:
+    from verl_ext.integration.update_hook import traced_train_mini_batch
+
+    @functools.wraps(original)  # keeps verl's @register attributes, which the worker groups dispatch by
+    def train_mini_batch(self, data):
+        return traced_train_mini_batch(original, self, data)
+
+    return train_mini_batch
 
 
 def wrap_make_iterator(original: Callable) -> Callable:

@@ -178,7 +178,7 @@ class AdvantageStep:
         if run.trace.update:
             from verl_ext.integration.update_hook import ROW_KEY
 
-            data.batch[ROW_KEY] = trace_hook.rows(len(data.batch["response_mask"]))
+            data.batch[ROW_KEY] = trace_hook.rows(len(data.batch["response_mask"]), run.trace.max_samples_per_step)
 
     def submit_to_trace(self, batch: Any, uid: Any, agent_turns: Any) -> None:
         kl, placed = self.run.take_kl(), self.placed
@@ -286,7 +286,7 @@ class V1Step:
         if self.traced and self.run.trace.update:
             from verl_ext.integration.update_hook import ROW_KEY
 
-            fields[ROW_KEY] = trace_hook.rows(len(batch_meta.keys))
+            fields[ROW_KEY] = trace_hook.rows(len(batch_meta.keys), self.run.trace.max_samples_per_step)
         if not fields:
             return batch_meta
         import transfer_queue as tq

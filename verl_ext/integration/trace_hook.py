@@ -110,10 +110,12 @@ def submit_step(
     )
 
 
-def rows(batch_size: int) -> torch.Tensor:
+def rows(batch_size: int, max_samples: int | None = None) -> torch.Tensor:
     """The value of :data:`update_hook.ROW_KEY` in a traced batch: each sample's row, which the
-    workers' reports name (the token table's ``sample``)."""
-    return torch.arange(batch_size)
+    workers' reports name (the token table's ``sample``); -1 for a row past ``max_samples``, which the
+    token table leaves out, so that no worker reports it."""
+    row = torch.arange(batch_size)
+    return row if max_samples is None else torch.where(row < max_samples, row, -1)
 
 
 #: What the V1 trainer's batch at its advantage step lacks and the trace needs, read from TransferQueue.
@@ -255,6 +257,7 @@ def update_settings(config: Any) -> dict[str, Any]:
             "shuffle": bool(actor.get("shuffle", False)),
             "entropy_coeff": float(actor.get("entropy_coeff", 0.0)),
             "calculate_entropy": bool(actor.get("calculate_entropy", False)),
+            "dtype": loss_dtype(actor.get("strategy"), actor.get("fsdp_config"), actor.get("megatron")),
         },
     }
     if critic:
@@ -264,5 +267,26 @@ def update_settings(config: Any) -> dict[str, Any]:
             "loss_scale_factor": critic.get("loss_scale_factor"),
             "ppo_epochs": int(critic.get("ppo_epochs", 1)),
             "ppo_mini_batch_size": int(critic.get("ppo_mini_batch_size", 0)) * n,
+            "dtype": loss_dtype(critic.get("strategy"), critic.get("fsdp"), critic.get("megatron")),
         }
     return settings
+
+
+#: verl's names of a precision (verl.utils.torch_dtypes.PrecisionType) -> the run record's.
+_PRECISION_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+                    "fp32": "fp32", "float32": "fp32", "float": "fp32", "32": "fp32", "16": "fp16"}  # fmt: skip
+
+
+def loss_dtype(strategy: Any, fsdp: Any, megatron: Any) -> str | None:
+    """The dtype a model's loss computes in (its log-probs, values, ratio), which the update checks'
+    tolerances follow: for FSDP the mixed precision's param_dtype, bf16 where it is unset (verl's
+    default, workers/engine/fsdp/transformer_impl.py:393-403); for Megatron the engine's dtype;
+    None for an engine verl-ext does not know."""
+    if strategy in ("fsdp", "fsdp2"):
+        mixed = (fsdp or {}).get("mixed_precision")
+        name = "bf16" if mixed is None else str(mixed.get("param_dtype", "bf16"))
+    elif strategy == "megatron":
+        name = str((megatron or {}).get("dtype", "bfloat16"))
+    else:
+        return None
+    return _PRECISION_NAMES.get(name.lower())

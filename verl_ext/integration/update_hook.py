@@ -10,10 +10,20 @@ named by :data:`ROW_KEY` (the sample's row in the trainer's batch) and by the ep
 that :func:`tagged_make_iterator` adds to each mini-batch, so that they join the token table
 whatever shuffling, micro-batching and data parallelism did to them.
 
-The report travels back in the loss function's metrics under :data:`PAYLOAD_KEY`: verl gathers
-those across ranks, micro-batches and mini-batches and returns them to the trainer, where the
-trace takes them out before verl reduces its metrics. Without :data:`ROW_KEY` every wrapper is a
-dictionary lookup and a call of the original.
+One copy of each row reaches the trainer, whatever the number of data-parallel ranks. verl
+all-gathers every loss metric to every rank (``engine_workers.py:209``), the driver fetches the
+output of every collecting rank (``single_controller/ray/base.py:55-57``) and keeps only the first
+(``tensordict_utils.py:241-244``): a report in the loss metrics would cross the wire once per rank.
+So, inside verl's ``TrainingWorker.train_mini_batch`` (:func:`traced_train_mini_batch`), the reports
+stay in this process until the update ends, are gathered once to rank 0 of the data-parallel group
+(the lowest global rank among the collecting ranks, whose output the driver keeps) and travel back
+in that rank's output alone, under :data:`PAYLOAD_KEY` of its metrics; the trace takes them out
+there before verl reduces its metrics. A rank whose output verl discards (a Ulysses rank other than
+0, a tensor-parallel rank other than 0, a pipeline stage other than the last) builds no report. A loss
+called outside that method (no update in progress) puts its report in its own metrics, as verl
+returns them. Rows the trace does not keep (past ``max_samples_per_step``) carry -1 in :data:`ROW_KEY`
+and are never reported. Without :data:`ROW_KEY` every wrapper is a dictionary lookup and a call of
+the original.
 
 The per-token loss terms are verl's own: while the loss runs, the first matrix it hands to
 ``core_algos.agg_loss`` (the per-token policy-loss term of any registered loss mode, or the
@@ -24,6 +34,7 @@ are recorded. Ratio and clip use verl's vanilla expressions on those inputs.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -34,15 +45,66 @@ from verl_ext.trace.schema import CLIP_CODES, CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CL
 #: code -> name, to index with a column of codes
 _CLIP_NAMES = np.array(CLIP_CODES, dtype=object)
 
-#: (B,) int64 tensor in the batch: the sample's row in the trainer's batch (the token table's ``sample``).
+#: (B,) int64 tensor in the batch: the sample's row in the trainer's batch (the token table's ``sample``),
+#: -1 for a row the trace does not keep.
 ROW_KEY = "verl_ext_row"
 #: Non-tensor values :func:`tagged_make_iterator` puts on each mini-batch.
 EPOCH_KEY, MINIBATCH_KEY = "verl_ext_epoch", "verl_ext_minibatch"
-#: Key of the report in a loss function's metrics (verl prefixes it with "actor/" or "critic/").
+#: Key of the reports in an update's metrics (verl's trainer prefixes it with "actor/" or "critic/").
 PAYLOAD_KEY = "verl_ext/update"
 
 #: The micro-batch counter of this process, per kind: ((epoch, minibatch), index of its last micro-batch).
 _microbatches: dict[str, tuple[tuple[int, int], int]] = {}
+
+
+@dataclass
+class _Update:
+    """One call of verl's ``TrainingWorker.train_mini_batch`` in this process."""
+
+    #: this rank's output reaches the driver (verl's ``is_mp_src_rank_with_outputs``)
+    collects: bool
+    #: the batch carries :data:`ROW_KEY` (seen by :func:`tagged_make_iterator`)
+    traced: bool = False
+    #: this rank's reports, until the update ends
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+
+#: The update in progress in this process, or None.
+_update: _Update | None = None
+
+
+def traced_train_mini_batch(original: Callable, worker, data):
+    """verl's ``TrainingWorker.train_mini_batch``; on a traced batch, the reports of every data-parallel
+    rank gathered once into the output of the rank the driver keeps (rank 0 of the group)."""
+    global _update
+    engine = worker.engine
+    update = _Update(collects=bool(engine.is_mp_src_rank_with_outputs()))
+    outer, _update = _update, update
+    try:
+        output = original(worker, data)
+    finally:
+        _update = outer
+    if not (update.traced and update.collects):
+        return output
+    gathered = gather_to_group_rank_0(update.reports, engine.get_data_parallel_group())
+    if gathered is not None:
+        from verl.utils import tensordict_utils as tu
+
+        tu.assign_non_tensor(output, metrics={**tu.get(output, "metrics"), PAYLOAD_KEY: gathered})
+    return output
+
+
+def gather_to_group_rank_0(reports: list[dict[str, Any]], group) -> list[dict[str, Any]] | None:
+    """Every rank's ``reports`` of ``group``, on its rank 0 (None on the others): one collective,
+    where verl's all-gather of the metrics would have been one copy per rank."""
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return reports
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    received: list[Any] | None = [None] * size if rank == 0 else None
+    dist.gather_object(reports, received, dst=dist.get_global_rank(group, 0), group=group)
+    return None if received is None else [report for rank_reports in received for report in rank_reports]
 
 
 def tagged_make_iterator(original: Callable, tensordict, mini_batch_size, epochs, seed=None, dataloader_kwargs=None):
@@ -50,6 +112,8 @@ def tagged_make_iterator(original: Callable, tensordict, mini_batch_size, epochs
     iterator = original(tensordict, mini_batch_size, epochs, seed=seed, dataloader_kwargs=dataloader_kwargs)
     if ROW_KEY not in tensordict.keys():
         return iterator
+    if _update is not None:
+        _update.traced = True
     per_epoch = tensordict.batch_size[0] // mini_batch_size
     _microbatches.clear()  # a new update of one model begins
 
@@ -64,8 +128,8 @@ def tagged_make_iterator(original: Callable, tensordict, mini_batch_size, epochs
 
 
 def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=None):
-    """verl's ``ppo_loss``, and on a traced batch the actor's per-token report in its metrics."""
-    if ROW_KEY not in data.keys():
+    """verl's ``ppo_loss``, and on a traced batch the actor's per-token report (:func:`_deliver`)."""
+    if not _reports_here(data):
         return original(config, model_output, data, dp_group)
     from verl.trainer.ppo import core_algos
     from verl.workers.utils.padding import no_padding_2_padding
@@ -97,7 +161,7 @@ def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=Non
         "entropy": None if entropy is None else no_padding_2_padding(entropy, data).detach(),
         "is_weight": inputs.get("rollout_is_weights"),
     }
-    metrics[PAYLOAD_KEY] = [_report("actor", data, mask, columns, dp_group)]
+    _deliver(metrics, _report("actor", data, mask, columns, dp_group))
     return loss, metrics
 
 
@@ -111,8 +175,8 @@ def clip_bounds(actor: Any) -> tuple[float, float]:
 
 
 def traced_value_loss(original: Callable, config, model_output, data, dp_group=None):
-    """verl's ``value_loss``, and on a traced batch the critic's per-token report in its metrics."""
-    if ROW_KEY not in data.keys():
+    """verl's ``value_loss``, and on a traced batch the critic's per-token report (:func:`_deliver`)."""
+    if not _reports_here(data):
         return original(config, model_output, data, dp_group)
     import verl.utils.torch_functional as verl_F
     from verl.trainer.ppo import core_algos
@@ -134,30 +198,48 @@ def traced_value_loss(original: Callable, config, model_output, data, dp_group=N
         "vf_loss": seen["loss_mat"].detach(),
         "vf_clipped": torch.gt((clipped - returns) ** 2, (vpreds - returns) ** 2),
     }
-    metrics[PAYLOAD_KEY] = [_report("critic", data, mask, columns, dp_group)]
+    _deliver(metrics, _report("critic", data, mask, columns, dp_group))
     return loss, metrics
 
 
-def _report(kind: str, data, mask: torch.Tensor, columns: dict[str, torch.Tensor | None], dp_group) -> dict[str, Any]:
-    """The valid tokens of one micro-batch as numpy columns, with where they were trained.
+def _reports_here(data) -> bool:
+    """A traced batch, on a rank whose output reaches the driver (or outside verl's update method)."""
+    return ROW_KEY in data.keys() and (_update is None or _update.collects)
 
-    A list around the report keeps verl's metric flattening (``chain.from_iterable``) from
-    iterating into the dictionary (one list level per gathering step is removed or added).
+
+def _deliver(metrics: dict, report: dict[str, Any]) -> None:
+    """Into the update in progress, gathered when it ends; outside one, into the loss metrics."""
+    if _update is not None:
+        _update.reports.append(report)
+    else:
+        metrics[PAYLOAD_KEY] = [report]
+
+
+def _report(kind: str, data, mask: torch.Tensor, columns: dict[str, torch.Tensor | None], dp_group) -> dict[str, Any]:
+    """The valid tokens of the traced rows of one micro-batch as numpy columns, with where they were
+    trained (no row past ``max_samples_per_step``: those carry -1 in :data:`ROW_KEY`).
+
+    In the loss metrics (:func:`_deliver`), a list around the report keeps verl's metric flattening
+    (``chain.from_iterable``) from iterating into the dictionary.
     """
     from verl.utils import tensordict_utils as tu
 
-    row, token = torch.nonzero(mask, as_tuple=True)
+    sample_of_row = data[ROW_KEY].to(mask.device)
+    row, token = torch.nonzero(mask & (sample_of_row >= 0).unsqueeze(1), as_tuple=True)
     report_columns = {
-        "sample": data[ROW_KEY].to(row.device)[row].cpu().numpy().astype(np.int32),
+        "sample": sample_of_row[row].cpu().numpy().astype(np.int32),
         "token_index": token.cpu().numpy().astype(np.int32),
     }
     for name, tensor in columns.items():
         if tensor is None:
             continue
         values = tensor[row, token].cpu()
-        report_columns[name] = _CLIP_NAMES[values.numpy()] if name == "clip" else values.numpy().astype(
-            np.bool_ if tensor.dtype == torch.bool else np.float32
-        )
+        if name == "clip":
+            report_columns[name] = _CLIP_NAMES[values.numpy()]
+        elif tensor.dtype == torch.bool:
+            report_columns[name] = values.numpy()
+        else:  # read in float32 whatever the engine computed in (bf16 under verl's GPU defaults)
+            report_columns[name] = values.float().numpy()
     epoch, minibatch = int(tu.get(data, EPOCH_KEY, 0)), int(tu.get(data, MINIBATCH_KEY, 0))
     previous = _microbatches.get(kind)
     microbatch = previous[1] + 1 if previous is not None and previous[0] == (epoch, minibatch) else 0

@@ -24,7 +24,7 @@ import json
 import numbers
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import cached_property
 from typing import Any, Mapping, Sequence
@@ -98,6 +98,7 @@ class StepSnapshot:
     role: np.ndarray | None = None  # (N, W) int8: index into ROLE_CODES, −1 where unknown
     tool_calls: np.ndarray | None = None  # (N,) int32, −1 where unknown
     turn_limit: np.ndarray | None = None  # (N,) int8: 1, 0, −1 where unknown
+    stored_dtypes: dict[str, str] = field(default_factory=dict)  # StepEntry.stored_dtypes
 
     @property
     def samples(self) -> int:
@@ -154,9 +155,18 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             kl_coef=None if capture.kl_coef is None else float(capture.kl_coef),
             whiten=whiten_stats(capture.floats.get("advantage_raw"), capture.mask),
             block=block.memory,
+            stored_dtypes={
+                name: _LOW_PRECISION[tensor.dtype]
+                for name, tensor in capture.floats.items()
+                if tensor is not None and tensor.dtype in _LOW_PRECISION
+            },
             **_end_flags(capture, lengths.numpy(), copies["token_id"]),
             **_agent_turns(capture.agent_turns, copies["mask"], lengths.numpy()),
         )
+
+
+#: Batch dtypes below float32 and their names in StepEntry.stored_dtypes.
+_LOW_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class SnapshotMemory:
@@ -338,6 +348,7 @@ class StepFiles:
             written_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             kl_coef=snapshot.kl_coef,
             whiten=snapshot.whiten,
+            stored_dtypes=snapshot.stored_dtypes,
         )
         write_id = {WRITE_ID_METADATA_KEY: uuid.uuid4().hex}
         tokens, prompts = layout.stored(token_table(snapshot)), layout.stored(prompt_table(snapshot), prompts=True)

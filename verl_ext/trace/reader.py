@@ -64,9 +64,26 @@ def open_trace(path: str, *, filesystem=None) -> "Trace":
         raise TraceError(f"{path} is not a trace: it is not a directory")
     run_record = record.read(fs, root, path)
     if run_record is None:
-        raise TraceError(f"{path} is not a verl-ext trace: it has no {RUN_RECORD}")
+        raise TraceError(f"{path} is not a verl-ext trace: it has no {RUN_RECORD}{_traces_inside(fs, root, path)}")
     steps, updates = _steps_on_disk(fs, root, path, layout_of(run_record.schema_version))
     return Trace(path, run_record, steps, fs, root, updates)
+
+
+def _traces_inside(fs: pafs.FileSystem, root: str, shown_path: str) -> str:
+    """A hint naming the traces directly under ``root`` (a run's output folder holds its trace in
+    ``trace/``, the demo's and the recipes'), or "" when there is none."""
+    try:
+        children = fs.get_file_info(pafs.FileSelector(root, recursive=False))
+        traces = [
+            posixpath.basename(info.path) for info in children
+            if info.type == pafs.FileType.Directory and storage.exists(fs, storage.join(info.path, RUN_RECORD))
+        ]  # fmt: skip
+    except OSError:
+        return ""
+    if not traces:
+        return ""
+    named = [f"{shown_path.rstrip('/')}/{name}" for name in sorted(traces, key=lambda name: (name != "trace", name))]
+    return f"; the trace is in {named[0]}" + (f" (also: {', '.join(named[1:3])})" if len(named) > 1 else "") + ": pass that path instead"
 
 
 def _steps_on_disk(

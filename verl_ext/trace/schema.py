@@ -328,6 +328,9 @@ class StepEntry:
     whiten: dict[str, float] | None
     #: kind ("actor", "critic") -> its UpdateEntry, once the update table is written (run record only)
     updates: dict[str, Any] = field(default_factory=dict)
+    #: float column -> the dtype the trainer's batch held it in, where that was not float32 or float64
+    #: ("bf16", "fp16": a bf16 run's values, or rewards on the V1 trainer); stored exactly as float32
+    stored_dtypes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "StepEntry":

@@ -40,6 +40,7 @@ import pyarrow.compute as pc
 from verl_ext.errors import UsageError
 from verl_ext.inspect import summary as summary_module
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, StepLayout, floats, join_keys, locate
+from verl_ext.inspect.update_rows import UpdateRows
 from verl_ext.trace import schema
 from verl_ext.trace.reader import listing
 
@@ -230,7 +231,7 @@ class StepSource:
         reads["prompts"] = lambda: trace.prompts(step)
         kinds = [kind for kind in update_columns() if step in trace.update_steps.get(kind, [])]
         for kind in kinds:
-            reads[kind] = lambda kind=kind: _UpdateRows(trace, kind, step)
+            reads[kind] = lambda kind=kind: _ShownUpdate(trace, kind, step)
         with ThreadPoolExecutor(len(reads)) as pool:
             futures = {name: pool.submit(read) for name, read in reads.items()}
             done = {name: future.result() for name, future in futures.items()}
@@ -245,9 +246,8 @@ class StepSource:
         self._prompt_flags = {name: prompts.column(name).to_pylist() for name in ("eos", "truncated", "assistant_turns", "tool_calls")}
         self.whiten = trace.step_record(step).whiten
         self.updates = {kind: done[kind] for kind in kinds}  # in UPDATE_COLUMNS' order: the actor's first
-        self.epochs = sorted({int(e) for rows in self.updates.values() for e in np.unique(rows.epoch)})
+        self.epochs = sorted({epoch for shown in self.updates.values() for epoch in shown.rows.epochs()})
         self._estimates: tuple[dict[str, np.ndarray], list[str]] | None = None
-        self._valid_position: np.ndarray | None = None  # row -> index among the valid tokens, or −1
 
     # ------------------------------------------------------------------ samples
 
@@ -267,17 +267,17 @@ class StepSource:
         scales: dict[str, float | None] = {name: _largest(values) for name, values in data.columns.items()}
         nonfinite = layout.samples_among(np.concatenate([np.zeros(0, np.int64), *data.nonfinite(self.present).values()]))
         clipped = np.zeros(layout.samples, bool)
-        for rows in self.updates.values():
+        for shown in self.updates.values():
+            rows = shown.rows
             where = layout.index_of(rows.sample)
             known = where >= 0
+            nonfinite[where[rows.nonfinite() & known]] = True
+            clipped[where[rows.clipped() & known]] = True
             epochs = {epoch: rows.epoch == epoch for epoch in self.epochs}
-            for name, values in rows.floats.items():
+            for name, values in shown.floats.items():
                 finite = np.isfinite(values)
-                nonfinite[where[~finite & known]] = True
                 for epoch, in_epoch in epochs.items():
                     scales[f"e{epoch}:{name}"] = _largest(values, CENTRES.get(name, 0.0), finite & in_epoch)
-            for codes in rows.codes.values():
-                clipped[where[(codes != schema.CLIP_CODES.index(schema.CLIP_NONE)) & (codes != NO_CODE) & known]] = True
         keys = _prompt_keys(self._prompt_ids)
         flags = self._prompt_flags
         entries = []
@@ -373,17 +373,17 @@ class StepSource:
         keys = join_keys(part.column("sample").to_numpy(), part.column("token_index").to_numpy())
         trained = np.zeros(part.num_rows, np.uint8)
         columns = {}
-        for rows in self.updates.values():
-            picked = rows.of(samples, epoch)
-            at, found = locate(keys, join_keys(rows.sample[picked], rows.token_index[picked]))
+        for shown in self.updates.values():
+            picked = shown.rows.of(samples, epoch)
+            at, found = locate(keys, join_keys(shown.rows.sample[picked], shown.rows.token_index[picked]))
             target = at[found]
             trained[target] = 1
-            for name in rows.columns:
+            for name in shown.columns:
                 if name in columns:
                     continue
-                kind = rows.kinds[name]
+                kind = shown.kinds[name]
                 out = np.full(part.num_rows, kind.untrained, _DTYPES[kind.encoding])
-                out[target] = rows.values(name)[picked][found]
+                out[target] = shown.values(name)[picked][found]
                 columns[name] = encode(out, kind.encoding)
         return {"epoch": epoch, "trained": encode(trained, "u1"), "columns": columns}
 
@@ -408,10 +408,7 @@ class StepSource:
         are computed; else re-estimated on the chunk alone (each response is estimated on its own)."""
         if self._estimates is not None or len(rows) == self.table.num_rows:
             raw, _ = self.estimates()
-            if self._valid_position is None:
-                self._valid_position = np.full(self.table.num_rows, -1, np.int64)
-                self._valid_position[self.layout.valid_rows] = np.arange(len(self.layout.valid_rows))
-            position = self._valid_position[rows]
+            position = self.layout.valid_position[rows]
             valid = position >= 0
             return {label: np.where(valid, values[np.where(valid, position, 0)], np.nan) if len(values) else np.full(len(rows), np.nan) for label, values in raw.items()}
         raw, _ = self._estimate(part)
@@ -487,20 +484,18 @@ def check_not_checked(report) -> list[dict]:
     ]
 
 
-class _UpdateRows:
-    """One update table of a step (the columns the page shows) as numpy arrays, findable by
-    (sample, epoch): code columns as their index in CLIP_CODES, flags as 0/1, floats as float32."""
+class _ShownUpdate:
+    """One update table of a step as the page shows it: its rows (:class:`UpdateRows`: where each
+    trained, its flags) and the columns the page shows per token, each as it travels (code columns
+    as their index in CLIP_CODES, flags as 0/1, floats as float32)."""
 
     def __init__(self, trace, kind: str, step: int):
         shown = update_columns()[kind]
-        table = trace.update_table(kind, step, ["sample", "token_index", "epoch", *(c.name for c in shown)])
-        self.sample = table.column("sample").to_numpy()
-        self.token_index = table.column("token_index").to_numpy()
-        self.epoch = table.column("epoch").to_numpy()
+        self.rows = UpdateRows.read(trace, kind, step, [c.name for c in shown])
+        table = self.rows.table
         self.kinds: dict[str, _Kind] = {}
         self._values: dict[str, np.ndarray] = {}
-        self.codes: dict[str, np.ndarray] = {}
-        #: the float columns (non-finite values are flagged)
+        #: the float columns (their colour scales)
         self.floats: dict[str, np.ndarray] = {}
         for column in shown:
             data = table.column(column.name)
@@ -508,27 +503,12 @@ class _UpdateRows:
                 continue
             kind = self.kinds[column.name] = _kind(column)
             values = self._values[column.name] = kind.read(data)
-            if kind.name == "code":
-                self.codes[column.name] = values
-            elif kind.name == "float":
+            if kind.name == "float":
                 self.floats[column.name] = values
         self.columns = list(self._values)
-        # rows by (epoch, sample): the writer's order already, so sorting is only a fallback
-        key = self.epoch.astype(np.int64) << 32 | self.sample.astype(np.int64)
-        self._order = None if bool(np.all(key[1:] >= key[:-1])) else np.argsort(key, kind="stable")
-        self._key = key if self._order is None else key[self._order]
 
     def values(self, name: str) -> np.ndarray:
         return self._values[name]
-
-    def of(self, samples: Sequence[int], epoch: int) -> np.ndarray:
-        """Row indices of ``samples`` in ``epoch``."""
-        picked = []
-        for sample in samples:
-            wanted = np.int64(epoch) << 32 | np.int64(sample)
-            lo, hi = np.searchsorted(self._key, [wanted, wanted + 1])
-            picked.append(np.arange(lo, hi) if self._order is None else self._order[lo:hi])
-        return np.concatenate(picked) if picked else np.zeros(0, np.int64)
 
 
 def _prompt_keys(prompts: list[list[int] | None]) -> list[str | None]:

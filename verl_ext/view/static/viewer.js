@@ -42,6 +42,7 @@
   let pinned = null;  // the token span whose details show when the mouse is not on a token
   let current = null;  // the view the tokens on the page were drawn from
   let listKey = null;  // what the sample list was drawn for
+  let missingGlyphs = null;  // the characters shown that this machine has no glyph for (see checkGlyphs)
 
   // ------------------------------------------------------------------ small helpers
 
@@ -345,6 +346,7 @@
       const colouredWithStats = view.stats !== null;
       const fetched = performance.now();
       renderSample(view);
+      checkGlyphs($("prompt").textContent + $("response").textContent).catch(() => null);  // a note only: never in the way
       // how long this view took: data (from the page, or the server) and drawing (benchmarks read it)
       document.body.dataset.timing = `${Math.round(fetched - began)} ${Math.round(performance.now() - fetched)}`;
       document.body.dataset.rendered = `${step}:${sample}`;
@@ -362,6 +364,51 @@
       if (stale()) return;
       showError(error);
     }
+  }
+
+  // ------------------------------------------------------------------ characters without a font
+
+  // Without a CJK font the browser draws CJK text as empty boxes (the font's missing glyph), which
+  // reads as data. A character drawn exactly as a code point no font covers (U+10FFFD, private use)
+  // has no glyph here: the page says so once, with what to install.
+  const CJK = /[\p{Script=Han}\p{Script=Hiragana}\p{Script=Katakana}\p{Script=Hangul}]/gu;
+  const NO_FONT_HAS = "\u{10FFFD}";
+  const glyphless = new Map();  // character -> true when this machine has no glyph for it
+
+  function pixels(text, font) {
+    const canvas = document.createElement("canvas");
+    canvas.width = canvas.height = 48;
+    const context = canvas.getContext("2d", { willReadFrequently: true });
+    context.font = font;
+    context.textBaseline = "middle";
+    context.fillText(text, 4, 24);
+    return context.getImageData(0, 0, 48, 48).data;
+  }
+
+  function samePixels(a, b) {
+    for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+    return true;
+  }
+
+  async function checkGlyphs(text) {
+    if (missingGlyphs) return;
+    // a bounded look per drawing (a long Chinese text has thousands of distinct characters)
+    const fresh = [...new Set(text.match(CJK) || [])].filter((c) => !glyphless.has(c)).slice(0, 64);
+    if (!fresh.length) return;
+    await document.fonts.ready;  // a font still loading is not a missing one
+    const font = `32px ${getComputedStyle($("response")).fontFamily}`;
+    const box = pixels(NO_FONT_HAS, font);
+    for (const c of fresh) glyphless.set(c, samePixels(pixels(c, font), box));
+    const missing = [...glyphless].filter(([, none]) => none).map(([c]) => c);
+    document.body.dataset.glyphless = missing.join("");  // what was found (tests wait for it)
+    if (!missing.length || missingGlyphs) return;
+    missingGlyphs = missing;
+    $("notes").appendChild(glyphNote());
+  }
+
+  function glyphNote() {
+    const shown = missingGlyphs.slice(0, 6).join(" ");
+    return el("div", { class: "note", id: "glyph-note", text: `note: this machine has no font for CJK characters of the trace (${shown}${missingGlyphs.length > 6 ? " …" : ""}): the browser draws them as empty boxes. Install one (Debian, Ubuntu: apt-get install fonts-noto-cjk) and reload the page.` });
   }
 
   function defaultStep(steps) {
@@ -383,6 +430,7 @@
     $("run-line").textContent = parts.join(" · ");
     const notes = clear($("notes"));
     if (RUN.tokenizer_problem) notes.appendChild(el("div", { class: "note", text: `note: ${RUN.tokenizer_problem}` }));
+    if (missingGlyphs) notes.appendChild(glyphNote());
     if (!SERVED) {
       const inFile = DATA.steps_in_file.length;
       if (inFile < RUN.steps.length) {
@@ -681,7 +729,8 @@
     const table = el("table", { id: "compare-table" });
     const head = el("tr", {});
     const columns = stats.comparison_columns;  // [{key, label}]: the comparison's statistics, in its order
-    for (const name of ["estimator", ...columns.map((c) => c.label)]) head.appendChild(el("th", { text: name }));
+    head.appendChild(el("th", { text: "estimator" }));
+    for (const { label } of columns) head.appendChild(el("th", { class: "num", text: label }));  // over its right-aligned numbers
     table.appendChild(head);
     for (const row of stats.comparison) {
       const tr = el("tr", { "data-estimator": row.estimator });

@@ -1,8 +1,8 @@
-"""A rollout backend for verl 0.9.1 that generates with transformers' ``generate`` on CPU.
+"""The HF-generate rollout's classes: verl's rollout served by transformers' ``generate`` on the
+device torch reports (:func:`verl_ext.hf_rollout.rollout_device`).
 
-verl only registers vLLM, SGLang and TensorRT-LLM rollouts, none of which runs on a CPU-only host.
-This backend plugs into the same two registries they use, under the name ``hf``
-(``actor_rollout_ref.rollout.name=hf``; the registrations are in :mod:`verl_ext.cpu.patches`):
+They plug into the two registries verl's vLLM, SGLang and TensorRT-LLM rollouts use, under
+:data:`verl_ext.hf_rollout.ROLLOUT_NAME` (the plugin's registrations, :mod:`verl_ext.hf_rollout`):
 
 * ``HFGenerationServer``: the token-in/token-out server verl's ``LLMServerClient`` calls
   (``generate(request_id, prompt_ids, sampling_params) -> TokenOutput``). It batches the requests
@@ -11,9 +11,9 @@ This backend plugs into the same two registries they use, under the name ``hf``
   and reports the weights version in
   ``extra_fields["global_steps"]``, which verl's V1 trainer requires. Each request samples from its
   own random stream, and the model runs in float64, so what it gets does not depend on which
-  requests share its batch (in float32 the batch's size and padding move a log-prob by up to
+  requests share its batch on a CPU (in float32 the batch's size and padding move a log-prob by up to
   4e-6, enough to flip a sampled token now and then: two 25-step runs with one seed once parted
-  at step 2); under
+  at step 2; on a GPU it runs in float32, for a smoke test); under
   verl's ``rollout.full_determinism=True`` (request ids ``det-<index>``) the stream is a function
   of the rollout seed, the request id, the weights version and the round's name alone ("training",
   or "validation" when the in-process trainer says so), and a run is reproducible.
@@ -21,7 +21,7 @@ This backend plugs into the same two registries they use, under the name ``hf``
 * ``HFServerAdapter`` (``_ROLLOUT_REGISTRY``): the rollout object inside verl's hybrid
   ``ActorRolloutRefWorker``; it forwards the trainer's weights to its replica's server.
 
-The in-process runner (:mod:`verl_ext.cpu.in_process`) uses the same classes without Ray: it
+The CPU backend's in-process runner (:mod:`verl_ext.cpu.in_process`) uses the same classes without Ray: it
 registers a local server handle with :func:`register_local_server`.
 """
 
@@ -37,6 +37,8 @@ from typing import Any, Generator
 import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+from verl_ext.hf_rollout import rollout_device
 
 logger = logging.getLogger(__name__)
 
@@ -104,17 +106,18 @@ def _max_new_tokens(sampling_params: dict[str, Any], room: int) -> int:
 
 
 class HFGenerationServer:
-    """Generates with a float64 copy of the policy (why: the module's docstring); weights arrive
-    from the trainer each step."""
+    """Generates with a copy of the policy on :func:`rollout_device`, float64 on a CPU (why: the
+    module's docstring), float32 on a GPU; weights arrive from the trainer each step."""
 
     def __init__(self, model_path: str, rollout_config, replica_rank: int = 0):
         from transformers import AutoModelForCausalLM
 
         self.replica_rank = replica_rank
         self.config = rollout_config
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float64, attn_implementation="sdpa"
-        ).eval()
+        self.device = torch.device(rollout_device())
+        dtype = torch.float64 if self.device.type == "cpu" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        self.model = self.model.to(self.device).eval()
         self._parameter_names = {name for name, _ in self.model.named_parameters()}
         generation_config = self.model.generation_config
         self.eos_token_id = generation_config.eos_token_id
@@ -208,8 +211,8 @@ class HFGenerationServer:
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
         output = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
             max_new_tokens=max(most),
             eos_token_id=stops or None,
             pad_token_id=self.pad_token_id,
@@ -289,7 +292,9 @@ class _PerRowSampling:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         for warper in self.warpers:
             scores = warper(input_ids, scores)
+        # drawn on the CPU, where each row's generator lives, whatever device the scores are on
         uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64) for g in self.generators])
+        uniform = uniform.to(scores.device)
         gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
         return torch.log_softmax(scores.double(), dim=-1) + gumbel
 
@@ -309,13 +314,37 @@ class HFReplica(RolloutReplica):
     async def launch_servers(self):
         import ray
 
-        server = (
-            ray.remote(HFGenerationServer)
-            .options(name=server_actor_name(self.replica_rank), num_cpus=0)  # what locate_server looks up
-            .remote(self.model_path(), self.config, self.replica_rank)
-        )
+        options = {"name": server_actor_name(self.replica_rank), "num_cpus": 0}  # the name locate_server looks up
+        options.update(await self._beside_first_worker())
+        server = ray.remote(HFGenerationServer).options(**options).remote(self.model_path(), self.config, self.replica_rank)
         await server.wake_up.remote()  # wait until the model is loaded
         self._attach(server)
+
+    async def _beside_first_worker(self) -> dict[str, Any]:
+        """Ray options that put the server on its replica's first GPU, as verl's vLLM replica puts its
+        servers (vllm_async_server.py:1342-1383): on that worker's node, with that worker's device
+        visible and Ray told not to hide it (an actor that reserves no GPU sees none). On a CPU
+        platform, or without workers (a standalone replica), none: the server runs where Ray puts it."""
+        from verl.utils.device import get_device_name, get_resource_name
+        from verl.plugin.platform import get_platform
+
+        if get_device_name() == "cpu" or not self.workers:
+            return {}
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node_id, device = await self.workers[0].__ray_call__.remote(
+            lambda worker: (
+                ray.get_runtime_context().get_node_id(),
+                ray.get_runtime_context().get_accelerator_ids()[get_resource_name()][0],
+            )
+        )
+        visible = {"cuda": "CUDA_VISIBLE_DEVICES"}.get(get_device_name())
+        env_vars = {**{name: "1" for name in get_platform().ray_noset_envvars()}, **({visible: str(device)} if visible else {})}
+        return {
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            "runtime_env": {"env_vars": env_vars},
+        }
 
     def model_path(self) -> str:
         from verl.utils.fs import copy_to_local
@@ -350,7 +379,7 @@ class HFServerAdapter(BaseRollout):
         **kwargs,
     ):
         if wire_format != "named_tensors":
-            raise NotImplementedError(f"the hf rollout receives full tensors only, not {wire_format!r}")
+            raise NotImplementedError(f"the hf_generate rollout receives full tensors only, not {wire_format!r}")
         state_dict = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
         if self.owns_server:
             await locate_server(self.replica_rank).update_weights.remote(state_dict, global_steps)
