@@ -36,11 +36,12 @@ class RayCluster:
 def ray_cluster(assets):
     """Two nodes on this machine: a head without CPUs, so that verl's TaskRunner and its workers run on
     the other node (tests/e2e/test_multinode.py asserts what that means for the trace), which declares
-    the CPUs and the logical GPU the CPU backend's runs reserve (verl_ext/cpu/overrides.py)."""
+    the CPUs and the logical GPUs the CPU backend's runs reserve (verl_ext/cpu/overrides.py)."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, "include_dashboard": False})
-    worker = cluster.add_node(num_cpus=8, num_gpus=1, resources={WORKER_RESOURCE: 1})
+    # two logical GPUs: the selftest's runs train on two data-parallel ranks, the other runs on one
+    worker = cluster.add_node(num_cpus=8, num_gpus=2, resources={WORKER_RESOURCE: 1})
     cluster.wait_for_nodes()
     yield RayCluster(cluster.address, cluster.head_node.node_id, worker.node_id)
     cluster.shutdown()
@@ -51,7 +52,7 @@ def selftest_run(tmp_path_factory, assets_dir, assets, ray_cluster):
     """``verl-ext selftest --precision bf16 -- <overrides>`` as a user types it, on this cluster
     (``RAY_ADDRESS``): its two runs of verl's legacy trainer (mc with its critic, grpo with groups) in
     verl's GPU settings (tests/e2e/gpu_world.py: bf16, packed sequences, entropy in the loss, dynamic
-    batch size), with a probe of the plugin's activation in every process (tests/e2e/activation_probe.py).
+    batch size) on two data-parallel ranks, with a probe of the plugin's activation in every process (tests/e2e/activation_probe.py).
     Read by tests/e2e/test_selftest.py and test_multinode.py.
     Returns (output directory, probe directory, the completed selftest)."""
     # its own runs: one selftest serves the three files (the suite's only legacy runs on Ray)
@@ -63,6 +64,11 @@ def selftest_run(tmp_path_factory, assets_dir, assets, ray_cluster):
     probe = {"VERL_USE_EXTERNAL_MODULES": "tests.e2e.activation_probe", "VERL_EXT_TEST_PROBE_DIR": str(probes)}
     overrides = [
         *GPU_WORLD_OVERRIDES,
+        "trainer.n_gpus_per_node=2",  # two data-parallel ranks (gloo): the update rows cross from both
+        # a rank's share of an mc mini-batch is 2 sequences of 15-20 tokens: a budget that still splits it,
+        # above the longest possible sequence (prompts up to 11 tokens, responses up to 16)
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=28",
+        "critic.ppo_max_token_len_per_gpu=28",
         *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{name}='{value}'" for name, value in probe.items()),
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",
     ]

@@ -70,11 +70,12 @@ def test_the_trace_is_complete_and_passes_the_checker(multinode_run):
     assert result.returncode == 0, result.stdout[-3000:]
 
 
-def test_each_update_row_arrives_once(multinode_run):
-    """verl's driver fetches every collecting rank's output and keeps the first: the update tables hold each
-    trainable (sample, token) of the token table once per PPO epoch, all carried by data-parallel rank 0's
-    output (this run has one rank; tests/integration/test_update_hook.py checks two, through verl's gather
-    and collect)."""
+def test_each_update_row_arrives_once_from_both_ranks(multinode_run):
+    """verl's driver fetches every collecting rank's output and keeps the first: on this run's two
+    data-parallel ranks the update tables hold each trainable (sample, token) of the token table once per
+    PPO epoch, trained on either rank (the rows of both gathered into rank 0's output; that only that
+    output carries them, and the bytes, are checked in tests/integration/test_update_hook.py and
+    benchmarks/bench_update_payload.py)."""
     from verl_ext.trace.reader import open_trace
 
     out, *_ = multinode_run
@@ -87,7 +88,7 @@ def test_each_update_row_arrives_once(multinode_run):
             keys = list(zip(table["sample"], table["token_index"], table["epoch"]))
             epochs = trace.record.update[kind]["ppo_epochs"]
             assert len(keys) == len(set(keys)) == len(trainable) * epochs, (kind, step)
-            assert {(s, t) for s, t, _ in keys} == trainable and set(table["rank"]) == {0}
+            assert {(s, t) for s, t, _ in keys} == trainable and set(table["rank"]) == {0, 1}
 
 
 def test_the_run_is_in_verls_gpu_settings_and_its_trace_holds_the_bf16_numbers_it_used(selftest_run):

@@ -36,7 +36,8 @@ def test_selftest_passes_here_and_says_what_ran(selftest_run):
     assert re.fullmatch(r"  mc +PASS +\d+ s", lines[-4]) and re.fullmatch(r"  grpo +PASS +\d+ s", lines[-3]), lines
     assert re.fullmatch(rf"PASS: selftest in \d+ s; outputs in {re.escape(str(out))}", lines[-1])
     shown = dict(line.strip().split(None, 1) for line in lines[1 : lines.index("")])
-    assert shown["device"] == "cpu × 1 (1 node × 1)" and shown["rollout"].startswith("hf_generate ")
+    assert shown["device"] == "cpu × 2 (1 node × 2)" and shown["rollout"].startswith("hf_generate ")
+    assert shown["ranks"].startswith("data-parallel 2;")
     assert shown["trainer"] == "legacy RayPPOTrainer, hybrid engine"
     assert shown["batches"] == "packed (use_remove_padding), micro-batches by token count (use_dynamic_bsz)"
     assert shown["precision"].startswith("fsdp2 params bf16 (verl default), reductions fp32 (verl default)")
