@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.cpu.helpers import RAY_GROUP
+from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 
@@ -52,21 +53,18 @@ def test_selftest_passes_here_and_says_what_ran(selftest_run):
     assert "[selftest] mc: step 2/2 done" in completed.stderr and "[selftest] grpo: step 2/2 done" in completed.stderr
 
 
-def test_a_wrong_estimator_fails_the_selftest_naming_the_identity(selftest_run, run_cli, tmp_path, monkeypatch):
+def test_a_wrong_estimator_fails_the_selftest_naming_the_identity(selftest_run, run_cli, tmp_path, monkeypatch, isolated_registry):
     """A test estimator that adds 1 to mc's returns and raw advantages. The trainer seam is replaced by
     a copy of the real mc run's trace that names it (the run record's estimator), as a run with
     ``algorithm.adv_estimator=selftest_planted_wrong`` would write it if the estimator were wrong."""
     from verl_ext import estimators
     from verl_ext.apps import selftest
-    from verl_ext.registry import lookup, register_estimator
     from verl_ext.trace.schema import RUN_RECORD
 
-    if lookup(WRONG_ESTIMATOR) is None:
-
-        @register_estimator(WRONG_ESTIMATOR, uses_lam=False)
-        def planted(rewards, values, response_mask, *, gamma, lam, config):
-            returns, advantages = estimators.mc(rewards, values, response_mask, gamma)
-            return returns + 1.0, advantages + 1.0
+    @isolated_registry.register_estimator(WRONG_ESTIMATOR, uses_lam=False)  # gone after this test
+    def planted(rewards, values, response_mask, *, gamma, lam, config):
+        returns, advantages = estimators.mc(rewards, values, response_mask, gamma)
+        return returns + 1.0, advantages + 1.0
 
     real = selftest_run[0] / "mc" / "trace"
 

@@ -7,8 +7,8 @@ assumption no verl option can change; registrations add to verl's own registries
 
 What is *not* here because verl's config already covers it (see :mod:`verl_ext.cpu.overrides`):
 FSDP2 instead of FSDP1 (FSDP1 passes an integer ``device_id`` to ``FullyShardedDataParallel``),
-``attn_implementation=sdpa`` and ``use_remove_padding=False`` (packed sequences need flash-attn),
-no ``torch.compile``, fp32 instead of bf16 mixed precision, and logical GPUs for Ray
+``attn_implementation=sdpa``, padded sequences by default (packed ones run too: ``use_remove_padding=True``),
+no ``torch.compile``, fp32 unless bf16 is asked for (``precision``), and logical GPUs for Ray
 (``ray_init.num_gpus``; verl's ``ResourcePoolManager`` only counts Ray ``GPU`` resources).
 """
 
