@@ -43,8 +43,9 @@ class Tolerance:
 
 
 EXACT = Tolerance("exact")
-#: An identity between float32 operands whose magnitudes add up to ``scale``: one or two roundings.
-ELEMENTWISE = Tolerance(f"{ATOL:g} + 4ε·Σ|operand|", lambda scale: ATOL + 4 * EPS32 * scale)
+#: An identity between operands whose magnitudes add up to ``scale``: one or two roundings, ``eps``
+#: their dtype's (float32's unless a bf16 run's loss computed it, verl_ext.inspect.update).
+ELEMENTWISE = Tolerance(f"{ATOL:g} + 4ε·Σ|operand|", lambda scale, eps=EPS32: ATOL + 4 * eps * scale)
 
 
 # --------------------------------------------------------------------------- results as data

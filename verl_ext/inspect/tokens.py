@@ -161,12 +161,15 @@ class TokenStep:
         a = self.algorithm
         return unchecked(a.why_not) if a.estimator_missing else skipped(a.why_not)
 
+    def _held_in(self, column: str) -> str | None:
+        """The dtype below float32 the trainer held ``column`` in at this step (its entry's ``stored_dtypes``), or None."""
+        return (getattr(self.step_record, "stored_dtypes", None) or {}).get(column)
+
     def _compare(self, column: str, actual, expected, tolerance, note: str | None = None) -> Finding:
-        stored = getattr(self.step_record, "stored_dtypes", None) or {}
-        if column in stored:  # the trainer rounded its result to that dtype: half an ulp more (docs/definitions.md#in-a-bf16-run)
-            tolerance = tolerance + DTYPE_EPS.get(stored[column], EPS32) / 2 * np.abs(np.asarray(expected, np.float64))
-            held = f"{column} held in {stored[column]} by the trainer: + ε/2·|{column}|"
-            note = held if note is None else f"{note}; {held}"
+        if held := self._held_in(column):  # the trainer rounded its result to that dtype: half an ulp more (docs/definitions.md#in-a-bf16-run)
+            tolerance = tolerance + DTYPE_EPS.get(held, EPS32) / 2 * np.abs(np.asarray(expected, np.float64))
+            said = f"{column} held in {held} by the trainer: + ε/2·|{column}|"
+            note = said if note is None else f"{note}; {said}"
         return compare(actual, expected, tolerance, lambda i: (Location(self.step, *self.data.location(i)), column), note)
 
     # ------------------------------------------------------------------ the identities
@@ -285,8 +288,7 @@ class TokenStep:
         penalty = beta * self.col["kl"]
         tolerance = ELEMENTWISE(magnitude + np.abs(penalty))
         note = f"β = {beta:g}"
-        kl_dtype = (getattr(self.step_record, "stored_dtypes", None) or {}).get("kl")
-        if kl_dtype is not None:  # verl multiplies β into the kl tensor in its dtype: one rounding there
+        if kl_dtype := self._held_in("kl"):  # verl multiplies β into the kl tensor in its dtype: one rounding there
             tolerance = tolerance + DTYPE_EPS.get(kl_dtype, EPS32) / 2 * np.abs(penalty)
             note += f"; kl held in {kl_dtype} by the trainer, so β·kl is rounded in {kl_dtype}: + ε/2·|β·kl|"
         return self._compare("reward", reward, score - penalty, tolerance, note=note)

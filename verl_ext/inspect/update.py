@@ -63,7 +63,7 @@ from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 #: (fp32 on CPU: below 1e-5; bf16 engines on GPU: up to a few 1e-3), plus a few roundings of the
 #: log-probs in the loss's dtype (in bf16 the step between two log-probs near −2 is 1.6e-2).
 RATIO_NOISE = 1e-2
-#: ε is the machine epsilon of the dtype verl's loss computed in (:data:`LOSS_EPS`): the same
+#: ε is the machine epsilon of the dtype verl's loss computed in (:meth:`UpdateStep.eps`): the same
 #: roundings, in that dtype. One subtraction and exponential.
 RATIO = Tolerance(
     f"{ATOL:g} + 4ε·ratio·(1 + |Δlog-prob|); terms: as pg_loss",
@@ -78,8 +78,6 @@ PG_TERM = Tolerance(
     f"{ATOL:g} + 8ε·|A|·max(ratio, c)",
     lambda advantage, ratio, c, eps=EPS32: ATOL + 8 * eps * np.abs(advantage) * np.maximum(ratio, c),
 )
-#: clip(vpred, V − ε_v, V + ε_v): V ± ε_v rounds once.
-VALUE_CLIP = Tolerance(ELEMENTWISE.text, lambda scale, eps=EPS32: ATOL + 4 * eps * scale)
 VF_TERM = Tolerance(
     f"{ATOL:g} + 8ε·(|vpred| + |value| + |return| + ε_v)²",
     lambda vpred, value, ret, epsilon, eps=EPS32: ATOL + 8 * eps * (np.abs(vpred) + np.abs(value) + np.abs(ret) + epsilon) ** 2,
@@ -88,10 +86,6 @@ VF_TERM = Tolerance(
 AGGREGATE = Tolerance(
     f"{ATOL:g} + ε·n·max|term| (n: tokens of the largest mini-batch)", lambda n, m, eps=EPS32: ATOL + eps * n * m
 )
-#: Machine epsilon per dtype of the run record's ``update.<actor|critic>.dtype``, the dtype verl's
-#: loss computed in (verl_ext.integration.trace_hook.loss_dtype). Float32's where there is none (an
-#: engine verl-ext does not know, a trace before the field): what every fp32 run is checked with.
-LOSS_EPS = DTYPE_EPS
 
 #: (recorded metric, its check): what each logged metric is reproduced from.
 _ACTOR_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")
@@ -112,8 +106,10 @@ class UpdateStep:
         self.low, self.high, self.c, self.loss_mode = (actor.get(key) for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_mode"))
 
     def eps(self, kind: str) -> float:
-        """The unit of ``kind``'s tolerances: ε of the dtype its loss computed in (:data:`LOSS_EPS`)."""
-        return LOSS_EPS.get(self.settings.get(kind, {}).get("dtype"), EPS32)
+        """The unit of ``kind``'s tolerances: ε of the dtype its loss computed in, the run record's
+        ``update.<kind>.dtype`` (verl_ext.integration.trace_hook.loss_dtype); float32's where there is
+        none (an engine verl-ext does not know, a trace before the field), as every fp32 run is checked."""
+        return DTYPE_EPS.get(self.settings.get(kind, {}).get("dtype"), EPS32)
 
     def unavailable(self, kind: str | None = None) -> Finding | None:
         """Skipped when the step has no update tables, or none of ``kind``."""
@@ -287,7 +283,8 @@ def vf_loss(u: UpdateStep) -> Finding:
     vp, cl, r = vpred.astype(f32), critic["vpred_clipped"].astype(f32), ret.astype(f32)
     clipped_larger = (cl - r) ** 2 > (vp - r) ** 2  # verl's comparison, in float32
     return combine([
-        compare(critic["vpred_clipped"], clipped, VALUE_CLIP(np.abs(value) + epsilon, eps), u.where(critic, "vpred_clipped")),
+        # clip(vpred, V − ε_v, V + ε_v): V ± ε_v rounds once, in the loss's dtype
+        compare(critic["vpred_clipped"], clipped, ELEMENTWISE(np.abs(value) + epsilon, eps), u.where(critic, "vpred_clipped")),
         compare(critic["vf_loss"], np.maximum((vpred - ret) ** 2, (clipped - ret) ** 2),
                 VF_TERM(vpred, value, ret, epsilon, eps), u.where(critic, "vf_loss")),
         compare(critic["vf_clipped"], clipped_larger, 0.0, u.where(critic, "vf_clipped")),
