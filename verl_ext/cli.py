@@ -461,7 +461,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from verl_ext.cpu.overrides import PRECISIONS
+    from verl_ext.cpu.overrides import add_precision_argument
     from verl_ext.tasks import DEFAULT_TASK, TASKS
 
     others = [task for task in TASKS.values() if task.name != DEFAULT_TASK]
@@ -475,7 +475,7 @@ def demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=tuple(TASKS), default=DEFAULT_TASK, help=", or ".join([f"{DEFAULT_TASK} (default)", *(f"{task.name}: {task.summary}" for task in others)]))
     parser.add_argument("--estimator", default=None, help=f"algorithm.adv_estimator (default {by_task('estimator')})")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="the CPU backend's: fp32 everywhere (default), or bf16, verl's GPU mixed precision")
+    add_precision_argument(parser, "the CPU backend's: ")
     parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: a wrong answer whose verdict gets a negative advantage, else one with a verdict and a score below 1; with --task tool, one that called the tool; the demo prints which and why)")
     parser.add_argument(
         "--turn-rewards", action="store_true",
@@ -547,14 +547,10 @@ def selftest_arguments(parser: argparse.ArgumentParser) -> None:
         "Exit code: 0 when both runs pass the check, 1 when a run fails (its error in one line, with the log's "
         "path) or its trace fails the check (the first violated identity, step, sample, token)."
     )
-    from verl_ext.cpu.overrides import PRECISIONS
+    from verl_ext.cpu.overrides import add_precision_argument
 
     parser.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help="where the runs write (default: a new temporary directory)")
-    parser.add_argument(
-        "--precision", choices=PRECISIONS, default="fp32",
-        help="on a CPU-only machine, the CPU backend's: fp32 everywhere (default), or bf16, verl's GPU mixed precision; "
-        "on a GPU verl's own settings and your overrides decide",
-    )  # fmt: skip
+    add_precision_argument(parser, "on a CPU-only machine the CPU backend's (on a GPU verl's settings and your overrides decide): ")
     _quiet_argument(parser)
     parser.add_argument("overrides", nargs="*", help="your hydra overrides for verl's trainer, after --; they win")
 

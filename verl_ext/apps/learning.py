@@ -195,7 +195,7 @@ def validation_accuracy(metrics: dict[int, dict]) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    from verl_ext.cpu.overrides import PRECISIONS
+    from verl_ext.cpu.overrides import add_precision_argument
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", type=Path)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--test-freq", type=int, default=TEST_FREQ, help="validate every N steps (and before training)")
     parser.add_argument("--trace", action="store_true", help="write the per-token trace to OUTPUT_DIR/trace")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="fp32 everywhere (default), or bf16: verl's GPU mixed precision")
+    add_precision_argument(parser)
     parser.add_argument(
         "--fresh-critic", action="store_true",
         help="start the critic from the warm start with a fresh value head instead of the pretrained critic",

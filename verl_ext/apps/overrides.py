@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from verl_ext.cpu.overrides import PRECISIONS, cpu_environment, cpu_overrides, merge_overrides
+from verl_ext.cpu.overrides import add_precision_argument, cpu_environment, cpu_overrides, merge_overrides
 from verl_ext.tasks import DEFAULT_TASK, TASKS, get_task
 
 
@@ -24,9 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--estimator", default="gae")
     parser.add_argument("--train-batch-size", type=int, default=8)
     parser.add_argument("--rollout-n", type=int, default=1)
-    parser.add_argument(
-        "--precision", choices=PRECISIONS, default="fp32", help="fp32 everywhere (default), or bf16: verl's GPU mixed precision"
-    )
+    add_precision_argument(parser)
     parser.add_argument("--v1", action="store_true", help="verl's V1 trainer (the default trainer of verl 0.9)")
     parser.add_argument("--ray-address", default=None, help="join this running Ray cluster instead of starting one")
     parser.add_argument("--env", action="store_true", help="print the environment as NAME=value lines instead")

@@ -30,6 +30,14 @@ METRICS_FILE = "metrics.jsonl"
 PRECISIONS = ("fp32", "bf16")
 
 
+def add_precision_argument(parser, help_prefix: str = "") -> None:
+    """The ``--precision`` option of every command that makes a CPU run (one choice list, one default)."""
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default="fp32",
+        help=f"{help_prefix}fp32 everywhere (default), or bf16: verl's GPU mixed precision",
+    )  # fmt: skip
+
+
 class RunAssets(Protocol):
     """What a CPU run needs from a task: a model directory (weights and tokenizer), verl's
     RLHFDataset parquet files, a reward function verl loads by path, and the longest prompt.
