@@ -28,39 +28,44 @@ def _per_row(fn, rewards, values, mask, *args):
 # Row functions: r and v hold one row's valid tokens in order (the compacted sequence).
 
 
-def mc_row(r, gamma):
-    """G_t = Σ_{k=t}^{L-1} γ^{k-t} r_k"""
+# v_last: V_L, the value after the last valid token (0 unless a cut response bootstraps from the critic).
+
+
+def mc_row(r, gamma, v_last=0.0):
+    """G_t = Σ_{k=t}^{L-1} γ^{k-t} r_k + γ^{L-t} V_L"""
     L = len(r)
-    return np.array([sum(gamma ** (k - t) * r[k] for k in range(t, L)) for t in range(L)])
+    return np.array([sum(gamma ** (k - t) * r[k] for k in range(t, L)) + gamma ** (L - t) * v_last for t in range(L)])
 
 
-def nstep_row(r, v, gamma, n):
-    """Σ_{k=t}^{min(t+n,L)-1} γ^{k-t} r_k + γ^n V_{t+n} (only if t+n < L)"""
+def nstep_row(r, v, gamma, n, v_last=0.0):
+    """Σ_{k=t}^{min(t+n,L)-1} γ^{k-t} r_k + γ^n V_{t+n} if t+n < L, else + γ^{L-t} V_L"""
     L = len(r)
     out = []
     for t in range(L):
         g = sum(gamma ** (k - t) * r[k] for k in range(t, min(t + n, L)))
         if t + n < L:
             g += gamma**n * v[t + n]
+        else:
+            g += gamma ** (L - t) * v_last
         out.append(g)
     return np.array(out)
 
 
-def td0_row(r, v, gamma):
-    """r_t + γ V_{t+1}, V_L = 0"""
+def td0_row(r, v, gamma, v_last=0.0):
+    """r_t + γ V_{t+1}, V_L as given"""
     L = len(r)
-    return np.array([r[t] + (gamma * v[t + 1] if t + 1 < L else 0.0) for t in range(L)])
+    return np.array([r[t] + gamma * (v[t + 1] if t + 1 < L else v_last) for t in range(L)])
 
 
-def deltas_row(r, v, gamma):
-    """δ_t = r_t + γ V_{t+1} − V_t, V_L = 0"""
+def deltas_row(r, v, gamma, v_last=0.0):
+    """δ_t = r_t + γ V_{t+1} − V_t, V_L as given"""
     L = len(r)
-    return np.array([r[t] + (gamma * v[t + 1] if t + 1 < L else 0.0) - v[t] for t in range(L)])
+    return np.array([r[t] + gamma * (v[t + 1] if t + 1 < L else v_last) - v[t] for t in range(L)])
 
 
-def gae_row(r, v, gamma, lam):
+def gae_row(r, v, gamma, lam, v_last=0.0):
     """A_t = Σ_l (γλ)^l δ_{t+l}"""
-    d = deltas_row(r, v, gamma)
+    d = deltas_row(r, v, gamma, v_last)
     L = len(r)
     return np.array([sum((gamma * lam) ** (k - t) * d[k] for k in range(t, L)) for t in range(L)])
 
@@ -73,17 +78,29 @@ def td0_returns(rewards, values, mask, gamma):
     return _per_row(td0_row, rewards, values, mask, gamma)
 
 
-def nstep_returns(rewards, values, mask, gamma, n):
-    return _per_row(nstep_row, rewards, values, mask, gamma, n)
+def nstep_returns(rewards, values, mask, gamma, n, v_last=None):
+    """v_last: one V_L per row (None: 0)."""
+    return _per_row(nstep_row, rewards, values, mask, gamma, n, np.zeros(len(rewards)) if v_last is None else np.asarray(v_last, float))
+
+
+def cut_rows(responses, mask, eos_ids, max_response_length) -> np.ndarray:
+    """(B,) bool: the row's last valid token sits at max_response_length − 1 and is not an EOS id."""
+    responses, mask = np.asarray(responses), np.asarray(mask)
+    cut = np.zeros(len(mask), bool)
+    for b in range(len(mask)):
+        idx = valid_positions(mask[b])
+        cut[b] = len(idx) > 0 and idx[-1] + 1 == max_response_length and int(responses[b, idx[-1]]) not in eos_ids
+    return cut
 
 
 def deltas(rewards, values, mask, gamma):
     return _per_row(deltas_row, rewards, values, mask, gamma)
 
 
-def gae_advantages(rewards, values, mask, gamma, lam):
-    """lam: a float or an array with one λ per row."""
-    return _per_row(gae_row, rewards, values, mask, gamma, lam if np.isscalar(lam) else np.asarray(lam, float))
+def gae_advantages(rewards, values, mask, gamma, lam, v_last=None):
+    """lam: a float or an array with one λ per row; v_last: one V_L per row (None: 0)."""
+    lam = lam if np.isscalar(lam) else np.asarray(lam, float)
+    return _per_row(gae_row, rewards, values, mask, gamma, lam, np.zeros(len(rewards)) if v_last is None else np.asarray(v_last, float))
 
 
 def turns_of_row(mask_row) -> list[list[int]]:
@@ -100,14 +117,14 @@ def turns_of_row(mask_row) -> list[list[int]]:
     return turns
 
 
-def turn_gae_row(r_row, v_row, mask_row, gamma, lam):
+def turn_gae_row(r_row, v_row, mask_row, gamma, lam, v_last=0.0):
     """Turn-level GAE on one padded row (holes and padding included), nan at masked positions:
-    R_k = Σ r over turn k, V_k = V at its first token, V_K = 0, δ_k = R_k + γ V_{k+1} − V_k,
+    R_k = Σ r over turn k, V_k = V at its first token, V_K = V_L (0 unless given), δ_k = R_k + γ V_{k+1} − V_k,
     A_k = Σ_{j≥k} (γλ)^{j−k} δ_j on every token of turn k."""
     turns = turns_of_row(mask_row)
     K = len(turns)
     R = [sum(float(r_row[t]) for t in turn) for turn in turns]
-    V = [float(v_row[turn[0]]) for turn in turns] + [0.0]
+    V = [float(v_row[turn[0]]) for turn in turns] + [float(v_last)]
     delta = [R[k] + gamma * V[k + 1] - V[k] for k in range(K)]
     A = [sum((gamma * lam) ** (j - k) * delta[j] for j in range(k, K)) for k in range(K)]
     out = np.full(len(mask_row), np.nan)

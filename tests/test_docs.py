@@ -160,6 +160,74 @@ def test_turn_gae_example():
     assert_shown([table["return (both)"][i] for i in assistant], result.returns[0, assistant].tolist())
 
 
+# The cut response of docs/definitions.md#truncated-responses, and its numbers worked by hand there.
+CUT_R, CUT_V, CUT_V_AFTER, CUT_GAMMA, CUT_LAM = [0.0, 0.0, 0.0], [0.4, 0.5, 0.6], 0.8, 0.9, 0.5
+CUT_BY_HAND = {
+    "terminal δ_t": [0.05, 0.04, -0.6], "terminal A_t": [-0.0535, -0.23, -0.6], "terminal return": [0.3465, 0.27, 0.0],
+    "bootstrap δ_t": [0.05, 0.04, 0.12], "bootstrap A_t": [0.0923, 0.094, 0.12], "bootstrap return": [0.4923, 0.594, 0.72],
+    "mask A_t": [0.0, 0.0, 0.0],
+    "MC return, terminal": [0.0, 0.0, 0.0], "MC return, bootstrap": [0.5832, 0.648, 0.72],
+    "`turn_gae` A, terminal": [-0.4] * 3, "`turn_gae` A, bootstrap": [0.32] * 3,
+}  # fmt: skip
+
+
+def cut_estimate(name: str, mode: str, **settings):
+    """verl-ext's estimator ``name`` on the cut response under ``mode`` (verl_ext.registry.run, the
+    code path of training), in float64, not whitened."""
+    from verl_ext import registry
+    from verl_ext.truncation import Truncation
+
+    entry = registry.get(name)
+    truncation = Truncation(mode, torch.tensor([True]), torch.tensor([CUT_V_AFTER], dtype=torch.float64))
+    return registry.run(
+        entry, torch.tensor([CUT_R], dtype=torch.float64), torch.tensor([CUT_V], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64),
+        entry.settings({"gamma": CUT_GAMMA, "lam": CUT_LAM, "whiten_advantages": False, **settings}), truncation=truncation,
+    )  # fmt: skip
+
+
+def test_truncation_example():
+    """docs/definitions.md#truncated-responses: the hand calculation, and gae_ext under each option gives it."""
+    table = verified_table("truncation-example")
+    assert (numbers(table["r_t"]), numbers(table["V_t"])) == (CUT_R, CUT_V)
+    for column, expected in CUT_BY_HAND.items():
+        if column in table:
+            assert_shown(table[column], expected)
+    # the hand calculation against the definitions: δ with V_3 = 0 or V(s_L), A_t = δ_t + γλ·A_{t+1}
+    for mode, v_after in (("terminal", 0.0), ("bootstrap", CUT_V_AFTER)):
+        values = [*CUT_V, v_after]
+        deltas = [CUT_R[t] + CUT_GAMMA * values[t + 1] - values[t] for t in range(3)]
+        assert deltas == pytest.approx(CUT_BY_HAND[f"{mode} δ_t"], abs=1e-12)
+        advantages = [deltas[2], deltas[1] + CUT_GAMMA * CUT_LAM * deltas[2]]
+        advantages.append(deltas[0] + CUT_GAMMA * CUT_LAM * advantages[1])
+        assert advantages[::-1] == pytest.approx(CUT_BY_HAND[f"{mode} A_t"], abs=1e-12)
+    for mode in ("terminal", "bootstrap", "mask"):
+        result = cut_estimate("gae_ext", mode)
+        shown_mode = "terminal" if mode == "mask" else mode  # mask keeps the terminal returns
+        assert_shown(table[f"{shown_mode} return"], result.returns[0].tolist())
+        assert_shown(table[f"{mode} A_t"], result.advantages[0].tolist())
+
+
+def test_truncation_example_others():
+    """The same cut response under mc and turn_gae (one turn), and bootstrap as the terminal estimate
+    on r'_{L−1} = r_{L−1} + γ·V(s_L), with verl's own GAE too."""
+    table = verified_table("truncation-example-others")
+    for column in table:
+        if column != "t":
+            assert_shown(table[column], CUT_BY_HAND[column])
+    for mode in ("terminal", "bootstrap"):
+        assert_shown(table[f"MC return, {mode}"], cut_estimate("mc", mode).returns[0].tolist())
+        assert_shown(table[f"`turn_gae` A, {mode}"], cut_estimate("turn_gae", mode).advantage_raw[0].tolist())
+    rewritten = [*CUT_R[:2], CUT_R[2] + CUT_GAMMA * CUT_V_AFTER]
+    from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+
+    _, returns = compute_gae_advantage_return(
+        torch.tensor([rewritten], dtype=torch.float64), torch.tensor([CUT_V], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64), CUT_GAMMA, CUT_LAM
+    )  # fmt: skip
+    # verl whitens the advantages it returns: the raw one is its return − V
+    assert returns[0].tolist() == pytest.approx(CUT_BY_HAND["bootstrap return"], abs=1e-12)
+    assert (returns[0] - torch.tensor(CUT_V, dtype=torch.float64)).tolist() == pytest.approx(CUT_BY_HAND["bootstrap A_t"], abs=1e-12)
+
+
 def test_seed_example_rewards():
     table = verified_table("seed-example-rewards")
     assert table["token"] == TOKENS

@@ -13,6 +13,7 @@ import torch
 
 from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 from verl_ext import registry
+from verl_ext.options import TRUNCATION
 
 # --------------------------------------------------------------------------- registering
 
@@ -85,11 +86,12 @@ def test_registry_rejects_a_second_function_under_a_taken_name_and_lists_names()
 
 def test_verls_estimators_are_described_not_registered():
     """gae and grpo have entries (what verl-ext knows of them) but are not verl-ext's: not among the
-    names it registers into verl, options and whitening are verl's."""
+    names it registers into verl, options and whitening are verl's (verl-ext's algorithm.truncation is read
+    by every estimator it knows)."""
     assert registry.names() == ("mc", "td0", "nstep", "gae_ext", "turn_gae")
     gae, grpo = registry.lookup("gae"), registry.lookup("grpo")
-    assert gae.computed_by_verl and gae.needs_critic and gae.recomputable and gae.all_options == ()
-    assert grpo.computed_by_verl and not grpo.needs_critic and not grpo.recomputable
+    assert gae.computed_by_verl and gae.needs_critic and gae.recomputable and gae.all_options == (TRUNCATION,)
+    assert grpo.computed_by_verl and not grpo.needs_critic and not grpo.recomputable and grpo.all_options == (TRUNCATION,)
     assert grpo.settings({"whiten_advantages": True})["whiten_advantages"] is None  # verl-ext cannot tell
     assert registry.lookup("rloo") is None
     assert registry.check_algorithm({"adv_estimator": "gae", "lam": 0.9}) is None  # verl's: nothing to parse

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from verl_ext.errors import UsageError
-from verl_ext.options import import_external_modules
+from verl_ext.options import TRUNCATION_MODES, import_external_modules
 
 FORMATS = ("text", "csv", "markdown")
 
@@ -292,6 +292,12 @@ def compare_arguments(parser: argparse.ArgumentParser) -> None:
     lambdas = ",".join(f"{lam:g}" for lam in DEFAULT_LAMBDAS)
     parser.add_argument("--lambdas", type=_lambdas, default=DEFAULT_LAMBDAS, metavar="L,L,…", help=f"λ of the GAE columns (default {lambdas})")
     parser.add_argument("--plot", metavar="PNG", help="also draw the comparison into this PNG file")
+    parser.add_argument(
+        "--truncation", choices=TRUNCATION_MODES, metavar="MODE",
+        help=f"how the estimator columns treat responses cut at the length limit: {', '.join(TRUNCATION_MODES)} "
+        "(default: as the run did, its algorithm.truncation); a step with cut responses also shows the run's "
+        "estimator under all three (docs/definitions.md#truncated-responses)",
+    )  # fmt: skip
     _tokenizer_argument(parser)
     _format_arguments(parser)
 
@@ -301,7 +307,7 @@ def compare(args: argparse.Namespace) -> int:
     from verl_ext.inspect.comparison import compare as compare_step
     from verl_ext.inspect.render import render
 
-    comparison = compare_step(_open_run(args.run), args.step, args.sample, args.n, args.lambdas, args.tokenizer)
+    comparison = compare_step(_open_run(args.run), args.step, args.sample, args.n, args.lambdas, args.tokenizer, args.truncation)
     if args.plot:
         _headless_matplotlib("--plot")
         try:
@@ -311,8 +317,9 @@ def compare(args: argparse.Namespace) -> int:
     if args.format == "csv":
         _emit(render(comparison.table.drop_columns(["reward", "value"]), "csv"))
         return 0
+    treated = "" if comparison.truncation == "terminal" else f", cut responses treated as truncation={comparison.truncation}"
     sections = [
-        f"step {comparison.step}, sample {comparison.sample}: raw advantages (before whitening) by estimator",
+        f"step {comparison.step}, sample {comparison.sample}: raw advantages (before whitening) by estimator{treated}",
         render(comparison.table, args.format, args.digits),
         "per estimator, over the step's valid tokens:",
         render(comparison.statistics, args.format, args.digits),
@@ -320,10 +327,28 @@ def compare(args: argparse.Namespace) -> int:
         render(comparison.shares, args.format, args.digits),
         "correlation between estimators:",
         render(comparison.correlation, args.format, 2),
+        *_treatment_sections(comparison, args),
         *(f"note: {note}" for note in comparison.notes),
     ]
     _emit("\n\n".join(sections))
     return 0
+
+
+def _treatment_sections(comparison, args: argparse.Namespace) -> list[str]:
+    """The run's estimator under each treatment of cut responses, when the step has some."""
+    from verl_ext.inspect.render import render
+
+    if comparison.treatments is None:
+        return []
+    cut = ", ".join(map(str, comparison.cut))
+    sample = "cut" if comparison.sample in comparison.cut else "not cut"
+    return [
+        f"cut at the length limit: samples {cut} (docs/definitions.md#truncated-responses); the run's estimator "
+        "under each truncation, over the step's valid tokens (adv: before whitening, 0 under mask):",
+        render(comparison.treatments, args.format, args.digits),
+        f"sample {comparison.sample} ({sample}): advantages before whitening under each truncation",
+        render(comparison.by_treatment, args.format, args.digits),
+    ]
 
 
 # --------------------------------------------------------------------------- view

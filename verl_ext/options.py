@@ -49,6 +49,17 @@ def boolean(key: str, value: Any) -> bool:
     return value
 
 
+def one_of(*choices: str) -> Callable[[str, Any], str]:
+    """A parser that accepts exactly ``choices``."""
+
+    def parse(key: str, value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    return parse
+
+
 # --------------------------------------------------------------------------- estimator options
 
 
@@ -80,11 +91,22 @@ LAM_LENGTH_ALPHA = Option(
 WHITEN_ADVANTAGES = Option(
     "whiten_advantages", boolean, default=True, help="whiten advantages over the batch like verl's masked_whiten"
 )
+#: Values of ``algorithm.truncation`` (docs/definitions.md #truncated-responses), the default first: what
+#: every estimator does at a response cut at data.max_response_length.
+TRUNCATION_MODES = ("terminal", "bootstrap", "mask")
+TRUNCATION_DEFAULT = TRUNCATION_MODES[0]
+TRUNCATION = Option(
+    "truncation",
+    one_of(*TRUNCATION_MODES),
+    default=TRUNCATION_DEFAULT,
+    help="a response cut at data.max_response_length: terminal (V after it = 0), bootstrap (from the critic's "
+    "value after its last token) or mask (no advantage, out of the whitening)",
+)
 
 #: Every option verl-ext's built-in estimators read. Declared in configs/verl_ext_trainer.yaml with
 #: these defaults (tests/test_options.py holds it to them); registered estimators may
 #: declare more.
-ALGORITHM_OPTIONS = (N_STEP, LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA, WHITEN_ADVANTAGES)
+ALGORITHM_OPTIONS = (N_STEP, LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA, WHITEN_ADVANTAGES, TRUNCATION)
 ALGORITHM_KEYS = {option.key: option.default for option in ALGORITHM_OPTIONS}
 
 

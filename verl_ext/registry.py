@@ -41,11 +41,13 @@ from verl_ext.options import (
     LAM_CRITIC,
     LAM_LENGTH_ALPHA,
     N_STEP,
+    TRUNCATION,
     WHITEN_ADVANTAGES,
     Option,
     algorithm_settings,
     unit_interval,
 )
+from verl_ext.truncation import Truncation
 
 EstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Settings = Mapping[str, Any]
@@ -98,8 +100,9 @@ class Estimator:
 
     @property
     def all_options(self) -> tuple[Option, ...]:
-        """The ``algorithm`` keys it reads; verl's own estimators ignore ``whiten_advantages``."""
-        return self.options if self.computed_by_verl else (*self.options, WHITEN_ADVANTAGES)
+        """The ``algorithm`` keys it reads; verl's own estimators ignore ``whiten_advantages``; every
+        estimator verl-ext knows follows ``truncation``."""
+        return (*self.options, TRUNCATION) if self.computed_by_verl else (*self.options, WHITEN_ADVANTAGES, TRUNCATION)
 
     def settings(self, algorithm: Any, gamma: float | None = None, lam: float | None = None) -> dict[str, Any]:
         """The ``config`` ``fn`` receives: the algorithm's settings with γ, λ and this estimator's
@@ -272,11 +275,15 @@ def run(
     response_mask: torch.Tensor,
     settings: Settings,
     whiten: bool | None = None,
+    truncation: Truncation | None = None,
 ) -> Estimate:
-    """The estimator on one batch, whitened as ``settings`` say (or as ``whiten`` overrides): the
-    one code path of training, checking and comparing."""
+    """The estimator on one batch, whitened as ``settings`` say (or as ``whiten`` overrides), with cut
+    responses treated as ``truncation`` says (None: terminal): the one code path of training,
+    checking and comparing."""
     if estimator.needs_critic and values is None:
         raise ValueError(f"estimator {estimator.name!r} needs the critic's values, and there are none")
+    if truncation is not None:
+        rewards = truncation.rewards(rewards, response_mask, settings["gamma"])
     returns, raw = estimator.fn(
         rewards, values, response_mask, gamma=settings["gamma"], lam=settings["lam"], config=settings
     )
@@ -285,21 +292,26 @@ def run(
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"estimator {estimator.name!r} returned {label} of shape {shape}, expected {tuple(rewards.shape)}")
     whitened = settings["whiten_advantages"] if whiten is None else whiten
-    return Estimate(returns, raw, estimators.masked_whiten(raw, response_mask) if whitened else raw)
+    if truncation is None:
+        return Estimate(returns, raw, estimators.masked_whiten(raw, response_mask) if whitened else raw)
+    if whitened:
+        return Estimate(returns, raw, truncation.whiten(raw, response_mask, estimators.masked_whiten))
+    return Estimate(returns, raw, truncation.advantages(raw))
 
 
 def check_algorithm(algorithm: Any) -> dict[str, Any] | None:
     """Validate the estimator options of a run on the driver, whatever estimator it uses.
 
     Every option verl-ext knows is parsed when set (a bad value is a ValueError for any estimator);
-    one that the chosen estimator ignores warns. Returns the settings of a verl-ext estimator, None
-    for verl's own ones.
+    one that the chosen estimator ignores warns (verl's own read ``truncation``). Returns the settings
+    of a verl-ext estimator, None for verl's own ones.
     """
     settings = algorithm_settings(algorithm)
     name = name_of(settings.get("adv_estimator"))
     chosen = _ESTIMATORS.get(name)
     known = {option.key: option for option in (*ALGORITHM_OPTIONS, *(o for e in all_estimators() for o in e.options))}
-    read = {option.key for option in chosen.all_options} if chosen else set()
+    described = lookup(name)
+    read = {option.key for option in described.all_options} if described else set()
     for key, option in known.items():
         option.read(settings)  # raises for an invalid value, whether or not it is used
     ignored = sorted(k for k, o in known.items() if settings.get(k) is not None and k not in read and settings.get(k) != o.default)

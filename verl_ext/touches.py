@@ -60,7 +60,10 @@ PLUGIN_TOUCHES = (
         "patch", "verl.trainer.ppo.ray_trainer", "compute_advantage", "plugin",
         why="verl never passes `values` to a registered estimator: verl-ext's estimators (verl_ext.registry) are "
         "computed here with the batch's values and whitened; before any estimator, verl's or verl-ext's, the agent "
-        "loop's per-turn rewards are added on their turns' last tokens (verl_ext.turn_rewards); every estimator's result is handed to the trace and "
+        "loop's per-turn rewards are added on their turns' last tokens (verl_ext.turn_rewards); with algorithm.truncation other than "
+        "terminal, the responses cut at data.max_response_length are bootstrapped (verl's gae runs on rewards whose last token "
+        "gets γ·V(s_L), the batch keeping the real ones) or masked (verl's gae re-whitened without them, verl's grpo function "
+        "run on the other responses), verl_ext.truncation; every estimator's result is handed to the trace and "
         "to the live metrics (verl_ext.metrics), then checked for non-finite rewards, values, returns, advantages and log-probs on valid tokens "
         "(verl_ext.nonfinite: one line naming step, sample, token and the first non-finite quantity upstream)",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_compute_advantage",
@@ -175,6 +178,24 @@ PLUGIN_TOUCHES = (
         "whole batch with the advantages on every row, which verl then stores in TransferQueue; the trace captures "
         "that batch here instead of reading it back (on grpo compute_advantage sees only each session's last output)",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_multi_trajectory_advantage",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._compute_values", "plugin",
+        why="private method: verl's critic returns a value for every token of the whole sequence and this method "
+        "keeps the response's with no_padding_2_padding (padding.py:136), dropping the output at the last token, "
+        "V(s_L); with algorithm.truncation=bootstrap, for the duration of verl's own call, the name it calls is a "
+        "pass-through to verl's function that also reads that one value per response (the same tensor, index "
+        "seq_offset-1), stored as the batch key values_after_last (float32, as verl upcasts values); any other "
+        "run calls verl's method alone (verl_ext.integration.values_after_last)",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_legacy_compute_values",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_values", "plugin",
+        why="private method: as the legacy trainer's, for the V1 trainer, which reads the critic's whole-sequence "
+        "values from TransferQueue and keeps the response's with response_from_nested (padding.py:195); with "
+        "algorithm.truncation=bootstrap V(s_L) is written beside them as the TransferQueue field values_after_last, "
+        "in the dtype verl stores values (verl_ext.integration.values_after_last)",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_compute_values",
     ),
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "compute_data_metrics", "plugin",

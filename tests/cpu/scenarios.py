@@ -55,14 +55,38 @@ def in_process(args: argparse.Namespace, extra: list[str]):
 
     SingleTurnAgentLoop.__init__, SingleTurnAgentLoop.run = counted_build, counted_run
     recorder = BatchRecorder()
+
+    def on_batch(step, batch, trainer):
+        recorder(step, batch, trainer)
+        if "values_after_last" in batch.batch.keys():
+            recorder.steps[step]["separate_values_after_last"] = critic_at_the_end(batch, trainer)
+
     trainer = run_in_process(
-        merge_overrides(overrides, extra), on_batch=recorder, config_dir=args.config_dir, config_name=args.config_name
+        merge_overrides(overrides, extra), on_batch=on_batch, config_dir=args.config_dir, config_name=args.config_name
     )
     torch.save(
         {"steps": recorder.steps, "gamma": trainer.config.algorithm.gamma, "lam": trainer.config.algorithm.lam,
          "agent_loops": agent_loops},
         args.output_dir / "batches.pt",
     )  # fmt: skip
+
+
+def critic_at_the_end(batch, trainer):
+    """V(s_L) of every response by a forward pass of its own: the critic's model (verl's worker in this
+    process, with the weights that computed this step's values: on_batch runs before the critic's
+    update) on the full sequence alone, unpadded, at its last token. (B,) float32."""
+    import torch
+
+    module = trainer.critic_wg.worker.engine.module
+    ids, attention = batch.batch["input_ids"], batch.batch["attention_mask"].bool()
+    out = []
+    with torch.no_grad():
+        for row in range(len(ids)):
+            sequence = ids[row][attention[row]][None]
+            positions = torch.arange(sequence.shape[1])[None]
+            logits = module(input_ids=sequence, attention_mask=torch.ones_like(sequence), position_ids=positions).logits
+            out.append(logits[0, -1, 0].float())
+    return torch.stack(out)
 
 
 def hf_server(output_dir: Path):

@@ -8,7 +8,7 @@ import torch
 
 from tests import reference
 from tests.cpu.helpers import read_batches
-from tests.e2e.test_fit_with_trace import GAMMA, LAM, fit_group, fit_run
+from tests.e2e.test_fit_with_trace import GAMMA, LAM, TRUNCATION, cut_rows, fit_group, fit_run
 from verl_ext.apps.learning import read_metrics
 
 
@@ -19,13 +19,15 @@ GAE_RUN, GRPO_RUN = "gae+dynamic_bsz", "grpo"
 
 @pytest.fixture(scope="module")
 def gae_run(tmp_path_factory):
-    """verl's gae with a critic and the KL penalty in the reward, 2 steps (micro-batches by token count)."""
+    """verl's gae with a critic and the KL penalty in the reward, 2 steps (micro-batches by token count),
+    responses cut at the length limit left out of the whitening (algorithm.truncation=mask)."""
     return fit_run(tmp_path_factory, GAE_RUN)
 
 
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
-    """verl's grpo: 8 prompts x 4 samples, no critic, 2 steps."""
+    """verl's grpo: 8 prompts x 4 samples, no critic, 2 steps, responses cut at the length limit dropped
+    from their groups (algorithm.truncation=mask)."""
     return fit_run(tmp_path_factory, GRPO_RUN)
 
 
@@ -89,9 +91,11 @@ def test_gae_returns_and_advantages_match_the_definition(gae_run):
         raw = reference.gae_advantages(rewards, values, mask, GAMMA, LAM)  # direct sum over δ
         valid = mask != 0
         np.testing.assert_allclose(record["returns"].numpy()[valid], (raw + values)[valid], atol=1e-5)
-        np.testing.assert_allclose(
-            record["advantages"].numpy()[valid], reference.whiten(np.where(valid, raw, 0), mask)[valid], atol=1e-4
-        )
+        assert TRUNCATION["gae"] == "mask"  # whitened over the responses that were not cut; 0 on the cut ones
+        cut = cut_rows(record, "gae")[:, None]
+        rest = mask * ~cut  # at lr 1e-2 every response of step 2 may be cut: nothing to whiten
+        whitened = np.where(cut, 0.0, reference.whiten(np.where(valid, raw, 0), rest) if rest.any() else 0.0)
+        np.testing.assert_allclose(record["advantages"].numpy()[valid], whitened[valid], atol=1e-4)
 
 
 @fit_group(GAE_RUN)
@@ -116,9 +120,15 @@ def test_grpo_advantages_match_the_group_normalised_score(grpo_run):
         expected = torch.empty_like(scores)
         uids = np.array(record["uid"])
         assert len(set(uids)) == 8 and all((uids == uid).sum() == 4 for uid in set(uids))
+        assert TRUNCATION["grpo"] == "mask"  # a cut response is dropped from its group and gets 0
+        cut = cut_rows(record, "grpo")
+        expected[torch.from_numpy(cut)] = 0.0
         for uid in set(uids):
-            group = torch.from_numpy(uids == uid)
-            expected[group] = (scores[group] - scores[group].mean()) / (scores[group].std() + 1e-6)
+            group = torch.from_numpy((uids == uid) & ~cut)
+            if group.sum() == 1:  # verl's group of one: mean 0, std 1
+                expected[group] = scores[group] / (1 + 1e-6)
+            elif group.sum() > 1:
+                expected[group] = (scores[group] - scores[group].mean()) / (scores[group].std() + 1e-6)
         mask = _valid(record["response_mask"])
         advantages = record["advantages"]
         torch.testing.assert_close(advantages, (expected[:, None] * mask).float(), atol=1e-5, rtol=0)

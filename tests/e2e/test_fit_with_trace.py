@@ -46,11 +46,23 @@ GAMMA, LAM = 0.99, 0.9
 FIXED_MICRO_BATCH = {"actor": 2, "critic": 4}
 TOKEN_BUDGET = {"actor": 32, "critic": 40}
 MULTI_TURN = "turn_gae+observation"
+#: data.max_response_length of the runs that cut responses (docs/definitions.md #truncated-responses): the
+#: task's answer is 7 tokens and EOS for a one-digit sum, 8 and EOS for a two-digit one, so 8 cuts the
+#: two-digit ones before their EOS; and algorithm.truncation of those runs, by estimator
+CUT_AT = 8
+TRUNCATION = {"nstep": "bootstrap", "gae": "mask", "grpo": "mask"}
+
+
+def cut_at_the_limit(estimator: str) -> list[str]:
+    return [f"algorithm.truncation={TRUNCATION[estimator]}", f"data.max_response_length={CUT_AT}"]
+
+
 #: scenario -> (estimator, its overrides)
 RUNS = {
     "mc": ("mc", []),
     "td0": ("td0", []),
-    "nstep": ("nstep", ["algorithm.n_step=3"]),
+    # V(s_L) kept from the critic, checked against a separate forward pass (test_bootstrap_value_...)
+    "nstep": ("nstep", ["algorithm.n_step=3", *cut_at_the_limit("nstep")]),
     "gae_ext": ("gae_ext", ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.8"]),
     # verl's gae with the batch settings of GPU runs: micro-batches packed by token count (actor,
     # critic and every log-prob and value pass; verl reorders the rows and restores them after), and
@@ -60,8 +72,9 @@ RUNS = {
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={TOKEN_BUDGET['actor']}",
         f"critic.ppo_max_token_len_per_gpu={TOKEN_BUDGET['critic']}",
         "trainer.balance_batch=False",
+        *cut_at_the_limit("gae"),  # verl's own gae with the cut responses left out of the whitening
     ]),
-    "grpo": ("grpo", []),
+    "grpo": ("grpo", cut_at_the_limit("grpo")),  # the cut responses dropped from their groups
     "td_half": ("td_half", []),  # the README's example, tests/integration/test_user_estimator.py
     # multi-turn responses through verl's agent-loop worker: the policy writes, an observation it did
     # not write follows (mask 0), the policy writes on (tests/cpu/observation_agent.py)
@@ -171,14 +184,16 @@ def test_returns_and_advantages_follow_the_definitions(finished_run):
     for batch in batches["steps"].values():
         rewards, values, mask = batch["token_level_rewards"], batch["values"], batch["response_mask"]
         values64 = values.double().numpy()
+        cut = cut_rows(batch, estimator)
         if estimator == "mc":
             returns = ref.mc_returns(rewards, mask, GAMMA)
             raw = returns - values64
         elif estimator == "td0":
             returns = ref.td0_returns(rewards, values, mask, GAMMA)
             raw = returns - values64
-        elif estimator == "nstep":
-            returns = ref.nstep_returns(rewards, values, mask, GAMMA, 3)
+        elif estimator == "nstep":  # bootstraps a cut response from V(s_L)
+            v_last = np.where(cut, batch["values_after_last"].double().numpy(), 0.0)
+            returns = ref.nstep_returns(rewards, values, mask, GAMMA, 3, v_last)
             raw = returns - values64
         elif estimator == "gae_ext":
             returns = ref.gae_advantages(rewards, values, mask, GAMMA, 1.0) + values64
@@ -194,7 +209,47 @@ def test_returns_and_advantages_follow_the_definitions(finished_run):
             returns = raw + values64
         keep = valid(mask)
         np.testing.assert_allclose(batch["returns"].numpy()[keep], returns[keep], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(batch["advantages"].numpy()[keep], ref.whiten(raw, mask)[keep], rtol=1e-4, atol=1e-4)
+        if TRUNCATION.get(estimator) == "mask":  # whitened over the rest, 0 on a cut response
+            rest = mask.numpy() * ~cut[:, None]  # at lr 1e-2 every response of step 2 may be cut: nothing to whiten
+            whitened = np.where(cut[:, None], 0.0, ref.whiten(raw, rest) if rest.any() else 0.0)
+        else:
+            whitened = ref.whiten(raw, mask)
+        np.testing.assert_allclose(batch["advantages"].numpy()[keep], whitened[keep], rtol=1e-4, atol=1e-4)
+
+
+def cut_rows(batch, estimator: str) -> np.ndarray:
+    """(B,) the responses cut at the limit (none where the run sets no truncation), by the definition."""
+    if estimator not in TRUNCATION:
+        return np.zeros(len(batch["response_mask"]), bool)
+    from verl_ext.tasks import get_task
+
+    eos = get_task("arith").tokenizer().eos_token_id
+    return ref.cut_rows(batch["responses"], batch["response_mask"], {eos}, CUT_AT)
+
+
+@pytest.mark.parametrize("finished_run", [pytest.param("nstep", marks=fit_group("nstep"))], indirect=True)
+def test_bootstrap_value_is_the_critics_value_after_the_last_token(finished_run):
+    """V(s_L) of every response equals a separate forward pass of the critic on the full sequence
+    (tests/cpu/scenarios.py ``critic_at_the_end``, before the step's critic update); the trace keeps it as
+    ``bootstrap_value`` on exactly the cut responses; some responses are cut and some are not."""
+    from verl_ext.trace.reader import open_trace
+
+    estimator, out, batches = finished_run
+    trace = open_trace(str(out / "trace"))
+    assert trace.record.algorithm["truncation"] == "bootstrap"
+    cut_counts = []
+    for step, batch in batches["steps"].items():
+        np.testing.assert_allclose(
+            batch["values_after_last"].numpy(), batch["separate_values_after_last"].numpy(), rtol=1e-5, atol=1e-5
+        )
+        cut = cut_rows(batch, estimator)
+        cut_counts.append(int(cut.sum()))
+        prompts = trace.prompts(step).to_pandas()
+        assert prompts["truncated"].tolist() == cut.tolist()
+        kept = prompts["bootstrap_value"].to_numpy(np.float64)
+        assert np.isnan(kept[~cut]).all()
+        np.testing.assert_array_equal(kept[cut].astype(np.float32), batch["values_after_last"].numpy()[cut])
+    assert 0 < sum(cut_counts) < sum(len(b["response_mask"]) for b in batches["steps"].values()), cut_counts
 
 
 def test_trace_equals_what_the_trainer_used(finished_run):

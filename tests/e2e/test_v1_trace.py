@@ -37,7 +37,7 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
     from verl_ext.cpu.overrides import merge_overrides
 
     from tests.e2e.gpu_world import GPU_WORLD_OVERRIDES
-    from tests.e2e.test_fit_with_trace import UPDATE_OVERRIDES, user_module_env
+    from tests.e2e.test_fit_with_trace import CUT_AT, UPDATE_OVERRIDES, user_module_env
 
     out = tmp_path_factory.mktemp("v1")
     capture = out / "captured"
@@ -48,6 +48,9 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
         "algorithm.kl_ctrl.kl_coef=0.05",
         f"+verl_ext.trace.dir={out / 'trace'}",  # verl's own config has no verl_ext node
         *merge_overrides(UPDATE_OVERRIDES, GPU_WORLD_OVERRIDES),  # with PRECISION=bf16: verl's GPU settings
+        # responses cut at the length limit bootstrap from V(s_L), which verl's V1 trainer computes and drops
+        "+algorithm.truncation=bootstrap",
+        f"data.max_response_length={CUT_AT}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
@@ -118,6 +121,39 @@ def test_v1_trace_equals_what_the_actor_update_read(v1_run):
         raw = (used["returns"] - used["values"]).numpy()[positions]
         np.testing.assert_allclose(table["advantage_raw"].to_numpy(), raw, rtol=1e-5, atol=1e-6)
         assert not np.allclose(table["reward"], table["score"]) or step == 1  # actor == reference at step 1
+
+
+def test_v1_cut_responses_bootstrap_from_the_value_after_their_last_token(v1_run):
+    """td_half is GAE(γ, λ = 0.5): its returns against the direct sums with V_L = the recorded
+    bootstrap_value on exactly the cut responses (docs/definitions.md #truncated-responses)."""
+    import tests.reference as ref
+    from verl_ext.tasks import get_task
+    from verl_ext.trace.reader import open_trace
+
+    from tests.e2e.test_fit_with_trace import CUT_AT
+
+    trace = open_trace(str(v1_run / "trace"))
+    assert trace.record.algorithm["truncation"] == "bootstrap"
+    gamma = trace.record.algorithm["gamma"]  # verl's default: the run sets none
+    eos = get_task("arith").tokenizer().eos_token_id
+    cut_counts = []
+    for step in trace.steps:
+        used = torch.load(v1_run / "captured" / f"step{step}.pt")
+        mask = used["response_mask"].numpy()
+        cut = ref.cut_rows(used["responses"], mask, {eos}, CUT_AT)
+        cut_counts.append(int(cut.sum()))
+        prompts = trace.prompts(step).to_pandas()
+        assert prompts["truncated"].tolist() == cut.tolist()
+        v_last = prompts["bootstrap_value"].to_numpy(np.float64)
+        assert np.isnan(v_last[~cut]).all() and np.isfinite(v_last[cut]).all()
+        rewards, values = used["token_level_rewards"].double().numpy(), used["values"].double().numpy()
+        advantages = ref.gae_advantages(rewards, values, mask, gamma, 0.5, np.where(cut, v_last, 0.0))
+        valid = mask != 0
+        returns = used["returns"]
+        # the returns as verl stored them: in bf16 on the V1 trainer's GPU settings, to its rounding
+        tolerance = 2.0**-8 if returns.dtype == torch.bfloat16 else 1e-5
+        np.testing.assert_allclose(returns.double().numpy()[valid], (advantages + values)[valid], rtol=tolerance, atol=tolerance)
+    assert 0 < sum(cut_counts), cut_counts
 
 
 def test_v1_trace_passes_the_checker(v1_run):

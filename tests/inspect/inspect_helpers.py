@@ -214,8 +214,12 @@ def write_trace(
     tokenizer_path: str = "",
     updates: dict[int, list] | None = None,
     update_settings: dict | None = None,
+    truncations: dict | None = None,
+    ends: tuple[tuple[int, ...], int] | None = None,
 ) -> str:
-    """A trace of ``batches`` written by the real TraceWriter; ``updates``: UpdateCaptures per step."""
+    """A trace of ``batches`` written by the real TraceWriter; ``updates``: UpdateCaptures per step;
+    ``truncations``: the estimate's Truncation per step (absent: terminal); ``ends``: (EOS ids,
+    max_response_length), for the prompt table's end flags."""
     options = TraceOptions(dir=str(directory), max_samples_per_step=max_samples)
     run_record = RunRecord(
         verl_ext_version="test",
@@ -246,6 +250,9 @@ def write_trace(
                     prompts=b.prompts,
                     prompt_mask=b.prompt_mask,
                     kl_coef=b.kl_coef,
+                    eos_token_ids=None if ends is None else ends[0],
+                    max_response_length=None if ends is None else ends[1],
+                    truncation=(truncations or {}).get(step),
                 )
             )
             for update in (updates or {}).get(step, []):

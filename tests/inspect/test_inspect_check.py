@@ -30,7 +30,8 @@ from verl_ext.inspect.identities import IDENTITIES as RECORDS
 from verl_ext.inspect.check import check_trace
 from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, TOKEN_SCHEMA, token_file
 
-IDENTITIES = tuple(record.name for record in RECORDS if record.table != "update")  # without update tables
+#: Every run's identities without update tables (those of algorithm.truncation apply to its runs only)
+IDENTITIES = tuple(record.name for record in RECORDS if record.table != "update" and record.applies is None)
 
 # (estimator name, extra record keys, by_definition arguments)
 DEFINED = {

@@ -5,6 +5,14 @@ from tests.inspect.inspect_helpers import Batch, algorithm, by_definition, write
 from verl_ext.inspect.summary import summarize
 
 
+#: What ``summary`` says on a trace without ``truncated`` flags (as these synthetic ones are).
+NO_FLAGS_NOTE = (
+    "note: truncated_share, adv_truncated and adv_rest are blank at {steps}: the trace records no truncated flags "
+    "(a trace of format 1, or of a run whose EOS tokens or max_response_length it did not know; "
+    "docs/definitions.md#truncated-responses)\n"
+)
+
+
 def small_trace(directory) -> str:
     """Two samples, MC returns (γ = 1), no whitening, no KL:
     sample 0: scores [0, 0, 1],      values [0.2, 0.4, 0.6]      -> returns [1, 1, 1]
@@ -33,6 +41,7 @@ def test_summary_numbers_by_hand(tmp_path):
         # sample 1's hole makes two turns of it: 1.5 turns a sample; its last token (|A| = 0.2) is after the hole
         "turns": 1.5, "adv_share_after_hole": 0.2 / 2.4,
         "tool_calls": None,  # no agent loop said how many
+        "truncated_share": None, "adv_truncated": None, "adv_rest": None,  # the trace records no truncated flags
     }  # fmt: skip
     assert row == pytest.approx(expected, abs=1e-6)
 
@@ -40,7 +49,7 @@ def test_summary_numbers_by_hand(tmp_path):
 def test_summary_command(tmp_path, run_cli):
     path = small_trace(tmp_path / "t")
     code, out, err = run_cli("summary", path)
-    assert code == 0 and err == ""
+    assert code == 0 and err == NO_FLAGS_NOTE.format(steps="step 3")
     header, line = out.splitlines()
     assert header.split() == [
         "step",
@@ -99,10 +108,10 @@ def test_summary_says_why_adv_dlogp_corr_is_blank(tmp_path, run_cli):
     assert err == (
         "note: adv_dlogp_corr is blank at step 1: log_prob = old_log_prob on every row of its last epoch: the update "
         "computed every log-prob before the policy moved (a learning rate of 0, e.g. on the first step of verl's "
-        "warm-up: actor.optim.lr_warmup_steps starts it at 0)\n"
+        "warm-up: actor.optim.lr_warmup_steps starts it at 0)\n" + NO_FLAGS_NOTE.format(steps="step 1")
     )
-    code, _, err = run_cli("summary", hand_trace(tmp_path / "moved"))  # the policy moved: a correlation, no note
-    assert code == 0 and err == ""
+    code, _, err = run_cli("summary", hand_trace(tmp_path / "moved"))  # the policy moved: a correlation, no note on it
+    assert code == 0 and err == NO_FLAGS_NOTE.format(steps="step 1")
 
 
 def test_a_single_mini_batch_of_one_epoch_is_named_as_the_reason(tmp_path):

@@ -91,3 +91,21 @@ def test_the_run_record_names_the_dtype_each_loss_computes_in(compose, overrides
 
     settings = update_settings(compose("algorithm.adv_estimator=gae", *overrides))
     assert (settings["actor"]["dtype"], settings["critic"]["dtype"]) == (actor, critic)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "overrides", "expected"),
+    [
+        ("mc", (), "terminal"),  # verl-ext's default
+        ("mc", ("algorithm.truncation=mask",), "mask"),
+        ("gae", ("algorithm.truncation=bootstrap",), "bootstrap"),  # verl's own estimator, described
+        ("grpo", ("algorithm.truncation=mask",), "mask"),
+    ],
+)  # fmt: skip
+def test_the_run_record_says_what_the_estimate_did_at_the_cut(compose, estimator, overrides, expected):
+    """algorithm.truncation reaches the run record, where `verl-ext check` reads it (docs/definitions.md#truncated-responses)."""
+    from verl_ext.integration.trace_hook import run_record
+    from verl_ext.options import TraceOptions
+
+    record = run_record(compose(f"algorithm.adv_estimator={estimator}", *overrides), "legacy", TraceOptions(dir="unused"))
+    assert record.algorithm["truncation"] == expected

@@ -252,13 +252,15 @@ def test_a_version_1_trace_stays_readable(tmp_path):
 def test_the_columns_a_version_1_file_lacks_are_the_ones_version_2_added():
     """Each column says the version it appeared in: version 2 added rollout_log_prob and the end flags
     (READABLE_SCHEMA_VERSIONS' note); format 3 changed the layout, no column; format 4 added the turns,
-    format 5 the agent loop's roles, tool calls and turn limits, format 6 the per-turn rewards."""
+    format 5 the agent loop's roles, tool calls and turn limits, format 6 the per-turn rewards, format 7
+    the bootstrap values of cut responses."""
     from verl_ext.trace.schema import added_after
 
     turns, agents, turn_rewards = {"turn", "assistant_turns"}, {"role", "tool_calls", "turn_limit"}, {"turn_score", "tool_reward"}
-    assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"} | turns | agents | turn_rewards
-    assert added_after(2) == added_after(3) == turns | agents | turn_rewards and added_after(4) == agents | turn_rewards
-    assert added_after(5) == turn_rewards and added_after(6) == frozenset()
+    later = turn_rewards | {"bootstrap_value"}
+    assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"} | turns | agents | later
+    assert added_after(2) == added_after(3) == turns | agents | later and added_after(4) == agents | later
+    assert added_after(5) == later and added_after(6) == {"bootstrap_value"} and added_after(7) == frozenset()
 
 
 def test_the_v1_trainer_is_read_back_under_its_own_field_names():

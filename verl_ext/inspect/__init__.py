@@ -16,7 +16,8 @@ run record says about its estimator); ``identities`` (the identities of docs/def
 one record each); ``results`` (what a check finds, the one comparison, tolerances); ``tokens`` (the
 token table's checks, recomputation and tolerances); ``check`` (runs them all, the report as data); ``table`` (the per-token table, decoded tokens);
 ``summary`` (one row per step); ``update`` (the update tables' checks and statistics);
-``comparison`` (the estimators side by side on one step); ``critic`` (the critic's values against
+``comparison`` (the estimators side by side on one step); ``cuts`` (the responses cut at the length
+limit, and the estimators under each ``algorithm.truncation``); ``critic`` (the critic's values against
 the Monte-Carlo return, by position); ``plots``; ``render`` (text, CSV, Markdown, the check report,
 progress lines). The commands are in :mod:`verl_ext.cli`.
 """

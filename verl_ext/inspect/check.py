@@ -37,12 +37,12 @@ def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | 
     algorithm = RecordedAlgorithm.from_record(trace.record)
     selected = tuple(trace.steps if steps is None else steps)
     with_updates = any(trace.update_steps.values())  # a trace without update tables has no §8.6 rows
-    checked = [i for i in IDENTITIES if i.table != UPDATE or with_updates]
+    checked = [i for i in IDENTITIES if (i.table != UPDATE or with_updates) and i.applies_to(algorithm)]
     per_step: list[StepResult] = []
     tokens = 0
     for done, step in enumerate(selected, start=1):
         data = StepData.read(trace, step, QUANTITIES, rows_only=("turn", "role"))
-        contexts = {TOKEN: TokenStep(algorithm, trace.step_record(step), data)}
+        contexts = {TOKEN: TokenStep(algorithm, trace.step_record(step), data, TokenStep.read_cuts(trace, algorithm, data))}
         if with_updates:
             contexts[UPDATE] = update.UpdateStep(trace, step, data)
         for i in checked:

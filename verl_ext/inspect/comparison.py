@@ -14,6 +14,16 @@ those). All numbers are raw advantages (before whitening), on valid tokens:
   response per prompt), ``mean_abs`` (mean |A|);
 * ``shares``: per token position, the share of the step's Σ|A| at that position (where the credit lands);
 * ``correlation``: between estimators, over the step's valid tokens.
+
+Cut responses (docs/definitions.md#truncated-responses) are treated as ``truncation`` says, by
+default as the run did (its ``algorithm.truncation``; ``terminal`` for a run that did not say). On a
+step with cut responses, the run's own estimator is also shown under each of the three treatments:
+
+* ``treatments``: one row per treatment the trace can recompute (``bootstrap`` needs the recorded
+  V(s_L), ``bootstrap_value``): the cut responses' mean return and mean advantage before whitening
+  (0 under ``mask``), their share of the step's Σ|A|, and, when the run whitens, the mean whitened
+  advantage of the cut responses and of the rest (``mask`` leaves the cut ones out of μ and σ);
+* ``by_treatment``: the per-token advantages (before whitening) of the sample under each treatment.
 """
 
 from __future__ import annotations
@@ -24,8 +34,10 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import UsageError
+from verl_ext.inspect.cuts import SECTION, StepCuts, estimate_under, whitened
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, as_trace
 from verl_ext.step_metrics import prompt_groups
+from verl_ext.truncation import TRUNCATION_MODES
 
 #: The λ of the GAE columns by default (0 is td0, 1 is mc: the two ends of the family).
 DEFAULT_LAMBDAS = (0.5, 0.9, 0.95)
@@ -43,6 +55,11 @@ class Comparison:
     shares: pa.Table  # one row per position: token_index, then one column per label
     correlation: pa.Table  # one row per estimator: estimator, then one column per label
     notes: tuple[str, ...] = field(default=())
+    truncation: str = "terminal"  # how the estimator columns treat cut responses
+    #: the run's estimator under each treatment (module docstring); None on a step without a cut response
+    treatments: pa.Table | None = None
+    by_treatment: pa.Table | None = None  # the sample: token_index, token, then one column per treatment
+    cut: tuple[int, ...] = ()  # the step's cut samples
 
     def figure(self):
         """Shares of |A| per position, the variances, and the correlations, as a matplotlib Figure."""
@@ -73,10 +90,21 @@ def estimator_columns(algorithm: RecordedAlgorithm, n: int, lambdas: tuple[float
     return columns, notes
 
 
-def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tuple[float, ...] = DEFAULT_LAMBDAS, tokenizer=None) -> Comparison:
-    """The estimators side by side on ``step`` (see the module docstring); ``sample`` for the per-token table."""
+def compare(
+    trace,
+    step: int,
+    sample: int = 0,
+    n: int = DEFAULT_N,
+    lambdas: tuple[float, ...] = DEFAULT_LAMBDAS,
+    tokenizer=None,
+    truncation: str | None = None,
+) -> Comparison:
+    """The estimators side by side on ``step`` (see the module docstring); ``sample`` for the per-token
+    table; ``truncation`` the treatment of cut responses in the estimator columns (None: the run's)."""
     from verl_ext.inspect.table import decoder_for
 
+    if truncation is not None and truncation not in TRUNCATION_MODES:
+        raise UsageError(f"truncation must be one of {', '.join(TRUNCATION_MODES)}, got {truncation!r}")
     if n < 1:
         raise UsageError(f"n must be an integer >= 1, got {n}")
     if any(not 0.0 <= lam <= 1.0 for lam in lambdas):
@@ -87,7 +115,11 @@ def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tupl
     data = StepData.read(trace, step, ("reward", "value"))
     if data.columns["reward"] is None or data.columns["value"] is None:
         raise UsageError(f"step {step} has no rewards or values to re-estimate from (a critic-free run?)")
-    raw, notes = step_estimates(data, algorithm, n, lambdas)
+    mode = algorithm.truncation if truncation is None else truncation
+    cuts = StepCuts.read(trace, step, data.layout)
+    if cuts.why_not(mode):
+        raise UsageError(f"step {step} cannot be re-estimated with truncation={mode}: {cuts.why_not(mode)}")
+    raw, notes = step_estimates(data, algorithm, n, lambdas, cuts=cuts, mode=mode)
     labels = tuple(raw)
 
     layout = data.layout
@@ -120,7 +152,64 @@ def compare(trace, step: int, sample: int = 0, n: int = DEFAULT_N, lambdas: tupl
         shares[label] = per_position / total if total > 0 else np.full(len(positions), np.nan)
     matrix = np.corrcoef(np.stack([raw[label] for label in labels])) if len(position) > 1 else np.full((len(labels),) * 2, np.nan)
     correlation = pa.table({"estimator": list(labels), **{label: matrix[:, i] for i, label in enumerate(labels)}})
-    return Comparison(step, sample, labels, table, statistics, pa.table(shares), correlation, tuple(notes))
+    treated = treatment_comparison(data, algorithm, cuts, chosen, table.select(["token_index", "token"]))
+    notes += treated.notes
+    return Comparison(
+        step, sample, labels, table, statistics, pa.table(shares), correlation, tuple(notes),
+        mode, treated.statistics, treated.by_token, treated.cut,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TreatmentComparison:
+    statistics: pa.Table | None
+    by_token: pa.Table | None
+    cut: tuple[int, ...]
+    notes: list[str]
+
+
+def treatment_comparison(data: StepData, algorithm: RecordedAlgorithm, cuts: StepCuts, chosen: np.ndarray, sample_columns: pa.Table) -> TreatmentComparison:
+    """The run's estimator under each treatment of cut responses (module docstring): ``chosen`` marks
+    the valid tokens of the per-token table's sample, ``sample_columns`` its first columns."""
+    if not cuts.recorded:
+        return TreatmentComparison(None, None, (), [f"truncated responses are not compared: the trace records no truncated flags ({SECTION})"])
+    layout = data.layout
+    cut_samples = tuple(int(s) for s in layout.sample_ids[cuts.cut & (layout.valid_counts > 0)])
+    if not cut_samples:
+        return TreatmentComparison(None, None, (), [])
+    if not algorithm.recomputable:
+        return TreatmentComparison(None, None, cut_samples, [f"truncated responses are not compared: {algorithm.why_not}"])
+    on_cut = cuts.at_tokens(layout)
+    notes, rows, by_token = [], [], {}
+    whitens = bool(algorithm.settings["whiten_advantages"])
+    for mode in TRUNCATION_MODES:
+        problem = cuts.why_not(mode)
+        if problem:
+            notes.append(f"truncation={mode} is not compared: {problem}")
+            continue
+        treated = estimate_under(data, algorithm.estimator, algorithm.settings, cuts, mode)
+        advantages = treated.advantages
+        total = np.abs(advantages).sum()
+        row = {
+            "treatment": mode,
+            "cut_mean_return": float(treated.returns[on_cut].mean()),
+            "cut_mean_adv": float(advantages[on_cut].mean()),
+            "cut_share_abs": float(np.abs(advantages[on_cut]).sum() / total) if total > 0 else None,
+        }
+        if whitens:
+            white = whitened(treated.advantage_raw, on_cut, mode)
+            row["cut_adv_whitened"] = None if white is None else float(white[on_cut].mean())
+            row["rest_adv_whitened"] = None if white is None or on_cut.all() else float(white[~on_cut].mean())
+        rows.append(row)
+        by_token[mode] = advantages[chosen]
+    statistics = pa.Table.from_pylist(rows)
+    return TreatmentComparison(statistics, _with_columns(sample_columns, by_token), cut_samples, notes)
+
+
+def _with_columns(table: pa.Table, columns: dict[str, np.ndarray]) -> pa.Table:
+    for name, values in columns.items():
+        table = table.append_column(name, pa.array(values, pa.float64()))
+    return table
 
 
 def step_estimates(
@@ -129,17 +218,23 @@ def step_estimates(
     n: int = DEFAULT_N,
     lambdas: tuple[float, ...] = DEFAULT_LAMBDAS,
     labels: tuple[str, ...] | None = None,
+    cuts: StepCuts | None = None,
+    mode: str = "terminal",
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """label -> raw advantage (float64) at the valid tokens of ``data`` (which holds ``reward`` and
     ``value``), one entry per estimator of :func:`estimator_columns`, or per one of ``labels`` in
-    that order (ValueError for a label that is not a column); and notes on what was left out."""
+    that order (ValueError for a label that is not a column); and notes on what was left out. Cut
+    responses (``cuts``, of ``data``'s layout) are treated as ``mode`` says (without ``cuts``: terminal)."""
     columns, notes = estimator_columns(algorithm, n, tuple(lambdas))
     if labels is not None:
         unknown = [label for label in labels if label not in columns]
         if unknown:
             raise ValueError(f"no estimator column {', '.join(unknown)} at λ = {lambdas}; columns: {', '.join(columns)}")
         columns = {label: columns[label] for label in labels}
-    return {label: data.estimate(estimator, settings)[1] for label, (estimator, settings) in columns.items()}, notes
+    if cuts is None or mode == "terminal":
+        return {label: data.estimate(estimator, settings)[1] for label, (estimator, settings) in columns.items()}, notes
+    # the advantage before whitening: under ``mask`` a cut response's is 0, not its raw advantage
+    return {label: estimate_under(data, estimator, settings, cuts, mode).advantages for label, (estimator, settings) in columns.items()}, notes
 
 
 def estimator_statistics(raw: dict[str, np.ndarray], uid: np.ndarray, sample_ids: np.ndarray) -> tuple[pa.Table, list[str]]:

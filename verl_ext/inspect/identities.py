@@ -40,6 +40,11 @@ class Identity:
     check: Callable[[Any], Any]
     #: What a violation counts, for "FAIL (3 tokens)".
     counts: str = "token"
+    #: Whether the run has it (None: every run); one a run does not have is not in its report at all.
+    applies: Callable[[RecordedAlgorithm], bool] | None = None
+
+    def applies_to(self, algorithm: RecordedAlgorithm) -> bool:
+        return self.applies is None or self.applies(algorithm)
 
     def describe(self, algorithm: RecordedAlgorithm) -> tuple[str, str]:
         """(title, tolerance text) for this run."""
@@ -49,6 +54,20 @@ class Identity:
 
 
 # --------------------------------------------------------------------------- the registry
+
+
+def _at_the_cut(a: RecordedAlgorithm) -> str:
+    """How the recomputation treats a cut response, for the titles of identities 1 and 3 ("" where its
+    returns are the terminal ones: terminal, mask)."""
+    return ", cut responses from their bootstrap_value" if a.truncation == "bootstrap" else ""
+
+
+def _whitening_title(a: RecordedAlgorithm) -> str:
+    if a.whitened is False:
+        return "advantages = raw advantage (whitening off)" + (", 0 on cut responses" if a.truncation == "mask" else "")
+    if a.truncation == "mask":
+        return "advantages = masked_whiten(raw advantage) over responses not cut, 0 on cut ones"
+    return "advantages = masked_whiten(raw advantage)"
 
 
 def _accumulated(a: RecordedAlgorithm) -> bool:
@@ -65,18 +84,22 @@ def _accumulated(a: RecordedAlgorithm) -> bool:
 IDENTITIES = (
     Identity(
         "advantage_raw", "8.1", TOKEN,
-        lambda a: f"raw advantage recomputed: {a.describe_estimator()}" if _accumulated(a) else "raw advantage = returns − values",
+        lambda a: f"raw advantage recomputed: {a.describe_estimator()}{_at_the_cut(a)}" if _accumulated(a) else "raw advantage = returns − values",
         lambda a: ACCUMULATED if _accumulated(a) else ELEMENTWISE,
         TokenStep.advantage_raw,
     ),
     Identity(
         "whitening", "8.2", TOKEN,
-        lambda a: "advantages = raw advantage (whitening off)" if a.whitened is False else "advantages = masked_whiten(raw advantage)",
+        _whitening_title,
         lambda a: ELEMENTWISE if a.whitened is False else WHITENING,
         TokenStep.whitening,
     ),
-    Identity("whitening_stats", "8.2", TOKEN, "recorded whitening μ, σ = recomputed", STATISTICS, TokenStep.whitening_stats, counts="statistic"),
-    Identity("returns", "8.3", TOKEN, lambda a: f"returns recomputed: {a.describe_estimator()}", ACCUMULATED, TokenStep.returns),
+    Identity(
+        "whitening_stats", "8.2", TOKEN,
+        lambda a: "recorded whitening μ, σ = recomputed" + (" over responses not cut" if a.truncation == "mask" else ""),
+        STATISTICS, TokenStep.whitening_stats, counts="statistic",
+    ),
+    Identity("returns", "8.3", TOKEN, lambda a: f"returns recomputed: {a.describe_estimator()}{_at_the_cut(a)}", ACCUMULATED, TokenStep.returns),
     Identity(
         "rewards", "8.4", TOKEN,
         lambda a: "rewards = scores + turn rewards − β·kl" if a.kl_in_reward else "rewards = scores + turn rewards (no KL in reward)",
@@ -88,6 +111,15 @@ IDENTITIES = (
     Identity("roles", "8.5", TOKEN, "role = assistant exactly on valid tokens (§7)", EXACT, TokenStep.roles, counts="row"),
     Identity("finite", "8.5", TOKEN, "quantities present and finite on valid tokens", EXACT, TokenStep.finite),
     Identity("steps_on_disk", "8.5", RUN, "every step and update table of the run record is on disk", EXACT, steps_on_disk, counts="file"),
+    # docs/definitions.md#truncated-responses: only in the report of a run that treats cut responses apart
+    Identity(
+        "bootstrap_value", "8.7", TOKEN, "bootstrap_value present exactly on cut responses", EXACT, TokenStep.bootstrap_value,
+        counts="response", applies=lambda a: a.truncation == "bootstrap",
+    ),
+    Identity(
+        "cut_advantage", "8.7", TOKEN, "cut responses have advantage 0", EXACT, TokenStep.cut_advantage,
+        applies=lambda a: a.truncation == "mask",
+    ),
     Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update.update_rows),
     Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", update.RATIO, update.ratio),
     Identity("ratio_first", "8.6", UPDATE, "ratio = 1 in epoch 0, mini-batch 0", update.RATIO_FIRST, update.ratio_first),

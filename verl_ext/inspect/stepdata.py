@@ -7,7 +7,9 @@
   holding the whole padded batch;
 * :class:`RecordedAlgorithm`: the run's estimator and settings, from ``_run.json``, resolved by its
   entry in :mod:`verl_ext.registry` (verl's own estimators too: ``gae`` is recomputed, always
-  whitened; ``grpo`` and the others build advantages from group statistics the trace does not hold);
+  whitened; ``grpo`` and the others build advantages from group statistics the trace does not hold),
+  and its ``algorithm.truncation`` (docs/definitions.md#truncated-responses; a run record before
+  format 7 has none: terminal, what every run did then);
 * :func:`as_trace`: every inspection function takes an open trace or a path to one;
 * :func:`floats` (a column as float numpy, NaN where null), :func:`join_keys` and :func:`locate`
   (the join of the update tables with the token table on (sample, token_index)).
@@ -24,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import TraceError
+from verl_ext.truncation import TRUNCATION_DEFAULT, TRUNCATION_MODES
 from verl_ext.turns import turn_index, turn_starts
 
 #: Called by a scan after each step with (steps done, steps in all, valid tokens so far).
@@ -60,6 +63,8 @@ class RecordedAlgorithm:
     #: True when the run's estimator is not in this process (its module did not import here): the
     #: identities that recompute it apply to the run but are not checked (``why_not`` says why).
     estimator_missing: bool = False
+    #: ``algorithm.truncation``: what the estimate did with the responses cut at the length limit.
+    truncation: str = TRUNCATION_DEFAULT
 
     @classmethod
     def from_record(cls, record) -> "RecordedAlgorithm":
@@ -69,7 +74,11 @@ class RecordedAlgorithm:
         if not isinstance(algorithm, Mapping) or not algorithm.get("adv_estimator"):
             raise TraceError("run record has no algorithm.adv_estimator")
         name = str(algorithm["adv_estimator"])
-        kl = dict(kl_in_reward=bool(algorithm.get("use_kl_in_reward", False)), kl_penalty=algorithm.get("kl_penalty"))
+        recorded = dict(
+            kl_in_reward=bool(algorithm.get("use_kl_in_reward", False)),
+            kl_penalty=algorithm.get("kl_penalty"),
+            truncation=recorded_truncation(algorithm),
+        )
         gamma = algorithm.get("gamma", 1.0)
         for key in ("gamma", "lam"):
             if not isinstance(algorithm.get(key, 1.0), (int, float)):
@@ -87,15 +96,15 @@ class RecordedAlgorithm:
                 )
                 whitened = algorithm.get("whiten_advantages")  # recorded: whitening is checked without the estimator
                 whitened = whitened if isinstance(whitened, bool) else None
-                return cls(name, float(gamma), None, None, why, whitened, **kl, estimator_missing=True)
+                return cls(name, float(gamma), None, None, why, whitened, **recorded, estimator_missing=True)
         if estimator is None or not estimator.recomputable:
             why = f"verl's {name!r} estimator: its advantages come from statistics the trace does not hold"
-            return cls(name, float(gamma), None, None, why, None, **kl)
+            return cls(name, float(gamma), None, None, why, None, **recorded)
         try:
             settings = estimator.settings(algorithm)
         except ValueError as exc:
             raise TraceError(f"run record: {exc}") from None
-        return cls(name, float(gamma), estimator, settings, None, settings["whiten_advantages"], **kl)
+        return cls(name, float(gamma), estimator, settings, None, settings["whiten_advantages"], **recorded)
 
     @property
     def recomputable(self) -> bool:
@@ -115,7 +124,20 @@ class RecordedAlgorithm:
         parts = [self.describe_estimator()]
         parts.append({True: "whitened", False: "not whitened", None: "no whitening check"}[self.whitened])
         parts.append(f"KL in reward ({self.kl_penalty})" if self.kl_in_reward else "no KL in reward")
+        if self.truncation != TRUNCATION_DEFAULT:
+            parts.append(f"truncation={self.truncation}")
         return ", ".join(parts)
+
+
+def recorded_truncation(algorithm: Mapping[str, Any]) -> str:
+    """The run record's ``algorithm.truncation``: terminal where it has none (a trace before format 7,
+    or a run of an estimator verl-ext does not know); TraceError for a value no run writes."""
+    mode = algorithm.get("truncation")
+    if mode is None:
+        return TRUNCATION_DEFAULT
+    if mode not in TRUNCATION_MODES:
+        raise TraceError(f"run record: algorithm.truncation is {mode!r}, expected one of {', '.join(TRUNCATION_MODES)}")
+    return str(mode)
 
 
 def _import_problem(module: str) -> str | None:
@@ -199,10 +221,14 @@ class StepData:
         """Number of valid tokens."""
         return len(self.layout.valid_rows)
 
-    def estimate(self, estimator, settings: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    def estimate(
+        self, estimator, settings: Mapping[str, Any], truncation: Callable[[np.ndarray], Any] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(returns, raw advantage) at the valid tokens, recomputed from this step's reward and value
         with a registered estimator (verl_ext.registry.run, the code path of training), in float64,
-        one dense row group at a time."""
+        one dense row group at a time. ``truncation(samples)``: the
+        :class:`~verl_ext.truncation.Truncation` of the samples (layout indices) of a row group; None:
+        terminal."""
         import torch
 
         from verl_ext import registry
@@ -217,6 +243,7 @@ class StepData:
                 torch.from_numpy(group.mask()),
                 settings,
                 whiten=False,
+                truncation=None if truncation is None else truncation(group.samples),
             )
             returns[group.tokens] = group.gather(result.returns.numpy())
             raw[group.tokens] = group.gather(result.advantage_raw.numpy())

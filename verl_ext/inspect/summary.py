@@ -21,6 +21,11 @@
   advantage) on the tokens after a hole (turns k ≥ 1); null on a single-turn step
 * ``tool_calls``: the mean number of tool messages merged into a response, over the samples whose
   agent loop said (the prompt table's ``tool_calls``, format 5); null when none did
+* ``truncated_share``, ``adv_truncated``, ``adv_rest`` (docs/definitions.md#truncated-responses): the
+  share of the samples (with a valid token) cut at the length limit (the prompt table's ``truncated``),
+  and the mean advantage the actor trained on (whitened as recorded) over the valid tokens of the cut
+  responses and of the others; all three null when the trace records no ``truncated`` flags
+  (:func:`blank_notes` says so), ``adv_truncated`` (``adv_rest``) null on a step without a cut (uncut) response
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
+from verl_ext.inspect.cuts import SECTION, StepCuts
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.update import update_statistics, why_no_correlation
 from verl_ext.step_metrics import critic_by_position, turn_shares
@@ -59,6 +65,9 @@ SUMMARY_SCHEMA = pa.schema(
             "turns",
             "adv_share_after_hole",
             "tool_calls",
+            "truncated_share",
+            "adv_truncated",
+            "adv_rest",
         )
     ]
 )
@@ -73,7 +82,9 @@ def summarize(trace, steps: Iterable[int] | None = None, progress: Progress | No
     rows, tokens = [], 0
     for done, step in enumerate(selected, start=1):
         data = StepData.read(trace, step, _COLUMNS)
-        rows.append(step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(trace, step))
+        rows.append(
+            step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(trace, step) | truncation_statistics(trace, data)
+        )
         tokens += data.tokens
         if progress is not None:
             progress(done, len(selected), tokens)
@@ -81,9 +92,24 @@ def summarize(trace, steps: Iterable[int] | None = None, progress: Progress | No
 
 
 def blank_notes(trace, summary: pa.Table) -> list[str]:
-    """One line per reason ``adv_dlogp_corr`` of ``summary`` (:func:`summarize`'s) is blank on a
-    step of a trace with update tables (say, step 1 of a run whose learning rate warms up from 0)."""
+    """One line per reason a column of ``summary`` (:func:`summarize`'s) is blank where a reader
+    would look for a number: ``adv_dlogp_corr`` on a step of a trace with update tables (say, step 1
+    of a run whose learning rate warms up from 0), the cut responses' columns on a step without flags."""
     trace = as_trace(trace)
+    return _correlation_notes(trace, summary) + _truncation_notes(summary)
+
+
+def _truncation_notes(summary: pa.Table) -> list[str]:
+    blank = [row["step"] for row in summary.select(["step", "truncated_share"]).to_pylist() if row["truncated_share"] is None]
+    if not blank:
+        return []
+    return [
+        f"truncated_share, adv_truncated and adv_rest are blank at {_steps_text(blank)}: the trace records no "
+        f"truncated flags (a trace of format 1, or of a run whose EOS tokens or max_response_length it did not know; {SECTION})"
+    ]
+
+
+def _correlation_notes(trace, summary: pa.Table) -> list[str]:
     blank = [row["step"] for row in summary.select(["step", "adv_dlogp_corr"]).to_pylist() if row["adv_dlogp_corr"] is None]
     if not blank:
         return []
@@ -151,6 +177,25 @@ def tool_statistics(trace, step: int) -> dict:
     """``tool_calls`` (module docstring)."""
     counts = trace.prompts(step).column("tool_calls").drop_null().to_numpy()
     return {"tool_calls": float(counts.mean()) if len(counts) else None}
+
+
+def truncation_statistics(trace, data: StepData) -> dict:
+    """``truncated_share``, ``adv_truncated`` and ``adv_rest`` (module docstring)."""
+    cuts = StepCuts.read(trace, data.step, data.layout)
+    blank = {"truncated_share": None, "adv_truncated": None, "adv_rest": None}
+    if not cuts.recorded:
+        return blank
+    sampled = data.layout.valid_counts > 0
+    share = float(cuts.cut[sampled].mean()) if sampled.any() else None
+    advantages = data.columns["advantage"]
+    if advantages is None:
+        return blank | {"truncated_share": share}
+    on_cut = cuts.at_tokens(data.layout)
+
+    def mean(values: np.ndarray) -> float | None:
+        return float(values.mean()) if len(values) else None
+
+    return {"truncated_share": share, "adv_truncated": mean(advantages[on_cut]), "adv_rest": mean(advantages[~on_cut])}
 
 
 def monte_carlo_explained_variance(data: StepData, gamma: float) -> dict:

@@ -11,6 +11,11 @@ For each step, on valid tokens, within the tolerances below:
 4. ``rewards``: rewards = scores − β·kl with the step's β when KL is in the reward, else = scores.
 5. ``mask_layout``: each sample's rows run 0…n−1 and end on a valid token (so no valid token
    follows a trailing pad); ``finite``: the run's quantities are present and finite on valid tokens.
+7. Truncated responses (docs/definitions.md#truncated-responses), for a run whose
+   ``algorithm.truncation`` is not terminal: ``bootstrap_value`` is on exactly the cut responses
+   (bootstrap), ``cut_advantage``: a cut response's advantages are 0 (mask). Identities 1–3 recompute
+   under the recorded option: the returns of a cut response from its recorded V(s_L) (bootstrap), the
+   whitening over the responses not cut (mask).
 
 Recomputation runs the registered estimator itself (:func:`verl_ext.registry.run`, the code path of
 training) in float64 on the trace's float32 inputs, one dense row group of the step at a time; the
@@ -49,6 +54,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from verl_ext.inspect.cuts import SECTION as TRUNCATION_SECTION
+from verl_ext.inspect.cuts import StepCuts
 from verl_ext.inspect.results import ATOL, DTYPE_EPS, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, floats, step_beta
 from verl_ext.torch_threads import one_torch_thread
@@ -90,16 +97,18 @@ class Recomputed:
     raw_tolerance: np.ndarray
 
 
-def recompute(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
-    """Returns and raw advantages at the step's valid tokens, as the run's estimator makes them."""
+def recompute(algorithm: RecordedAlgorithm, data: StepData, cuts: StepCuts | None = None) -> Recomputed:
+    """Returns and raw advantages at the step's valid tokens, as the run's estimator makes them
+    (under the run's truncation, with ``cuts``: the step's recorded cut responses and V(s_L))."""
     with one_torch_thread():  # row groups are cache-sized: threads only contend
-        return _recompute_groups(algorithm, data)
+        return _recompute_groups(algorithm, data, cuts)
 
 
-def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData) -> Recomputed:
+def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData, cuts: StepCuts | None) -> Recomputed:
     layout = data.layout
     reward, value = data.columns["reward"], data.columns["value"]
-    returns, raw = data.estimate(algorithm.estimator, algorithm.settings)
+    truncation = None if cuts is None else (lambda samples: cuts.truncation(algorithm.truncation, samples))
+    returns, raw = data.estimate(algorithm.estimator, algorithm.settings, truncation)
     # tolerances: the largest magnitude in each row (inputs and outputs) and the terms summed per row
     magnitude = np.maximum(np.abs(returns), np.abs(raw))
     for column in (reward, value):
@@ -108,6 +117,10 @@ def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData) -> Recompute
     nonempty = layout.valid_counts > 0
     row_magnitude = np.zeros(layout.samples)
     row_magnitude[nonempty] = np.maximum.reduceat(magnitude, layout.valid_starts[nonempty]) if len(magnitude) else 0.0
+    if algorithm.truncation == "bootstrap" and cuts is not None and cuts.bootstrap_value is not None:
+        # the producer added γ·V(s_L) to the last reward of a cut row: V(s_L) is one of its operands
+        bootstrap = np.where(cuts.cut & np.isfinite(cuts.bootstrap_value), np.abs(cuts.bootstrap_value), 0.0)
+        row_magnitude = np.maximum(row_magnitude, bootstrap)
     lengths = layout.valid_counts.astype(np.float64)
     returns_horizon, raw_horizon = algorithm.estimator.horizons(algorithm.settings)
     token_sample = layout.valid_sample_index()
@@ -126,15 +139,29 @@ def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData) -> Recompute
 class TokenStep:
     """The token table's identities on one step: each method is the check of one identity."""
 
-    def __init__(self, algorithm: RecordedAlgorithm, step_record, data: StepData):
+    def __init__(self, algorithm: RecordedAlgorithm, step_record, data: StepData, cuts: StepCuts | None = None):
+        """``cuts``: the step's cut responses and V(s_L) from its prompt table (:meth:`read_cuts`), for
+        a run whose truncation is not terminal."""
         self.algorithm = algorithm
         self.step_record = step_record
         self.data = data
         self.step = data.step
         self.col = data.columns
+        self.cuts = cuts
+        #: why the step's truncation cannot be recomputed (no flags, a cut response without V(s_L)), or None
+        self.cut_problem = None if algorithm.truncation == "terminal" else (
+            f"the trace's prompt table is not read ({TRUNCATION_SECTION})" if cuts is None else cuts.why_not(algorithm.truncation)
+        )  # fmt: skip
         self.recomputed = (
-            recompute(algorithm, data) if algorithm.recomputable and self._inputs_present() else None
+            recompute(algorithm, data, cuts if algorithm.truncation != "terminal" else None)
+            if algorithm.recomputable and self._inputs_present() and not self._returns_need_cuts()
+            else None
         )
+
+    @staticmethod
+    def read_cuts(trace, algorithm: RecordedAlgorithm, data: StepData) -> StepCuts | None:
+        """The step's cut responses and V(s_L) where the run's truncation needs them (None: terminal)."""
+        return None if algorithm.truncation == "terminal" else StepCuts.read(trace, data.step, data.layout)
 
     # ------------------------------------------------------------------ helpers
 
@@ -144,6 +171,21 @@ class TokenStep:
 
     def _inputs_present(self) -> bool:
         return all(self.col[name] is not None for name in self._inputs())
+
+    def _returns_need_cuts(self) -> bool:
+        """The returns depend on what the step cannot say: a bootstrap whose V(s_L) or cut is unknown."""
+        return self.algorithm.truncation == "bootstrap" and self.cut_problem is not None
+
+    def _cut_tokens(self) -> np.ndarray:
+        """(N,) bool at the valid tokens: the token's response was cut (none where the step cannot say)."""
+        cuts = self.cuts
+        if cuts is None or cuts.cut is None:
+            return np.zeros(self.data.tokens, bool)
+        return cuts.at_tokens(self.data.layout)
+
+    def _whitened_tokens(self) -> np.ndarray | None:
+        """The valid tokens the whitening statistics are over: all, or the responses not cut (mask)."""
+        return ~self._cut_tokens() if self.algorithm.truncation == "mask" else None
 
     def _missing(self, names: Iterable[str]) -> Finding | None:
         """A failed finding when a column the identity needs is null everywhere."""
@@ -184,6 +226,8 @@ class TokenStep:
         raw, ret, value = self.col["advantage_raw"], self.col["return"], self.col["value"]
         if a.returns_minus_values:
             return self._compare("advantage_raw", raw, ret - value, ELEMENTWISE(np.abs(ret) + np.abs(value)))
+        if self._returns_need_cuts():
+            return unchecked(self.cut_problem)
         return self._compare("advantage_raw", raw, self.recomputed.raw, self.recomputed.raw_tolerance)
 
     def whitening(self) -> Finding:
@@ -193,10 +237,15 @@ class TokenStep:
         if (missing := self._missing(("advantage", "advantage_raw"))) is not None:
             return missing
         advantage, raw = self.col["advantage"], self.col["advantage_raw"]
-        if not a.whitened:
-            return self._compare("advantage", advantage, raw, ELEMENTWISE(np.abs(raw)))
+        if a.truncation == "mask" and self.cut_problem is not None:
+            return unchecked(self.cut_problem)
+        cut = self._cut_tokens() if a.truncation == "mask" else np.zeros(len(raw), bool)
+        if not a.whitened:  # a masked (cut) response trains on nothing
+            return self._compare("advantage", advantage, np.where(cut, 0.0, raw), ELEMENTWISE(np.abs(raw)))
         stats, note = self._whitening_stats_to_use()
         if stats is None:
+            if len(cut) and cut.all():  # every response masked: no statistics, and every advantage is 0
+                return self._compare("advantage", advantage, np.zeros(len(raw)), ELEMENTWISE(np.zeros(len(raw))), note)
             return Finding("skipped", note=note)
         from verl_ext.kernels import WHITEN_EPS  # verl's constant, written once (kernels loads torch: here, not at import)
 
@@ -207,15 +256,21 @@ class TokenStep:
         for name in ("return", "value"):  # a raw advantage rebuilt as returns − values carries their rounding
             if self.col[name] is not None:  # (a non-finite one is identity 8.5's finding, not this one's)
                 operands = operands + np.where(np.isfinite(self.col[name]), np.abs(self.col[name]), 0.0)
+        expected = np.where(cut, 0.0, expected)
         return self._compare("advantage", advantage, expected, WHITENING(expected, operands / sigma), note)
 
     @functools.cached_property
     def _raw_moments(self) -> tuple[float, float]:
-        """μ, σ² of the step's raw advantages, computed here from the trace (independently of the
-        statistics the capture recorded, which one identity compares them with)."""
-        return _whitening_stats(self.col["advantage_raw"])
+        """μ, σ² of the step's raw advantages over the whitened tokens, computed here from the trace
+        (independently of the statistics the capture recorded, which one identity compares them with)."""
+        return _whitening_stats(self._whitened_raw())
 
-    def _truncation(self) -> tuple[int, int] | None:
+    def _whitened_raw(self) -> np.ndarray:
+        """The raw advantages the whitening statistics are over."""
+        raw, kept = self.col["advantage_raw"], self._whitened_tokens()
+        return raw if kept is None else raw[kept]
+
+    def _kept_part(self) -> tuple[int, int] | None:
         """(samples traced, samples in the batch) when the step kept only part of its batch. From the
         step record: a sample without any valid token has no rows, so the table cannot tell."""
         batch, samples = self.step_record.batch_samples, self.step_record.samples
@@ -228,33 +283,38 @@ class TokenStep:
         return None
 
     def _whitening_stats_to_use(self) -> tuple[tuple[float, float] | None, str | None]:
-        truncated = self._truncation()
-        if truncated is not None:
+        kept = self._kept_part()
+        if kept is not None:
             recorded = self._recorded_stats()
             if recorded is None:
-                return None, f"traced {truncated[0]} of {truncated[1]} samples and no batch statistics recorded"
-            return recorded, f"traced {truncated[0]} of {truncated[1]} samples: checked with the recorded batch μ, σ²"
-        raw = self.col["advantage_raw"]
-        if len(raw) < 2:
-            return None, "fewer than two valid tokens: whitening is undefined"
+                return None, f"traced {kept[0]} of {kept[1]} samples and no batch statistics recorded"
+            return recorded, f"traced {kept[0]} of {kept[1]} samples: checked with the recorded batch μ, σ²"
+        if len(self._whitened_raw()) < 2:
+            return None, "fewer than two valid tokens: whitening is undefined" + self._outside_the_whitening()
         return self._raw_moments, None
+
+    def _outside_the_whitening(self) -> str:
+        """What a masked run leaves out of the statistics, for a note about them."""
+        return " (the cut responses are outside it: truncation=mask)" if self.algorithm.truncation == "mask" else ""
 
     def whitening_stats(self) -> Finding:
         if self.algorithm.whitened is None:
             return self._without_estimator()
         if not self.algorithm.whitened:
             return skipped("whitening is off")
+        if self.algorithm.truncation == "mask" and self.cut_problem is not None:
+            return unchecked(self.cut_problem)
         recorded = self._recorded_stats()
         if recorded is None:
-            return Finding("skipped", note="no whitening statistics recorded")
-        truncated = self._truncation()
-        if truncated is not None:
-            note = f"traced {truncated[0]} of {truncated[1]} samples: the full batch's statistics cannot be recomputed"
+            return Finding("skipped", note="no whitening statistics recorded" + self._outside_the_whitening())
+        kept = self._kept_part()
+        if kept is not None:
+            note = f"traced {kept[0]} of {kept[1]} samples: the full batch's statistics cannot be recomputed"
             return Finding("skipped", note=note)
         if (missing := self._missing(("advantage_raw",))) is not None:
             return missing
-        if len(self.col["advantage_raw"]) < 2:
-            return Finding("skipped", note="fewer than two valid tokens")
+        if len(self._whitened_raw()) < 2:
+            return Finding("skipped", note="fewer than two valid tokens" + self._outside_the_whitening())
         mean, var = self._raw_moments
         actual = [recorded[0], math.sqrt(max(recorded[1], 0.0))]
         expected = [mean, math.sqrt(var)]
@@ -267,8 +327,53 @@ class TokenStep:
             return self._without_estimator()
         if (missing := self._missing(("return", *self._inputs()))) is not None:
             return missing
+        if self._returns_need_cuts():
+            return unchecked(self.cut_problem)
         r = self.recomputed
         return self._compare("return", self.col["return"], r.returns, r.returns_tolerance)
+
+    def bootstrap_value(self) -> Finding:
+        """truncation=bootstrap: V(s_L) is recorded, finite, on exactly the cut responses."""
+        cuts = self.cuts
+        if cuts is None or cuts.cut is None:
+            return self._no_cut_flags()
+        layout = self.data.layout
+        values = np.full(layout.samples, np.nan) if cuts.bootstrap_value is None else cuts.bootstrap_value
+        lacking = cuts.cut & ~np.isfinite(values)  # null reads as NaN: either way no V(s_L) to bootstrap from
+        extra = ~cuts.cut & ~np.isnan(values)
+        wrong = np.flatnonzero(lacking | extra)
+        first = None
+        if len(wrong):
+            i = int(wrong[0])
+            detail = (
+                "a cut response without a finite bootstrap_value: its returns cannot be recomputed"
+                if lacking[i]
+                else "bootstrap_value on a response that was not cut (one that ended bootstraps from 0)"
+            )
+            actual = None if np.isnan(values[i]) else float(values[i])
+            first = Violation(Location(self.step, int(layout.sample_ids[i])), "bootstrap_value", actual, detail=f"{detail} ({TRUNCATION_SECTION})")
+        return Finding("fail" if len(wrong) else "pass", checked=layout.samples, violations=len(wrong), first=first)
+
+    def cut_advantage(self) -> Finding:
+        """truncation=mask: every valid token of a cut response has advantage 0."""
+        cuts = self.cuts
+        if cuts is None or cuts.cut is None:
+            return self._no_cut_flags()
+        if (missing := self._missing(("advantage",))) is not None:
+            return missing
+        cut, advantage = self._cut_tokens(), self.col["advantage"]
+        wrong = np.flatnonzero(cut & (advantage != 0))  # NaN is wrong too
+        first = None
+        if len(wrong):
+            sample, token = self.data.location(int(wrong[0]))
+            detail = f"a cut response trains on nothing under truncation=mask ({TRUNCATION_SECTION})"
+            first = Violation(Location(self.step, sample, token), "advantage", float(advantage[wrong[0]]), detail=detail)
+        return Finding("fail" if len(wrong) else "pass", checked=int(cut.sum()), violations=len(wrong), first=first)
+
+    def _no_cut_flags(self) -> Finding:
+        """A run that treats cut responses apart, whose trace does not say which they are."""
+        detail = f"null on every response: the trace does not say which responses were cut ({TRUNCATION_SECTION})"
+        return Finding("fail", violations=1, first=Violation(Location(self.step), "truncated", detail=detail), note=detail)
 
     def rewards(self) -> Finding:
         if (missing := self._missing(("reward", "score"))) is not None:

@@ -188,6 +188,29 @@ def wrap_compute_data_metrics(original: Callable) -> Callable:
     return compute_data_metrics
 
 
+# --------------------------------------------------------------------------- V(s_L) for algorithm.truncation=bootstrap
+
+
+def wrap_legacy_compute_values(original: Callable) -> Callable:
+    from verl_ext.integration.values_after_last import legacy_values
+
+    @functools.wraps(original)
+    def _compute_values(self, batch):
+        return legacy_values(original, self, batch)
+
+    return _compute_values
+
+
+def wrap_v1_compute_values(original: Callable) -> Callable:
+    from verl_ext.integration.values_after_last import v1_values
+
+    @functools.wraps(original)
+    def _compute_values(self, batch, metrics):
+        return v1_values(original, self, batch, metrics)
+
+    return _compute_values
+
+
 # --------------------------------------------------------------------------- the update side of the trace
 
 

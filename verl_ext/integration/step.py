@@ -6,7 +6,8 @@ the V1 trainer calls its ``_compute_advantage``, which reads the batch from Tran
 step is this story (:func:`advantage_step`), one :class:`AdvantageStep` object per call:
 
 1. place the per-turn rewards on the token rewards (``verl_ext.turn_rewards``), before any estimator;
-2. estimate: verl-ext's estimator with the critic's values, or verl's own;
+2. estimate: verl-ext's estimator with the critic's values, or verl's own; the responses cut at the
+   length limit treated as ``algorithm.truncation`` says;
 3. capture the step into the trace (``verl_ext.trace``; on V1 once verl has stored it);
 4. compute the live metrics (``verl_ext.metrics``), held until the trainer takes them;
 5. check for non-finite values (``verl_ext.nonfinite``), after the capture, so that a traced step is
@@ -14,7 +15,7 @@ step is this story (:func:`advantage_step`), one :class:`AdvantageStep` object p
 
 On the V1 trainer (:func:`v1_advantage_step`, one :class:`V1Step`) TransferQueue is read once, before
 verl's ``_compute_advantage`` (what its batch there lacks: the agent loop's ``extra_fields``, the token
-ids and the prompts), and written once after it (the rewards the estimator used, where verl stores
+ids, the prompts and V(s_L)), and written once after it (the rewards the estimator used, where verl stores
 none, and the trace's row key). The batch the trace captures is the one verl stores, taken where verl
 computed it (:func:`v1_batch_advantaged`) rather than read back.
 
@@ -29,9 +30,16 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from verl_ext.integration import estimate, metrics_hook, nonfinite_hook, trace_hook, turn_rewards_hook
+from verl_ext.integration import estimate, metrics_hook, nonfinite_hook, trace_hook, truncation_hook, turn_rewards_hook
 from verl_ext.integration.agent_turns import TURNS_KEY
-from verl_ext.options import NONFINITE_DEFAULT, TraceOptions, metrics_enabled, nonfinite_mode, turn_rewards_enabled
+from verl_ext.options import (
+    NONFINITE_DEFAULT,
+    TRUNCATION_DEFAULT,
+    TraceOptions,
+    metrics_enabled,
+    nonfinite_mode,
+    turn_rewards_enabled,
+)
 
 # --------------------------------------------------------------------------- the step's story
 
@@ -74,6 +82,7 @@ class Run:
     nonfinite: str = NONFINITE_DEFAULT
     metrics: bool = False  # outside fit() no logger would receive them
     turn_rewards: bool = False
+    truncation: str = TRUNCATION_DEFAULT  # algorithm.truncation
     trace: TraceOptions = field(default_factory=TraceOptions)
     writer: Any = None  # the TraceWriter, while the run traces
     #: apply_kl_penalty's kld_t and β of a traced step, until its capture
@@ -122,6 +131,7 @@ def fit_session(trainer: Any, kind: str) -> Iterator[Run]:
         nonfinite=nonfinite_mode(config),
         metrics=metrics_enabled(config),
         turn_rewards=turn_rewards_enabled(config),
+        truncation=truncation_hook.mode_of(config.get("algorithm")),
         trace=TraceOptions.from_config(config),
     )
     outer, _current = _current, run
@@ -149,6 +159,8 @@ class AdvantageStep:
         #: the advantage before whitening: the estimator's, or returns − values of verl's GAE; None
         #: where there is none (verl's grpo, …)
         self.advantage_raw: Any = None
+        #: what the estimate did at the cut responses (algorithm.truncation); None under terminal
+        self.truncation: Any = None
 
     def place_turn_rewards(self) -> None:
         if not self.run.turn_rewards:
@@ -162,11 +174,25 @@ class AdvantageStep:
         arguments = self.arguments
         name = registry.name_of(arguments["adv_estimator"])
         settings = (arguments["gamma"], arguments["lam"], arguments.get("config"))
+        self.truncation = self.cut_responses()
         if name in registry.names():
-            self.advantage_raw = estimate.compute_registered_advantage(self.data, name, *settings).advantage_raw
-        else:
+            result = estimate.compute_registered_advantage(self.data, name, *settings, truncation=self.truncation)
+            self.advantage_raw = result.advantage_raw
+            return
+        if self.truncation is None:
             self.data = verl_compute_advantage()
-            self.advantage_raw = estimate.verl_advantage_raw(self.data, name, *settings)
+        else:
+            self.data = estimate.compute_verl_advantage_truncated(self.data, name, self.truncation, arguments, verl_compute_advantage)
+        self.advantage_raw = estimate.verl_advantage_raw(self.data, name, *settings)
+
+    def cut_responses(self) -> Any:
+        """The step's :class:`verl_ext.truncation.Truncation` under the call's ``algorithm.truncation``;
+        None under terminal, where nothing is read or computed."""
+        mode = truncation_hook.mode_of(self.arguments.get("config"))
+        if mode == TRUNCATION_DEFAULT:
+            return None
+        stored = {} if self.run.v1 is None else self.run.v1.stored
+        return truncation_hook.truncation_of(self.data, mode, self.run.trainer, stored)
 
     def capture(self) -> None:
         """The legacy trainer's step, into the trace (V1: :meth:`V1Step.capture`)."""
@@ -188,7 +214,9 @@ class AdvantageStep:
             "turn_score": None if placed is None else placed.turn_score,
             "tool_reward": None if placed is None else placed.tool_reward,
         }
-        trace_hook.submit_step(self.run.writer, self.run.trainer, batch, uid, computed, kl.get("kl_coef"), agent_turns)
+        trace_hook.submit_step(
+            self.run.writer, self.run.trainer, batch, uid, computed, kl.get("kl_coef"), agent_turns, self.truncation
+        )
 
     def compute_metrics(self) -> None:
         if not self.run.metrics:
@@ -235,7 +263,7 @@ class V1Step:
 
     def read_transfer_queue(self) -> None:
         """The one read: what the step needs and verl's batch at its advantage step lacks."""
-        if not (self.run.turn_rewards or self.traced):
+        if not (self.run.turn_rewards or self.traced or self.run.truncation != TRUNCATION_DEFAULT):
             return
         fields = self.batch_meta.fields
         with_extra_fields = fields is not None and "extra_fields" in fields
@@ -245,6 +273,7 @@ class V1Step:
         if self.traced:
             wanted += [name for name in trace_hook.V1_TOKEN_FIELDS if fields is None or name in fields]
             wanted += ["extra_fields"] if with_extra_fields else []
+        wanted += truncation_hook.v1_fields(self.run.truncation, fields)  # the cut's token ids, V(s_L)
         wanted = list(dict.fromkeys(wanted))
         if not wanted:
             return

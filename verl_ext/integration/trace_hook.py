@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
+from verl_ext.integration.truncation_hook import eos_token_ids
 from verl_ext.options import TraceOptions
 
 
@@ -77,11 +78,20 @@ def kl_of(data: Any, kl_penalty: str) -> torch.Tensor:
 
 
 def submit_step(
-    writer: Any, trainer: Any, batch: Any, uid: Any, computed: dict[str, torch.Tensor | None], kl_coef: float | None, agent_turns: Any
+    writer: Any,
+    trainer: Any,
+    batch: Any,
+    uid: Any,
+    computed: dict[str, torch.Tensor | None],
+    kl_coef: float | None,
+    agent_turns: Any,
+    truncation: Any = None,
 ) -> None:
     """Hand one step to the writer. ``batch``: verl's tensors under verl's batch keys; ``computed``: the
     columns verl-ext computed (advantage_raw, kl, turn_score, tool_reward; None where there is none);
-    ``agent_turns``: the agent loop's record of each sample (one per row, or None)."""
+    ``agent_turns``: the agent loop's record of each sample (one per row, or None); ``truncation``: the
+    estimate's :class:`~verl_ext.truncation.Truncation` (None: terminal), whose cut, V(s_L) and
+    whitened tokens the trace records."""
     from verl_ext.trace.capture import StepCapture
     from verl_ext.trace.schema import FLOAT_COLUMNS
 
@@ -103,9 +113,10 @@ def submit_step(
             prompts=prompts,
             prompt_mask=prompt_mask,
             kl_coef=kl_coef,
-            eos_token_ids=_eos_token_ids(trainer),
+            eos_token_ids=eos_token_ids(trainer),
             max_response_length=trainer.config.data.get("max_response_length"),
             agent_turns=None if agent_turns is None else list(agent_turns),
+            truncation=truncation,
         )
     )
 
@@ -173,13 +184,6 @@ def _flatten(value: Any) -> Iterator[dict]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _flatten(item)
-
-
-def _eos_token_ids(trainer: Any) -> tuple[int, ...] | None:
-    eos = getattr(getattr(trainer, "tokenizer", None), "eos_token_id", None)
-    if eos is None:
-        return None
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 def _padded(value: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from typing import Any
 
 from verl_ext import registry
 from verl_ext.integration.trainer_modes import check_v1_config
-from verl_ext.options import TraceOptions, metrics_enabled, nonfinite_mode
+from verl_ext.options import TRUNCATION, TRUNCATION_DEFAULT, TraceOptions, algorithm_settings, metrics_enabled, nonfinite_mode
 
 
 def known_estimator_names() -> set[str]:
@@ -36,6 +36,32 @@ def critic_required(config: Any) -> bool:
     return True
 
 
+def check_truncation(algorithm: Any) -> None:
+    """``algorithm.truncation`` (docs/definitions.md #truncated-responses) where verl-ext can apply it:
+    an estimator it knows, a critic to bootstrap from, rows that verl does not resample after the estimate."""
+    settings = algorithm_settings(algorithm)
+    mode = TRUNCATION.read(settings)
+    if mode == TRUNCATION_DEFAULT:
+        return
+    name = registry.name_of(settings.get("adv_estimator"))
+    estimator = registry.lookup(name)
+    if estimator is None:
+        raise ValueError(
+            f"algorithm.truncation={mode} needs an estimator verl-ext knows (its own, verl's gae or grpo); "
+            f"verl computes algorithm.adv_estimator={name} without it: use algorithm.truncation=terminal"
+        )
+    if mode == "bootstrap" and not estimator.needs_critic:
+        raise ValueError(
+            f"algorithm.truncation=bootstrap bootstraps from the critic's value after a cut response, and "
+            f"algorithm.adv_estimator={name} has no critic: use algorithm.truncation=mask to leave cut responses out"
+        )
+    if settings.get("use_pf_ppo"):
+        raise ValueError(
+            f"algorithm.truncation={mode} with algorithm.use_pf_ppo=True: verl resamples the rows after the estimate, "
+            "so the cut responses cannot be followed; use algorithm.truncation=terminal or algorithm.use_pf_ppo=False"
+        )
+
+
 def check_config(config: Any) -> None:
     """Estimator name, estimator options, trace options, verl_ext.nonfinite and verl_ext.metrics, and a V1 trainer mode
     the trace cannot follow (verl_ext.integration.trainer_modes); raises ValueError naming key and value."""
@@ -47,6 +73,7 @@ def check_config(config: Any) -> None:
             f"algorithm.adv_estimator={name!r} is not a known advantage estimator. Valid names: {', '.join(sorted(valid))}"
         )
     registry.check_algorithm(algorithm)
+    check_truncation(algorithm)
     critic_required(config)
     nonfinite_mode(config)
     metrics_enabled(config)

@@ -6,7 +6,8 @@ in place once the hook returns:
 
 * checks shapes (B, T) and reduces the mask to each sample's row count L_i (last valid position + 1);
 * computes the whitening statistics of ``advantage_raw`` over the FULL batch (they need all B rows,
-  while only the first N may be kept);
+  while only the first N may be kept), over the tokens the estimate whitened (without the truncated
+  responses under ``algorithm.truncation=mask``);
 * copies rows 0 … N − 1 and columns 0 … max L_i − 1 of every tensor into CPU memory recycled from
   written steps (:class:`SnapshotMemory`), converting to the schema's dtypes in the same pass
   (float32, int32, bool).
@@ -50,6 +51,7 @@ from verl_ext.trace.schema import (
     StepEntry,
     UpdateEntry,
 )
+from verl_ext.truncation import Truncation
 from verl_ext.turns import turn_index, turn_starts
 
 
@@ -75,6 +77,10 @@ class StepCapture:
     #: B records of the agent loop (each as AgentRecord.encode wrote it, or None for a sample without
     #: one: verl_ext.trace.agent_record); None: no sample has one
     agent_turns: Sequence[Mapping[str, Any] | None] | None = None
+    #: what the estimate did with the truncated responses (None: terminal): its ``cut`` is the
+    #: ``truncated`` flag, its ``bootstrap_value`` the column of that name (bootstrap only), and the
+    #: whitening statistics are over its ``whitened_mask``
+    truncation: Truncation | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class StepSnapshot:
     block: torch.Tensor  # the memory all arrays above live in (see SnapshotMemory)
     eos: np.ndarray | None = None  # (N,) bool: the last valid token is an EOS token
     truncated: np.ndarray | None = None  # (N,) bool: the last valid token is at max_response_length − 1, not EOS
+    bootstrap_value: np.ndarray | None = None  # (N,) float32: V(s_L), read where ``truncated`` (bootstrap only)
     role: np.ndarray | None = None  # (N, W) int8: index into ROLE_CODES, −1 where unknown
     tool_calls: np.ndarray | None = None  # (N,) int32, −1 where unknown
     turn_limit: np.ndarray | None = None  # (N,) int8: 1, 0, −1 where unknown
@@ -153,7 +160,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             prompt_token_ids=copies["prompt_token_ids"],
             prompt_mask=copies["prompt_mask"],
             kl_coef=None if capture.kl_coef is None else float(capture.kl_coef),
-            whiten=whiten_stats(capture.floats.get("advantage_raw"), capture.mask),
+            whiten=whiten_stats(capture.floats.get("advantage_raw"), _whitened_mask(capture)),
             block=block.memory,
             stored_dtypes={
                 name: _LOW_PRECISION[tensor.dtype]
@@ -267,9 +274,17 @@ def prompt_table(snapshot: StepSnapshot) -> pa.Table:
             snapshot.turn_starts.sum(-1, dtype=np.int32),
             _known(snapshot.tool_calls, pa.int32(), samples),
             _known(snapshot.turn_limit, pa.bool_(), samples),
+            _bootstrap_values(snapshot),
         ],
         schema=PROMPT_SCHEMA,
     )
+
+
+def _bootstrap_values(snapshot: StepSnapshot) -> pa.Array:
+    """V(s_L) on the truncated responses of a bootstrapped step, null on every other one."""
+    if snapshot.bootstrap_value is None:
+        return pa.nulls(snapshot.samples, pa.float32())
+    return pa.array(snapshot.bootstrap_value, pa.float32(), mask=~snapshot.truncated)
 
 
 def _codes(codes: np.ndarray | None, names: tuple[str, ...], rows: int) -> pa.Array:
@@ -314,16 +329,33 @@ def _agent_turns(records: Sequence[Mapping[str, Any] | None] | None, mask: np.nd
     return {"role": role, "tool_calls": tool_calls, "turn_limit": turn_limit}
 
 
+def _whitened_mask(capture: StepCapture) -> torch.Tensor:
+    """The tokens the estimate whitened over: the recorded statistics must be the ones it used."""
+    return capture.mask if capture.truncation is None else capture.truncation.whitened_mask(capture.mask)
+
+
 def _end_flags(capture: StepCapture, lengths: np.ndarray, token_id: np.ndarray | None) -> dict[str, np.ndarray | None]:
-    """How each kept response ended: with an EOS token, cut at max_response_length, or neither."""
-    if token_id is None or not capture.eos_token_ids:
-        return {"eos": None, "truncated": None}
-    rows = np.arange(len(lengths))
-    last = np.where(lengths > 0, token_id[rows, np.maximum(lengths - 1, 0)], -1)
-    eos = (lengths > 0) & np.isin(last, list(capture.eos_token_ids))
-    if capture.max_response_length is None:
-        return {"eos": eos, "truncated": None}
-    return {"eos": eos, "truncated": (lengths == capture.max_response_length) & ~eos}
+    """How each kept response ended: with an EOS token, cut at max_response_length, or neither; and
+    V(s_L) of the cut ones where the estimate bootstrapped from it.
+
+    ``truncated`` is the estimate's own ``cut`` where the step has a truncation: the trace says which
+    responses the estimate treated as cut, and ``verl-ext check`` recomputes from that. Without one it
+    is the rule of :func:`verl_ext.truncation.cut_responses` (the driver's), from the lengths already at
+    hand: that function scans every position, ~50 ms at 512 × 4096 on the training thread."""
+    flags: dict[str, np.ndarray | None] = {"eos": None, "truncated": None, "bootstrap_value": None}
+    if token_id is not None and capture.eos_token_ids:
+        rows = np.arange(len(lengths))
+        last = np.where(lengths > 0, token_id[rows, np.maximum(lengths - 1, 0)], -1)
+        flags["eos"] = (lengths > 0) & np.isin(last, list(capture.eos_token_ids))
+        if capture.max_response_length is not None:
+            flags["truncated"] = (lengths == capture.max_response_length) & ~flags["eos"]
+    truncation, kept = capture.truncation, len(lengths)
+    if truncation is None:
+        return flags
+    flags["truncated"] = truncation.cut[:kept].detach().to("cpu", torch.bool).numpy()
+    if truncation.mode == "bootstrap":
+        flags["bootstrap_value"] = truncation.bootstrap_value[:kept].detach().to("cpu", torch.float32).numpy()
+    return flags
 
 
 @dataclass(frozen=True)
@@ -448,6 +480,11 @@ def _check(capture: StepCapture) -> None:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, mask has {tuple(mask.shape)}")
     if capture.uid is not None and len(capture.uid) != mask.shape[0]:
         raise ValueError(f"uid has {len(capture.uid)} entries for a batch of {mask.shape[0]}")
+    truncation = capture.truncation
+    if truncation is not None:
+        for name, tensor in (("truncation.cut", truncation.cut), ("truncation.bootstrap_value", truncation.bootstrap_value)):
+            if tensor is not None and tuple(tensor.shape) != (mask.shape[0],):
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({mask.shape[0]},): one per sample")
     prompts, prompt_mask = capture.prompts, capture.prompt_mask
     if prompts is not None and (prompts.dim() != 2 or prompts.shape[0] != mask.shape[0]):
         raise ValueError(f"prompts must be (B={mask.shape[0]}, P), got shape {tuple(prompts.shape)}")

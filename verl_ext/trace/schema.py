@@ -1,15 +1,17 @@
 """The trace format: layout, columns, the run record. This is a public contract; bump
 :data:`SCHEMA_VERSION` on any change a reader could notice.
 
-Layout of a trace directory (local path or fsspec URL), formats 3 to 6 (4 added the turns; 5 the roles,
-tool calls and turn limits of agent loops; 6 the per-turn rewards)::
+Layout of a trace directory (local path or fsspec URL), formats 3 to 7 (4 added the turns; 5 the roles,
+tool calls and turn limits of agent loops; 6 the per-turn rewards; 7 the bootstrap values of cut
+responses and the run's ``algorithm.truncation``, which a run record before it lacks: terminal)::
 
     TRACE/
       _run.json                   the run record (:class:`RunRecord`)
       step-<n>/part-0.parquet     token table of step n (TOKEN_SCHEMA), one row per response
                                   position up to the sample's last valid token
       _prompts/step-<n>.parquet   one row per traced sample of step n (PROMPT_SCHEMA): its prompt,
-                                  response length, and whether it ended with EOS or was truncated
+                                  response length, whether it ended with EOS or was truncated, and
+                                  V(s_L) of a truncated one where the run bootstrapped from it
       _actor_update/step-<n>/part-0.parquet    the actor's update of step n (ACTOR_UPDATE_SCHEMA): one
                                   row per trained token per PPO epoch
       _critic_update/step-<n>/part-0.parquet   the critic's update of step n (CRITIC_UPDATE_SCHEMA)
@@ -64,7 +66,7 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: Schema versions this code reads: every one so far. A column missing from an older file (its
 #: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
 #: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
@@ -123,7 +125,7 @@ class Layout:
         return table.replace_schema_metadata({**(table.schema.metadata or {}), **version})
 
 
-#: The layout of formats 3 to 6: ``step-<n>``, ``step`` stored in every file.
+#: The layout of formats 3 to 7: ``step-<n>``, ``step`` stored in every file.
 LAYOUT = Layout("-", SCHEMA_VERSION)
 #: The layout of formats 1 and 2: ``step=<n>``, a hive partition (``step`` only in the folder name).
 HIVE_LAYOUT = Layout("=", 2)
@@ -243,11 +245,15 @@ PROMPT_COLUMNS = (
     Column("prompt_token_ids", pa.list_(pa.int32()), "the prompt's token ids, without padding", "prompts"),
     Column("response_length", pa.int32(), "L: last valid response position + 1 (0 without a valid token)", since=2),
     Column("eos", pa.bool_(), "the last valid token is an EOS token of the tokenizer", since=2),
-    Column("truncated", pa.bool_(), "cut at max_response_length: the last valid token is at the last position and is not EOS", since=2),
+    Column("truncated", pa.bool_(), "cut at max_response_length: the last valid token is at the last position and is not EOS "
+           "(where algorithm.truncation is not terminal, the cut the estimate used: the same rule)", since=2),
     Column("assistant_turns", pa.int32(), "K: the response's assistant turns (maximal runs of valid tokens)", since=4),
     Column("tool_calls", pa.int32(), "tool messages the agent loop merged into the response; null when it did not say", since=5),
     Column("turn_limit", pa.bool_(), "the agent loop stopped at its turn limit (max_assistant_turns or max_user_turns) "
            "while the last turn still called a tool; null when it did not say", since=5),
+    Column("bootstrap_value", pa.float32(), "V(s_L), the critic's value after the last token, which the returns of a truncated "
+           "response bootstrapped from (algorithm.truncation=bootstrap, docs/definitions.md#truncated-responses); "
+           "null on every other response and in every other run", since=7),
 )
 PROMPT_SCHEMA = pa.schema([c.field for c in PROMPT_COLUMNS], metadata=_VERSION)
 
@@ -323,8 +329,8 @@ class StepEntry:
     written_at: str  # ISO 8601 UTC, when the writer started writing the step
     kl_coef: float | None  # the β applied at this step
     #: {"mean": μ, "var": σ²}: the statistics ``masked_whiten`` uses, of advantage_raw over the valid
-    #: tokens of the FULL batch (all B samples), sums in float64; null when advantage_raw is absent
-    #: or fewer than 2 tokens are valid.
+    #: tokens of the FULL batch (all B samples; under algorithm.truncation=mask those of the responses
+    #: not truncated), sums in float64; null when advantage_raw is absent or fewer than 2 tokens count.
     whiten: dict[str, float] | None
     #: kind ("actor", "critic") -> its UpdateEntry, once the update table is written (run record only)
     updates: dict[str, Any] = field(default_factory=dict)
@@ -367,8 +373,9 @@ class RunRecord:
     verl_version: str
     trainer: str  # "legacy" | "v1"
     created_at: str  # ISO 8601 UTC
-    #: {adv_estimator, gamma, lam, the estimator's options, whiten_advantages, estimator_module,
-    #: norm_adv_by_std_in_grpo, use_kl_in_reward, kl_penalty, kl_ctrl{...}}
+    #: {adv_estimator, gamma, lam, the estimator's options, whiten_advantages, truncation (since
+    #: format 7; absent: terminal), estimator_module, norm_adv_by_std_in_grpo, use_kl_in_reward,
+    #: kl_penalty, kl_ctrl{...}}
     algorithm: dict[str, Any]
     model_path: str | None
     tokenizer_path: str | None

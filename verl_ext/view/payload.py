@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect import summary as summary_module
+from verl_ext.inspect.cuts import BOOTSTRAP_COLUMN, StepCuts
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, StepLayout, floats, join_keys, locate
 from verl_ext.inspect.update_rows import UpdateRows
 from verl_ext.trace import schema
@@ -81,8 +82,9 @@ _KINDS = (
 SUMMARY_NOT_SHOWN = ("step", "reward", "value", "return", "adv_raw_mean", "adv_raw_std", "adv_mean", "adv_std")
 #: Labels and decimals of the summary's fields where not their name and 4.
 SUMMARY_LABELS = {"explained_var": "explained var", "ev_mc": "EV vs MC return", "ev_mc_last": "EV at last token",
-                  "adv_dlogp_corr": "corr(A, Δlog π)", "clip_low": "clip low", "clip_high": "clip high", "clip_dual": "clip dual"}  # fmt: skip
-SUMMARY_DIGITS = {"samples": 0, "tokens": 0, "score": 3, "explained_var": 3, "ev_mc": 3, "ev_mc_last": 3, "adv_dlogp_corr": 3}
+                  "adv_dlogp_corr": "corr(A, Δlog π)", "clip_low": "clip low", "clip_high": "clip high", "clip_dual": "clip dual",
+                  "truncated_share": "cut share", "adv_truncated": "mean A of cut", "adv_rest": "mean A of the rest"}  # fmt: skip
+SUMMARY_DIGITS = {"samples": 0, "tokens": 0, "score": 3, "explained_var": 3, "ev_mc": 3, "ev_mc_last": 3, "adv_dlogp_corr": 3, "truncated_share": 3}
 #: Headers of the comparison's columns (verl_ext.inspect.comparison's statistics) where not their name.
 COMPARISON_LABELS = {"var_batch": "Var over the step", "var_within_group": "Var within a prompt's group", "mean_abs": "mean |A|"}
 #: What a token can be coloured by, in the page's order: (key, kind, label[, what it reads: by
@@ -240,10 +242,15 @@ class StepSource:
         self.index = {int(sample): i for i, sample in enumerate(self.layout.sample_ids)}
         self.present = [name for name in schema.FLOAT_COLUMN_NAMES if self.table.column(name).null_count < self.table.num_rows]
         prompts = done["prompts"]
+        self._prompts = prompts
         self._prompt_row = {int(s): i for i, s in enumerate(prompts.column("sample").to_pylist())}
         self._uid = prompts.column("uid").to_pylist()
         self._prompt_ids = prompts.column("prompt_token_ids").to_pylist()
         self._prompt_flags = {name: prompts.column(name).to_pylist() for name in ("eos", "truncated", "assistant_turns", "tool_calls")}
+        # V(s_L) of a cut response, where the run bootstrapped it (docs/definitions.md#truncated-responses)
+        self._prompt_flags[BOOTSTRAP_COLUMN] = (
+            prompts.column(BOOTSTRAP_COLUMN).to_pylist() if BOOTSTRAP_COLUMN in prompts.column_names else [None] * prompts.num_rows
+        )
         self.whiten = trace.step_record(step).whiten
         self.updates = {kind: done[kind] for kind in kinds}  # in UPDATE_COLUMNS' order: the actor's first
         self.epochs = sorted({epoch for shown in self.updates.values() for epoch in shown.rows.epochs()})
@@ -291,6 +298,7 @@ class StepSource:
                 "score": None if score is None else float(score[i]),
                 "wrong": bool(best is not None and np.isfinite(score[i]) and score[i] < best),
                 "truncated": bool(row is not None and flags["truncated"][row]),
+                "bootstrap_value": None if row is None else flags[BOOTSTRAP_COLUMN][row],
                 "eos": None if row is None else flags["eos"][row],
                 "turns": None if row is None else flags["assistant_turns"][row],
                 "tool_calls": None if row is None else flags["tool_calls"][row],
@@ -401,7 +409,16 @@ class StepSource:
 
         if "reward" not in self.present or "value" not in self.present:
             return {}, ["no rewards or values to re-estimate from (a run without a critic?)"]
-        return step_estimates(StepData.from_table(self.step, table, ("reward", "value"), layout), self.algorithm)
+        data = StepData.from_table(self.step, table, ("reward", "value"), layout)
+        # raw advantages as the run made them: a bootstrap run's cut responses from their recorded V(s_L)
+        # (mask changes what the actor trains on, not the raw advantage)
+        if self.algorithm.truncation != "bootstrap":
+            return step_estimates(data, self.algorithm)
+        cuts = StepCuts.of(self._prompts, data.layout)
+        if cuts.why_not("bootstrap"):
+            raw, notes = step_estimates(data, self.algorithm)
+            return raw, [*notes, f"re-estimated as terminal: {cuts.why_not('bootstrap')}"]
+        return step_estimates(data, self.algorithm, cuts=cuts, mode="bootstrap")
 
     def _chunk_estimates(self, rows: np.ndarray, part: pa.Table) -> dict[str, np.ndarray]:
         """The raw advantages at the chunk's rows (NaN at masked rows): from the step's, once they

@@ -607,6 +607,9 @@
     // (for scripts and tests: one attribute per token instead of dozens keeps drawing fast).
     const fields = view.fields = tokenFields(chunk);
     const idNull = chunk.nulls.token_id ? decode(chunk.nulls.token_id) : null;
+    // a cut response's last valid token, where the policy would have gone on (docs/definitions.md#truncated-responses)
+    let cutEnd = -1;
+    if (meta.truncated) for (let row = view.begin; row < view.end; row++) if (mask[row] === 1) cutEnd = row;
     const fragment = document.createDocumentFragment();
     for (let row = view.begin; row < view.end; row++) {
       const span = document.createElement("span");
@@ -633,6 +636,7 @@
       span.setAttribute("data-q", parts.join(" "));
       if (bad) span.classList.add("nonfinite");
       if (view.state.token !== null && positions[row] === view.state.token) span.classList.add("focus");
+      if (row === cutEnd) markCutEnd(span, meta);
       fragment.appendChild(span);
     }
     response.appendChild(fragment);
@@ -643,6 +647,21 @@
     pinned = focus;
     showDetails(focus, view);
     if (focus) focus.scrollIntoView({ block: "nearest" });
+  }
+
+  // The marker and its tooltip; V(s_L) is the critic's value of the state after the token, recorded
+  // only by a run with algorithm.truncation=bootstrap (the prompt table's bootstrap_value).
+  function cutEndText(meta) {
+    const value = meta.bootstrap_value;
+    return "cut at the length limit after this token: the response did not end. " + (value === null || value === undefined
+      ? "V(s_L) not recorded (the run did not bootstrap)"
+      : `V(s_L) = ${fmt(value, 4)}, the critic's value after it (bootstrap adds γ·V(s_L) to this token's reward)`);
+  }
+
+  function markCutEnd(span, meta) {
+    span.classList.add("cut-end");
+    span.title = cutEndText(meta);
+    if (meta.bootstrap_value !== null && meta.bootstrap_value !== undefined) span.setAttribute("data-bootstrap-value", meta.bootstrap_value);
   }
 
   function colourTokens(view) {
@@ -765,6 +784,10 @@
       return t;
     };
     box.appendChild(table(values.filter(([f]) => f.group === "column")));
+    if (span.classList.contains("cut-end")) {
+      const meta = view.info.samples.find((s) => s.sample === view.sample);
+      box.appendChild(el("div", { class: "cut-note", text: cutEndText(meta) }));
+    }
     const estimates = values.filter(([f]) => f.group === "estimate");
     if (estimates.length) {
       box.appendChild(el("h3", { text: "raw advantage, re-estimated" }));

@@ -1,0 +1,128 @@
+"""The responses of a traced step that were cut at the length limit, V(s_L) where the run kept it,
+and the estimators re-run under each treatment of ``algorithm.truncation``
+(docs/definitions.md#truncated-responses).
+
+The prompt table says which responses were cut (``truncated``) and, for a run that bootstrapped,
+the critic's value after each cut response's last token (``bootstrap_value``, null elsewhere).
+:class:`StepCuts` aligns both with a step's :class:`~verl_ext.inspect.stepdata.StepLayout`;
+:func:`estimate_under` recomputes an estimator under one treatment (:meth:`StepData.estimate`,
+through :func:`verl_ext.registry.run`, the code path of training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from verl_ext.inspect.stepdata import StepData, StepLayout, floats
+
+#: The prompt table's columns read here.
+CUT_COLUMN = "truncated"
+BOOTSTRAP_COLUMN = "bootstrap_value"
+#: Where every message about the cut points.
+SECTION = "docs/definitions.md#truncated-responses"
+
+
+@dataclass(frozen=True)
+class StepCuts:
+    """Per sample of a step's layout (0 … B−1): ``cut`` (bool; None when the trace records no flags)
+    and ``bootstrap_value`` (float64, NaN where null; None when no sample has one)."""
+
+    cut: np.ndarray | None
+    bootstrap_value: np.ndarray | None
+
+    @classmethod
+    def read(cls, trace, step: int, layout: StepLayout) -> "StepCuts":
+        return cls.of(trace.prompts(step), layout)
+
+    @classmethod
+    def of(cls, prompts, layout: StepLayout) -> "StepCuts":
+        """From a step's prompt table (a sample it lacks counts as not cut, without V(s_L))."""
+        at = layout.index_of(prompts.column("sample").to_numpy())
+        known = at >= 0
+        cut = None
+        flags = prompts.column(CUT_COLUMN)
+        if len(flags) and flags.null_count < len(flags):
+            cut = np.zeros(layout.samples, bool)
+            cut[at[known]] = flags.fill_null(False).to_numpy(zero_copy_only=False)[known]
+        bootstrap = None
+        if BOOTSTRAP_COLUMN in prompts.column_names:
+            column = prompts.column(BOOTSTRAP_COLUMN)
+            if len(column) and column.null_count < len(column):
+                bootstrap = np.full(layout.samples, np.nan)
+                bootstrap[at[known]] = floats(column)[known]
+        return cls(cut, bootstrap)
+
+    @property
+    def recorded(self) -> bool:
+        return self.cut is not None
+
+    def at_tokens(self, layout: StepLayout) -> np.ndarray:
+        """(N,) bool at the step's valid tokens: the token belongs to a cut response."""
+        return self.cut[layout.valid_sample_index()]
+
+    def why_not(self, mode: str) -> str | None:
+        """Why ``mode`` cannot be recomputed on this step (one line), None when it can."""
+        if mode == "terminal":
+            return None
+        if self.cut is None:
+            return f"the trace records no truncated flags, so no response is known to be cut ({SECTION})"
+        if mode == "bootstrap" and self.cut.any():
+            values = np.full(len(self.cut), np.nan) if self.bootstrap_value is None else self.bootstrap_value
+            if not np.isfinite(values[self.cut]).all():
+                return (
+                    f"the trace holds no V(s_L) (bootstrap_value) for its cut responses: only a run with "
+                    f"algorithm.truncation=bootstrap keeps the critic's value after the last token ({SECTION})"
+                )
+        return None
+
+    def truncation(self, mode: str, samples: np.ndarray):
+        """The :class:`~verl_ext.truncation.Truncation` of the samples at ``samples`` (layout indices)."""
+        import torch
+
+        from verl_ext.truncation import Truncation
+
+        cut = torch.from_numpy(np.zeros(len(samples), bool) if self.cut is None else self.cut[samples])
+        bootstrap = None
+        if mode == "bootstrap":
+            values = np.zeros(len(samples)) if self.bootstrap_value is None else self.bootstrap_value[samples]
+            bootstrap = torch.from_numpy(np.where(np.isfinite(values), values, 0.0))
+        return Truncation(mode, cut, bootstrap)
+
+
+@dataclass(frozen=True)
+class Treated:
+    """An estimator under one treatment at a step's valid tokens (float64): the critic's target, the
+    raw advantage, and the advantage before whitening the actor would get (0 on cut rows under ``mask``)."""
+
+    returns: np.ndarray
+    advantage_raw: np.ndarray
+    advantages: np.ndarray
+
+
+def estimate_under(data: StepData, estimator, settings: Mapping[str, Any], cuts: StepCuts, mode: str) -> Treated:
+    """``estimator`` recomputed from ``data``'s reward and value with cut responses treated as ``mode``
+    (ValueError, with :meth:`StepCuts.why_not`'s reason, when the step cannot say)."""
+    problem = cuts.why_not(mode)
+    if problem:
+        raise ValueError(f"truncation={mode} cannot be recomputed: {problem}")
+    returns, raw = data.estimate(estimator, settings, lambda samples: cuts.truncation(mode, samples))
+    # Truncation.advantages before whitening: under mask, 0 on every token of a cut response
+    advantages = np.where(cuts.at_tokens(data.layout), 0.0, raw) if mode == "mask" else raw
+    return Treated(returns, raw, advantages)
+
+
+def whitened(advantages: np.ndarray, cut_tokens: np.ndarray, mode: str) -> np.ndarray | None:
+    """The step's advantages whitened over its valid tokens as ``mode`` says (cut tokens left out of
+    the statistics and 0 after under ``mask``); None with fewer than two tokens in the statistics."""
+    import torch
+
+    from verl_ext import estimators
+
+    keep = ~cut_tokens if mode == "mask" else np.ones(len(advantages), bool)
+    if keep.sum() < 2:
+        return None
+    white = estimators.masked_whiten(torch.from_numpy(advantages)[None], torch.from_numpy(keep.astype(np.float64))[None])[0].numpy()
+    return np.where(keep, white, 0.0)
