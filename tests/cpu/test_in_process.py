@@ -94,7 +94,7 @@ def test_gae_returns_and_advantages_match_the_definition(gae_run):
         assert TRUNCATION["gae"] == "mask"  # whitened over the responses that were not cut; 0 on the cut ones
         cut = cut_rows(record, "gae")[:, None]
         rest = mask * ~cut  # at lr 1e-2 every response of step 2 may be cut: nothing to whiten
-        whitened = np.where(cut, 0.0, reference.whiten(np.where(valid, raw, 0), rest) if rest.any() else 0.0)
+        whitened = np.where(cut, 0.0, reference.whiten(np.where(valid, raw, 0), rest)) if rest.any() else np.zeros_like(raw)
         np.testing.assert_allclose(record["advantages"].numpy()[valid], whitened[valid], atol=1e-4)
 
 
@@ -114,7 +114,7 @@ def test_kl_in_reward_makes_rewards_differ_from_scores(gae_run):
 def test_grpo_advantages_match_the_group_normalised_score(grpo_run):
     steps = read_batches(grpo_run)["steps"]
     assert sorted(steps) == [1, 2]
-    for record in steps.values():
+    for step, record in steps.items():
         assert "values" not in record  # no critic for grpo
         scores = record["token_level_rewards"].sum(-1).double()
         expected = torch.empty_like(scores)
@@ -122,6 +122,7 @@ def test_grpo_advantages_match_the_group_normalised_score(grpo_run):
         assert len(set(uids)) == 8 and all((uids == uid).sum() == 4 for uid in set(uids))
         assert TRUNCATION["grpo"] == "mask"  # a cut response is dropped from its group and gets 0
         cut = cut_rows(record, "grpo")
+        assert step > 1 or 0 < cut.sum() < len(cut)  # step 1 (the starting policy) cuts most responses, not all
         expected[torch.from_numpy(cut)] = 0.0
         for uid in set(uids):
             group = torch.from_numpy((uids == uid) & ~cut)

@@ -181,10 +181,12 @@ def test_returns_and_advantages_follow_the_definitions(finished_run):
     estimator, _, batches = finished_run
     if estimator == "grpo":
         pytest.skip("grpo is verl's own critic-free estimator; its trace checks are in test_check_passes")
+    cut_counts = []
     for batch in batches["steps"].values():
         rewards, values, mask = batch["token_level_rewards"], batch["values"], batch["response_mask"]
         values64 = values.double().numpy()
         cut = cut_rows(batch, estimator)
+        cut_counts.append((int(cut.sum()), len(cut)))
         if estimator == "mc":
             returns = ref.mc_returns(rewards, mask, GAMMA)
             raw = returns - values64
@@ -211,10 +213,12 @@ def test_returns_and_advantages_follow_the_definitions(finished_run):
         np.testing.assert_allclose(batch["returns"].numpy()[keep], returns[keep], rtol=1e-4, atol=1e-5)
         if TRUNCATION.get(estimator) == "mask":  # whitened over the rest, 0 on a cut response
             rest = mask.numpy() * ~cut[:, None]  # at lr 1e-2 every response of step 2 may be cut: nothing to whiten
-            whitened = np.where(cut[:, None], 0.0, ref.whiten(raw, rest) if rest.any() else 0.0)
+            whitened = np.where(cut[:, None], 0.0, ref.whiten(raw, rest)) if rest.any() else np.zeros_like(raw)
         else:
             whitened = ref.whiten(raw, mask)
         np.testing.assert_allclose(batch["advantages"].numpy()[keep], whitened[keep], rtol=1e-4, atol=1e-4)
+    if estimator in TRUNCATION:  # the run had both kinds of response: step 1 (the starting policy) cuts most, not all
+        assert 0 < cut_counts[0][0] < cut_counts[0][1], cut_counts
 
 
 def cut_rows(batch, estimator: str) -> np.ndarray:
