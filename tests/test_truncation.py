@@ -164,6 +164,18 @@ def test_mask_with_every_response_cut_leaves_no_advantage():
     assert_on_mask(result.returns, returns, mask)
 
 
+def test_mask_with_one_token_left_outside_the_cut_leaves_no_advantage():
+    """σ needs two tokens: one response of one token left is no statistics (verl's masked_whiten raises)."""
+    rewards, values, mask, _, _ = make_batch()
+    mask = mask.clone()
+    mask[0] = 0
+    mask[0, 0] = 1  # row 0 keeps one valid token and is the only row not cut
+    cut = torch.ones(len(mask), dtype=torch.bool)
+    cut[0] = False
+    result = run("gae_ext", Truncation("mask", cut), rewards, values, mask)
+    assert (result.advantages == 0).all()
+
+
 def test_bootstrap_rewards_add_gamma_v_l_on_the_last_valid_token_of_cut_rows_only():
     rewards, values, mask, cut, v_l = make_batch()
     bootstrapped = Truncation("bootstrap", cut, v_l).rewards(rewards, mask, GAMMA)

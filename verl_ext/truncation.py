@@ -90,10 +90,11 @@ class Truncation:
 
     def whiten(self, raw: torch.Tensor, mask: torch.Tensor, masked_whiten) -> torch.Tensor:
         """``masked_whiten(raw, mask)`` over :meth:`whitened_mask`, then :meth:`advantages`. Under ``mask``
-        a batch whose every response was cut has no statistics and no advantage: raw, then all 0."""
+        a batch left with fewer than two tokens outside its cut responses has no statistics (σ needs two)
+        and no advantage: all 0, where ``terminal`` would whiten over every response."""
         kept = self.whitened_mask(mask)
-        if self.mode == "mask" and not bool(kept.any()):
-            return self.advantages(raw)
+        if self.mode == "mask" and int((kept != 0).sum()) < 2:
+            return torch.zeros_like(raw)
         return self.advantages(masked_whiten(raw, kept))
 
     def advantages(self, advantages: torch.Tensor) -> torch.Tensor:

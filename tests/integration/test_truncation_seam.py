@@ -301,7 +301,10 @@ def validate(config):
     ],
 )
 def test_what_cannot_apply_is_one_line_naming_the_key(compose, estimator, overrides, message):
-    with pytest.raises(ValueError, match=message) as error:
+    import warnings
+
+    with pytest.raises(ValueError, match=message) as error, warnings.catch_warnings():
+        warnings.simplefilter("error")  # the one line, not a warning that the option is ignored before it
         validate(compose(f"algorithm.adv_estimator={estimator}", *overrides))
     assert "\n" not in str(error.value)
 

@@ -244,7 +244,7 @@ class TokenStep:
             return self._compare("advantage", advantage, np.where(cut, 0.0, raw), ELEMENTWISE(np.abs(raw)))
         stats, note = self._whitening_stats_to_use()
         if stats is None:
-            if len(cut) and cut.all():  # every response masked: no statistics, and every advantage is 0
+            if a.truncation == "mask" and (~cut).sum() < 2:  # fewer than two tokens outside the masked responses: no statistics, every advantage 0
                 return self._compare("advantage", advantage, np.zeros(len(raw)), ELEMENTWISE(np.zeros(len(raw))), note)
             return Finding("skipped", note=note)
         from verl_ext.kernels import WHITEN_EPS  # verl's constant, written once (kernels loads torch: here, not at import)

@@ -72,8 +72,8 @@ def check_config(config: Any) -> None:
         raise ValueError(
             f"algorithm.adv_estimator={name!r} is not a known advantage estimator. Valid names: {', '.join(sorted(valid))}"
         )
+    check_truncation(algorithm)  # first: its error says why, where check_algorithm would warn that the option is ignored
     registry.check_algorithm(algorithm)
-    check_truncation(algorithm)
     critic_required(config)
     nonfinite_mode(config)
     metrics_enabled(config)
