@@ -82,8 +82,9 @@ def summarize(trace, steps: Iterable[int] | None = None, progress: Progress | No
     rows, tokens = [], 0
     for done, step in enumerate(selected, start=1):
         data = StepData.read(trace, step, _COLUMNS)
+        prompts = trace.prompts(step)
         rows.append(
-            step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(trace, step) | truncation_statistics(trace, data)
+            step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(prompts) | truncation_statistics(prompts, data)
         )
         tokens += data.tokens
         if progress is not None:
@@ -173,15 +174,15 @@ def turn_statistics(data: StepData) -> dict:
     return {"turns": float(turns.mean()), "adv_share_after_hole": (1.0 - shares["turn0"]) if shares else None}
 
 
-def tool_statistics(trace, step: int) -> dict:
-    """``tool_calls`` (module docstring)."""
-    counts = trace.prompts(step).column("tool_calls").drop_null().to_numpy()
+def tool_statistics(prompts: pa.Table) -> dict:
+    """``tool_calls`` (module docstring), from a step's prompt table."""
+    counts = prompts.column("tool_calls").drop_null().to_numpy()
     return {"tool_calls": float(counts.mean()) if len(counts) else None}
 
 
-def truncation_statistics(trace, data: StepData) -> dict:
-    """``truncated_share``, ``adv_truncated`` and ``adv_rest`` (module docstring)."""
-    cuts = StepCuts.read(trace, data.step, data.layout)
+def truncation_statistics(prompts: pa.Table, data: StepData) -> dict:
+    """``truncated_share``, ``adv_truncated`` and ``adv_rest`` (module docstring), from a step's prompt table."""
+    cuts = StepCuts.of(prompts, data.layout)
     blank = {"truncated_share": None, "adv_truncated": None, "adv_rest": None}
     if not cuts.recorded:
         return blank
