@@ -225,6 +225,11 @@ def cut_rows(batch, estimator: str) -> np.ndarray:
     """(B,) the responses cut at the limit (none where the run sets no truncation), by the definition."""
     if estimator not in TRUNCATION:
         return np.zeros(len(batch["response_mask"]), bool)
+    return cut_at_the_limit_rows(batch)
+
+
+def cut_at_the_limit_rows(batch) -> np.ndarray:
+    """(B,) the responses of a batch (``responses``, ``response_mask``) of a run cut at CUT_AT, by the definition."""
     from verl_ext.tasks import get_task
 
     eos = get_task("arith").tokenizer().eos_token_id

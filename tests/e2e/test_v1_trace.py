@@ -127,20 +127,18 @@ def test_v1_cut_responses_bootstrap_from_the_value_after_their_last_token(v1_run
     """td_half is GAE(γ, λ = 0.5): its returns against the direct sums with V_L = the recorded
     bootstrap_value on exactly the cut responses (docs/definitions.md #truncated-responses)."""
     import tests.reference as ref
-    from verl_ext.tasks import get_task
     from verl_ext.trace.reader import open_trace
 
-    from tests.e2e.test_fit_with_trace import CUT_AT
+    from tests.e2e.test_fit_with_trace import cut_at_the_limit_rows
 
     trace = open_trace(str(v1_run / "trace"))
     assert trace.record.algorithm["truncation"] == "bootstrap"
     gamma = trace.record.algorithm["gamma"]  # verl's default: the run sets none
-    eos = get_task("arith").tokenizer().eos_token_id
     cut_counts = []
     for step in trace.steps:
         used = torch.load(v1_run / "captured" / f"step{step}.pt")
         mask = used["response_mask"].numpy()
-        cut = ref.cut_rows(used["responses"], mask, {eos}, CUT_AT)
+        cut = cut_at_the_limit_rows(used)
         cut_counts.append(int(cut.sum()))
         prompts = trace.prompts(step).to_pandas()
         assert prompts["truncated"].tolist() == cut.tolist()
