@@ -15,14 +15,23 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 from verl_ext.cpu import CPU_PROCESS_ENV  # noqa: E402 (imports neither numpy nor torch)
 
-# The CPU backend's Ray settings also for the clusters the tests start themselves (test_multinode).
-os.environ.update({name: value for name, value in CPU_PROCESS_ENV.items() if name.startswith("RAY_")})
+# The CPU backend's Ray settings also for the clusters the tests start themselves (test_multinode),
+# and its offline switches for every process: the suite never reaches for a hub, and every interpreter
+# it starts imports the Hugging Face libraries in the same mode as the fork server (tests/forkserver.py).
+os.environ.update({name: value for name, value in CPU_PROCESS_ENV.items() if name.startswith(("RAY_", "HF_", "TRANSFORMERS_"))})
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
+
+from tests import forkserver  # noqa: E402
+
+# The interpreters the tests start are children of the suite's fork server (tests/forkserver.py,
+# started by pytest_sessionstart below): on a pytest-xdist worker, the controller has started it.
+if os.environ.get(forkserver.LAUNCHER_VARIABLE):
+    sys.executable = os.environ[forkserver.LAUNCHER_VARIABLE]
 
 from tests.cpu import helpers  # noqa: E402
 from tests.cpu.helpers import BOTH_CORES_GROUP, RAY_GROUP  # noqa: E402
@@ -58,12 +67,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if any(directory in Path(item.fspath).parents for directory in CPU_TESTS):
                 item.add_marker(skip)
-    # The Ray group is the longest chain of the suite (see xdist_group): it starts first. The group
-    # that runs two trainers at once starts last: beside it any other test runs slowly (beside the
-    # first Ray run, that run took twice as long), and when it runs at the end, alone or nearly, it
-    # uses the cores the other worker leaves.
-    order = {RAY_GROUP: 0, BOTH_CORES_GROUP: 2}
-    items.sort(key=lambda item: order.get(xdist_group(item), 1))  # stable: the rest keep their order
+    # The longest groups start first (pytest-xdist gives the first to one worker, the second to the
+    # other), so that the short ones fill the end: the Ray group, the suite's longest chain (see
+    # xdist_group), and the group of two trainers at once, whose long trainer, at the end, left a
+    # core idle for most of a minute once its short one was done.
+    order = {RAY_GROUP: 0, BOTH_CORES_GROUP: 1}
+    items.sort(key=lambda item: order.get(xdist_group(item), 2))  # stable: the rest keep their order
 
 
 # --------------------------------------------------------------------------- the xdist workers (setup.cfg: -n auto)
@@ -149,8 +158,13 @@ def pytest_sessionstart(session):
     that asks while a build is in progress waits for it (the cache's lock). On a full cache this is a
     check of the cache that takes a few seconds."""
     config = session.config
-    if hasattr(config, "workerinput") or config.option.collectonly or config.args != list(config.getini("testpaths")):
-        return  # a worker (the controller started the builds), or only some of the tests
+    if hasattr(config, "workerinput") or config.option.collectonly:
+        return  # a worker: the controller started the server and the builds
+    if os.environ.get(forkserver.SWITCH_VARIABLE, "1") != "0":
+        config._forkserver = forkserver.start()
+        sys.executable = os.environ[forkserver.LAUNCHER_VARIABLE] = str(config._forkserver.launcher)
+    if config.args != list(config.getini("testpaths")):
+        return  # only some of the tests
     import subprocess
 
     build = "import sys; from verl_ext.tasks import get_task; get_task(sys.argv[1]).build_assets()"
@@ -164,6 +178,13 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session):
     for process in getattr(session.config, "_asset_builds", ()):
         process.wait()
+    if hasattr(session.config, "_forkserver"):
+        session.config._forkserver_stats = session.config._forkserver.stop()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "_forkserver_stats"):
+        terminalreporter.write_line(f"fork server (tests/forkserver.py): {config._forkserver_stats}")
 
 
 @pytest.fixture(scope="session")

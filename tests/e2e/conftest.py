@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,8 +76,8 @@ def selftest_run(tmp_path_factory, assets_dir, assets, ray_cluster):
     env = {
         **os.environ, **probe, "PYTHONPATH": str(ROOT), "VERL_EXT_CPU_ASSETS": str(assets_dir), "RAY_ADDRESS": ray_cluster.address,
     }  # fmt: skip
-    script = Path(sys.executable).with_name("verl-ext")
-    command = [str(script), "selftest", "--output-dir", str(out), "--precision", "bf16", "--", *overrides]
+    script = Path(sysconfig.get_path("scripts"), "verl-ext")  # run as its #! line runs it, by the suite's interpreter
+    command = [sys.executable, str(script), "selftest", "--output-dir", str(out), "--precision", "bf16", "--", *overrides]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     (out / "selftest.log").write_text(completed.stdout + completed.stderr)
     return out, probes, completed

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,11 @@ def td_half_trace(directory: Path, gamma: float = 0.9) -> str:
 def verl_ext_command(argv: list[str], cwd: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """``verl-ext ARGV`` through its console script, as a user types it in ``cwd``: unlike ``python -c``
     or ``python -m``, a console script does not put the current directory on sys.path."""
-    script = Path(sys.executable).with_name("verl-ext")
+    script = Path(sysconfig.get_path("scripts"), "verl-ext")
     assert script.is_file(), f"{script}: the console script of the installed package"
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VERL_USE_EXTERNAL_MODULES")}
-    return subprocess.run([str(script), *argv], cwd=cwd, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=300)
+    # what its #! line does, with the suite's interpreter (tests/forkserver.py)
+    return subprocess.run([sys.executable, str(script), *argv], cwd=cwd, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

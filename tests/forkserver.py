@@ -1,0 +1,573 @@
+"""A Python interpreter that starts in milliseconds, for the interpreters the suite starts.
+
+Much of the suite's time was interpreters importing the same libraries: every trainer run, each of
+the six or seven Ray workers of a run, every fresh ``python -c "import verl"`` spent about 6 s of
+CPU importing torch, torch._dynamo (through tensordict), transformers and datasets before the first
+line of the code under test ran (about 200 interpreters per suite). Here one server process imports
+them once (``PRELOADED``) and forks a child for each interpreter the suite starts; the child runs
+its command as a fresh interpreter would: its own arguments, environment, working directory, umask,
+open file descriptors, ``sys.path``, standard streams, signal handlers, exit status and hash seed
+(a server per ``PYTHONHASHSEED`` asked for: verl's runs set it for their Ray workers).
+
+verl and verl-ext are never preloaded: what they do when imported (the plugin's activation from its
+entry point, the CPU backend's switch) happens in each child, from its own environment, as in a
+fresh interpreter; nor is Ray (it reads verl's settings when imported). A command a child cannot
+reproduce exactly runs in a real interpreter instead
+(:func:`refusal`): an interpreter option other than ``-u``, ``-B`` and ``-W``, a ``multiprocessing``
+child, or an environment that differs from the server's in a variable that the preloaded libraries
+read while they were imported (recorded then), or that native code may read then (``OMP_*``, ...).
+
+How a command gets here: tests/conftest.py starts the server once per test session and sets
+``sys.executable`` to the *launcher*, a script written beside the server's socket that has the real
+interpreter on its ``#!`` line. Whatever the suite starts through ``sys.executable`` (the tests'
+subprocesses, the apps' runs, the workers of the Ray cluster the suite starts) runs the launcher,
+which sends its command, environment and file descriptors to the server, forwards the signals it
+receives to the child, and exits as the child did; a child killed with its launcher is killed with
+its process group. ``VERL_EXT_TEST_FORKSERVER=0`` runs the suite without it.
+
+``python -m tests.forkserver DIRECTORY`` serves until its standard input closes."""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import gc
+import importlib
+import json
+import os
+import pickle
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+
+#: Imported once by the server: what every verl process imports before verl's own modules (verl, tensordict
+#: and ray then take about 0.5 s more).
+PRELOADED = (
+    "numpy", "torch", "torch._dynamo", "torch.distributed.fsdp", "transformers", "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama", "datasets", "pandas", "pyarrow", "hydra", "omegaconf",
+)  # fmt: skip
+
+#: Interpreter options a child reproduces (``-W`` with its argument); with any other: a real interpreter.
+CHILD_OPTIONS = ("-u", "-B", "-W")
+#: Variables a child applies itself, and a terminal's size (set in some of the harness's processes):
+#: they may differ from the server's.
+CHILD_VARIABLES = {
+    "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "COLUMNS", "LINES",
+}  # fmt: skip
+#: Variables native code may read while the libraries load, unseen by the recording of ``os.environ``.
+NATIVE_PREFIXES = ("PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_CPP_", "TORCH_SHOW_CPP_")
+
+SOCKET_NAME, LAUNCHER_NAME, STATS_SUFFIX, LOG_NAME = "server.sock", "python", "stats.json", "server.log"
+#: The launcher's path, for the pytest-xdist workers (they inherit the controller's environment).
+LAUNCHER_VARIABLE = "VERL_EXT_TEST_LAUNCHER"
+#: ``0``: no fork server; every interpreter the suite starts is a real one.
+SWITCH_VARIABLE = "VERL_EXT_TEST_FORKSERVER"
+DIRECTORY_PREFIX = "verl-ext-forkserver-"
+
+_LENGTH = struct.Struct("!I")  # a request's length, before its pickle
+_PID = struct.Struct("!i")  # after b"F": the child's pid, then its wait status
+
+LAUNCHER = '''#!{python} -IS
+"""Runs its command in a child of the test suite's fork server (tests/forkserver.py),
+or in {python} when the server is gone or refuses it."""
+import os, pickle, signal, socket, struct, sys
+
+
+def real():
+    os.execv({python!r}, [{python!r}, *sys.argv[1:]])
+
+
+fds = []
+for name in os.listdir("/proc/self/fd"):
+    try:
+        os.fstat(int(name))
+        fds.append(int(name))
+    except OSError:  # the listing's own descriptor, closed by now
+        pass
+mask = os.umask(0)
+os.umask(mask)
+request = pickle.dumps(dict(argv=sys.argv[1:], env=dict(os.environ), cwd=os.getcwd(), umask=mask, fds=fds))
+path = {socket!r}
+while True:
+    try:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.connect(path)
+        socket.send_fds(server, [struct.pack("!I", len(request)) + request], fds)
+        answer = server.recv(1)
+        if answer == b"S":  # the server for this command's hash seed
+            path = os.path.join(os.path.dirname(path), server.recv(256).decode())
+            server.close()
+            continue
+        if answer != b"F":
+            raise OSError(answer)
+        pid = struct.unpack("!i", server.recv(4, socket.MSG_WAITALL))[0]
+        break
+    except OSError:
+        server.close()
+        real()
+for fd in fds:  # the child has them now; a pipe must see its end close when the child closes it
+    os.close(fd)
+for number in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM"):
+    signal.signal(getattr(signal, number), lambda number, frame: os.kill(pid, number))
+status = server.recv(4, socket.MSG_WAITALL)
+if len(status) < 4:  # the server died
+    os._exit(70)
+status = struct.unpack("!i", status)[0]
+if os.WIFSIGNALED(status):  # end by the same signal
+    if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+os._exit(os.waitstatus_to_exitcode(status))
+'''
+
+
+def launcher_path(directory: Path) -> Path:
+    return Path(directory) / LAUNCHER_NAME
+
+
+def real_python() -> str:
+    """The real interpreter, also where ``sys.executable`` is the launcher (for a test that kills its
+    interpreter with SIGKILL and reads what it left at once: a launcher's child dies a moment later)."""
+    if Path(sys.executable).parent.name.startswith(DIRECTORY_PREFIX):
+        return Path(sys.executable).read_text().splitlines()[0][2:].split()[0]  # the launcher's #! line
+    return sys.executable
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class _RecordedEnviron(os._Environ):
+    """``os.environ`` that remembers the names read from it by name (shares os.environ's data).
+    A value read after its name came from iterating over the environment (a copy of it, a scan for a
+    prefix: tqdm, fsspec) is not recorded: what the reader asked for was the whole environment."""
+
+    def __init__(self, environ: os._Environ, read: set[str]):
+        super().__init__(environ._data, environ.encodekey, environ.decodekey, environ.encodevalue, environ.decodevalue)
+        self._read = read
+        self._iterated: collections.deque[str] = collections.deque()
+
+    def __iter__(self):
+        for key in super().__iter__():
+            self._iterated.append(key)
+            yield key
+
+    def __getitem__(self, key):
+        if key in self._iterated:
+            while self._iterated.popleft() != key:
+                pass
+        else:
+            self._read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self._read.add(key)
+        return super().__contains__(key)
+
+
+def preload() -> set[str]:
+    """Import ``PRELOADED``; return the environment variables they read (from ``os.environ``)."""
+    read: set[str] = set()
+    environ = os.environ
+    os.environ = _RecordedEnviron(environ, read)
+    try:
+        for name in PRELOADED:
+            importlib.import_module(name)
+    finally:
+        os.environ = environ
+    return read
+
+
+def refusal(request: dict, environments: tuple[dict[str, str], dict[str, str]], import_time: set[str]) -> str | None:
+    """Why ``request`` must run in a real interpreter (None: a child runs it)."""
+    argv, env = request["argv"], request["env"]
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-c", "-m", "-"):
+        if argv[i] not in CHILD_OPTIONS:
+            return f"the option {argv[i]}"
+        i += 2 if argv[i] == "-W" else 1
+    if i >= len(argv) or argv[i] == "-":
+        return "no command (an interactive interpreter or standard input)"
+    if argv[i] not in ("-c", "-m") and not os.path.isfile(os.path.join(request["cwd"], argv[i])):
+        return f"{argv[i]} is not a file"
+    if "--multiprocessing-fork" in argv:
+        return "a multiprocessing child"
+    before, after = environments  # the server's, before and after the libraries loaded (a variable they set
+    # themselves, a child may have from a parent that imported them)
+    names = {n for n in set(env) | set(before) | set(after) if n in import_time or (n.startswith(NATIVE_PREFIXES) and n != "PYTHON")}
+    differing = sorted(n for n in names - CHILD_VARIABLES if env.get(n) not in (before.get(n), after.get(n)))
+    return f"its environment sets {', '.join(differing)} otherwise" if differing else None
+
+
+class Server:
+    """Serves on ``directory/name``. The main server (``SOCKET_NAME``) starts one server per hash seed
+    a command asks for (``PYTHONHASHSEED``, which only an interpreter's start sets: verl's runs set it
+    for their Ray workers) and sends those commands there."""
+
+    def __init__(self, directory: Path, name: str = SOCKET_NAME):
+        self.directory, self.name = Path(directory), name
+        self.seeded: dict[str, subprocess.Popen] = {}  # the main server's servers, by hash seed
+        environment = dict(os.environ)
+        self.base_path = sys.path[1:]  # without this script's directory, with PYTHONPATH's
+        self.python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        # bound before the libraries load: a launcher that comes meanwhile waits in the backlog
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(self.directory / name))
+        self.listener.listen(128)
+        self.import_time = preload()
+        self.environments = (environment, dict(os.environ))
+        self.selector = selectors.DefaultSelector()
+        self.children: dict[int, tuple[int, socket.socket | None]] = {}  # pidfd -> (pid, launcher)
+        self.forked = 0
+        self.refused: dict[str, int] = {}
+
+    def serve(self) -> dict | None:
+        """Serve until standard input closes (returns None), or, in a forked child, return its request."""
+        listener = self.listener
+        self.selector.register(listener, selectors.EVENT_READ, "accept")
+        self.selector.register(sys.stdin, selectors.EVENT_READ, "lifeline")
+        gc.collect()
+        gc.freeze()  # the preloaded objects stay on pages the children share
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "lifeline":
+                    if not os.read(sys.stdin.fileno(), 4096):
+                        self._stop()
+                        return None
+                elif key.data == "accept":
+                    request = self._accept(listener)
+                    if request is not None:
+                        return request  # the child
+                elif key.data == "launcher":  # readable: its launcher is gone (killed)
+                    self._launcher_gone(key.fileobj)
+                else:
+                    self._reap(key.fileobj)
+
+    def _accept(self, listener: socket.socket) -> dict | None:
+        connection, _ = listener.accept()
+        fds: list[int] = []
+        try:
+            data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 250)
+            (length,) = _LENGTH.unpack_from(data)
+            while len(data) < _LENGTH.size + length:
+                chunk = connection.recv(1 << 20)
+                if not chunk:
+                    raise EOFError
+                data += chunk
+            request = pickle.loads(data[_LENGTH.size :])
+            request["received"] = fds
+        except (OSError, EOFError, struct.error, pickle.UnpicklingError):
+            for fd in fds:
+                os.close(fd)
+            connection.close()
+            return None
+        seed = request["env"].get("PYTHONHASHSEED", "random")
+        if self.name == SOCKET_NAME and seed != "random" and seed.isdigit():
+            connection.sendall(b"S" + self._seeded(seed).encode())  # the launcher asks there
+            connection.close()
+            for fd in fds:
+                os.close(fd)
+            return None
+        why = refusal(request, self.environments, self.import_time)
+        if why is not None:
+            self.refused[why] = self.refused.get(why, 0) + 1
+            connection.sendall(b"R")
+            connection.close()
+            for fd in fds:
+                os.close(fd)
+            return None
+        pid = os.fork()
+        if pid == 0:
+            self._close(listener, connection)
+            return request
+        try:
+            os.setpgid(pid, pid)  # also here (the child sets it too): its launcher may die before the child runs
+        except OSError:
+            pass
+        self.forked += 1
+        for fd in fds:
+            os.close(fd)
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = (pid, connection)
+        self.selector.register(pidfd, selectors.EVENT_READ, "child")
+        self.selector.register(connection, selectors.EVENT_READ, "launcher")
+        connection.sendall(b"F" + _PID.pack(pid))
+        return None
+
+    def _seeded(self, seed: str) -> str:
+        """The socket of the server with this hash seed (started now if need be)."""
+        name = f"seed-{seed}.sock"
+        if seed not in self.seeded:
+            with open(self.directory / LOG_NAME, "ab") as log:
+                self.seeded[seed] = subprocess.Popen(
+                    [sys.executable, "-m", "tests.forkserver", str(self.directory), name], stdin=subprocess.PIPE,
+                    stdout=log, stderr=log, env={**self.environments[0], "PYTHONHASHSEED": seed},
+                )  # fmt: skip
+            _wait_for(self.directory / name, self.seeded[seed])
+        return name
+
+    def _close(self, listener: socket.socket, connection: socket.socket) -> None:
+        """In a forked child: close what the server holds, before the child takes its descriptors."""
+        self.selector.close()
+        listener.close()
+        connection.close()
+        for pidfd, (_, launcher) in self.children.items():
+            os.close(pidfd)
+            if launcher is not None:
+                launcher.close()
+        self.children.clear()
+        for server in self.seeded.values():
+            server.stdin.close()  # its lifeline stays with the main server
+        self.seeded.clear()
+
+    def _launcher_gone(self, connection: socket.socket) -> None:
+        self.selector.unregister(connection)
+        for pidfd, (pid, launcher) in self.children.items():
+            if launcher is connection:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.children[pidfd] = (pid, None)
+        connection.close()
+
+    def _reap(self, pidfd: int) -> None:
+        pid, launcher = self.children.pop(pidfd)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        if launcher is not None:
+            self.selector.unregister(launcher)
+            try:
+                launcher.sendall(_PID.pack(status))
+            except OSError:
+                pass
+            launcher.close()
+
+    def _stop(self) -> None:
+        for pid, _ in self.children.values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for server in self.seeded.values():
+            server.stdin.close()
+            server.wait()
+        stats = json.dumps({"forked": self.forked, "refused": self.refused})
+        (self.directory / f"{self.name}.{STATS_SUFFIX}").write_text(stats)
+
+    # ----------------------------------------------------------------------- in the child
+
+    def become(self, request: dict) -> None:
+        """Turn this forked child into the interpreter the request asks for, up to running its code."""
+        os.setpgid(0, 0)  # a group of its own: killed with its launcher, its own children with it
+        self._descriptors(request)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        os.umask(request["umask"])
+        for number in range(1, signal.NSIG):
+            try:
+                signal.signal(number, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter installs
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        argv, options = request["argv"], []
+        while argv[0] not in ("-c", "-m") and argv[0].startswith("-"):
+            options.append(argv.pop(0))
+            if options[-1] == "-W":
+                options.append(argv.pop(0))
+        env = request["env"]
+        unbuffered = "-u" in options or bool(env.get("PYTHONUNBUFFERED"))
+        sys.stdin = sys.__stdin__ = os.fdopen(0, "r", closefd=False) if _is_open(0) else None
+        sys.stdout = sys.__stdout__ = _stream(1, unbuffered)
+        sys.stderr = sys.__stderr__ = _stream(2, unbuffered)
+        sys.dont_write_bytecode = "-B" in options or bool(env.get("PYTHONDONTWRITEBYTECODE"))
+        sys.warnoptions[:] = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o]
+        sys.warnoptions += [options[i + 1] for i, o in enumerate(options) if o == "-W"]
+        if sys.warnoptions:
+            import warnings
+
+            warnings._processoptions(sys.warnoptions)
+        if env.get("PYTHONFAULTHANDLER"):
+            import faulthandler
+
+            faulthandler.enable()
+        if "numpy" in sys.modules:  # seeded from the OS in a fresh interpreter
+            sys.modules["numpy"].random.seed()
+        first = {"-c": "", "-m": os.getcwd()}.get(argv[0], os.path.dirname(os.path.realpath(argv[0])))
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        base = [p for p in self.base_path if p not in self.python_path]
+        sys.path[:] = [first, *paths, *base]
+        importlib.invalidate_caches()
+        for name in [name for name in sys.modules if name == "tests" or name.startswith("tests.")]:
+            del sys.modules[name]  # this server's package: a child imports its own tests
+        import tempfile
+
+        tempfile.tempdir = None  # as before its first use: from the child's TMPDIR
+        sys.executable = str(launcher_path(self.directory))
+
+    def _descriptors(self, request: dict) -> None:
+        """Give this process exactly the launcher's open file descriptors, at their numbers."""
+        received = request.pop("received")
+        moved = [_move_above(fd, 1024) for fd in received]
+        keep = set(moved)
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        for high, number in zip(moved, request["fds"]):
+            os.dup2(high, number, inheritable=True)
+            os.close(high)
+
+
+def _move_above(fd: int, lowest: int) -> int:
+    import fcntl
+
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD, lowest)
+    os.close(fd)
+    return high
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _stream(fd: int, unbuffered: bool):
+    """Standard output or error on ``fd``, buffered as a fresh interpreter buffers it (pylifecycle.c)."""
+    if not _is_open(fd):
+        return None
+    import io
+
+    encoding = os.environ.get("PYTHONIOENCODING", "utf-8").split(":")[0] or "utf-8"
+    raw = io.FileIO(fd, "w", closefd=False)
+    errors = "backslashreplace" if fd == 2 else "strict"
+    if unbuffered:
+        return io.TextIOWrapper(raw, encoding=encoding, errors=errors, write_through=True)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding, errors=errors, line_buffering=raw.isatty() or fd == 2)
+
+
+def run(request: dict) -> None:
+    """Run the request's code as ``python ARGV`` would, in a fresh ``__main__``."""
+    argv = request["argv"]
+    while argv[0] not in ("-c", "-m") and argv[0].startswith("-"):
+        argv.pop(0)
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec", dont_inherit=True), main.__dict__)
+    elif argv[0] == "-m":
+        import runpy
+
+        sys.argv = ["-m", *argv[2:]]
+        runpy._run_module_as_main(argv[1], alter_argv=True)
+    else:
+        path = argv[0]
+        sys.argv = list(argv)
+        main.__file__ = os.path.abspath(path)
+        main.__cached__ = None
+        with open(path, "rb") as source:
+            code = compile(source.read(), path, "exec", dont_inherit=True)
+        exec(code, main.__dict__)
+
+
+# --------------------------------------------------------------------------- for tests/conftest.py
+
+
+class Handle:
+    """A running server: its launcher, and how to stop it."""
+
+    def __init__(self, directory: Path, process):
+        self.directory, self.process = directory, process
+        self.launcher = launcher_path(directory)
+
+    def stop(self) -> str:
+        """Stop the servers (their children with them); say what they did."""
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        stats = [json.loads(path.read_text()) for path in self.directory.glob(f"*.{STATS_SUFFIX}")]
+        if not stats:
+            return f"stopped with {self.process.returncode}; see {self.directory / LOG_NAME}"
+        import shutil
+
+        shutil.rmtree(self.directory, ignore_errors=True)
+        refused: dict[str, int] = {}
+        for server in stats:
+            for why, count in server["refused"].items():
+                refused[why] = refused.get(why, 0) + count
+        lines = [f"{sum(s['forked'] for s in stats)} interpreters forked from {len(stats)} preloaded servers, "
+                 f"{sum(refused.values())} started fresh"]  # fmt: skip
+        return "\n  ".join(lines + [f"{count} × {why}" for why, count in sorted(refused.items(), key=lambda item: -item[1])])
+
+
+def start() -> Handle:
+    """Start a server in a new directory, from this interpreter, in this environment."""
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX))
+    launcher = launcher_path(directory)
+    launcher.write_text(LAUNCHER.format(python=sys.executable, socket=str(directory / SOCKET_NAME)))
+    launcher.chmod(0o755)
+    with open(directory / LOG_NAME, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.forkserver", str(directory)], stdin=subprocess.PIPE, stdout=log, stderr=log,
+            cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+        )  # fmt: skip
+    _wait_for(directory / SOCKET_NAME, process)
+    return Handle(directory, process)
+
+
+def _wait_for(path: Path, process: subprocess.Popen) -> None:
+    """Until a server binds its socket (within a second or so: the libraries load after) or stops."""
+    import time
+
+    for _ in range(1000):
+        if path.exists() or process.poll() is not None:
+            return
+        time.sleep(0.01)
+
+
+def main(directory: str, name: str = SOCKET_NAME) -> None:
+    server = Server(Path(directory), name)
+    assert threading.active_count() == 1, "a thread started while preloading: forking would copy it half-done"
+    request = server.serve()
+    if request is None:
+        return
+    server.become(request)
+    del server
+    try:
+        run(request)
+    except (Exception, KeyboardInterrupt) as error:  # shown from the command's first frame, as a fresh interpreter shows it
+        traceback = error.__traceback__
+        while traceback is not None and traceback.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            traceback = traceback.tb_next
+        sys.excepthook(type(error), error.with_traceback(traceback), traceback)
+        if not isinstance(error, KeyboardInterrupt):
+            sys.exit(1)
+        import atexit
+
+        atexit._run_exitfuncs()  # then end by SIGINT, as an interpreter ends on an uncaught KeyboardInterrupt
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,140 @@
+"""The suite's fork server (tests/forkserver.py) against the real interpreter: a command run through
+the launcher sees what it sees when the real interpreter runs it (arguments, ``__main__``, working
+directory, environment, ``sys.path``, standard streams, inherited file descriptors, umask, signal
+handlers, hash seed, warnings options), ends the same way (exit codes, tracebacks, signals), and dies
+with its launcher. The expected values are the real interpreter's own, run beside it.
+
+Covers: tests/forkserver.py (the launcher, the server, the servers per hash seed, the refusals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import forkserver
+from tests.forkserver import real_python
+
+LAUNCHER = os.environ.get(forkserver.LAUNCHER_VARIABLE)
+pytestmark = pytest.mark.skipif(not LAUNCHER, reason=f"the suite runs without its fork server ({forkserver.SWITCH_VARIABLE}=0)")
+
+PROBE = r'''
+import json, os, signal, sys, warnings
+report = {
+    "argv": sys.argv, "name": __name__, "file": globals().get("__file__"), "cwd": os.getcwd(),
+    "path": [p for p in sys.path[:3]], "variable": os.environ.get("PROBE_VARIABLE"),
+    "stdin": sys.stdin.read(), "inherited": os.read(int(os.environ["PROBE_FD"]), 100).decode() if "PROBE_FD" in os.environ else None,
+    "umask": os.umask(0o22), "signals": [str(signal.getsignal(n)) for n in (signal.SIGINT, signal.SIGPIPE, signal.SIGTERM, signal.SIGCHLD)],
+    "warnings": [f[0] for f in warnings.filters[:1]] if sys.warnoptions else [], "tests_preloaded": "tests" in sys.modules,
+    "buffering": [(s.line_buffering, s.write_through, type(s.buffer).__name__) for s in (sys.stdout, sys.stderr)],
+}
+print(json.dumps(report))
+'''
+
+
+def both(argv: list[str], tmp_path: Path, **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    return tuple(
+        subprocess.run([python, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60, **kwargs)
+        for python in (real_python(), LAUNCHER)
+    )
+
+
+@pytest.fixture
+def probe(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    return tmp_path
+
+
+@pytest.mark.parametrize("form", ["script", "-c", "-m", "-u -W error script"])
+def test_a_command_sees_what_it_sees_in_the_real_interpreter(form, probe):
+    options = form.split()[:-1]
+    command = {"script": ["probe.py"], "-c": ["-c", PROBE], "-m": ["-m", "probe_module"]}[form.split()[-1]]
+    extra = probe / "extra"
+    results = []
+    for python in (real_python(), LAUNCHER):
+        read, write = os.pipe()
+        os.write(write, b"through a pipe")
+        os.close(write)
+        env = {**os.environ, "PROBE_VARIABLE": "mine", "PYTHONPATH": str(extra), "PROBE_FD": str(read)}
+        try:
+            completed = subprocess.run(
+                [python, *options, *command, "an argument"], cwd=probe, env=env, input="on stdin", pass_fds=(read,),
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+        finally:
+            os.close(read)
+        assert completed.returncode == 0, completed.stderr
+        results.append(json.loads(completed.stdout))
+    real, forked = results
+    assert forked == real
+    assert real["path"][1] == str(extra) and real["inherited"] == "through a pipe" and real["stdin"] == "on stdin"
+
+
+def test_a_command_runs_in_a_forked_child_with_the_libraries_loaded(tmp_path):
+    code = "import sys; print(sys.executable, 'torch' in sys.modules, 'verl' in sys.modules)"
+    real, forked = both(["-c", code], tmp_path)
+    assert real.stdout.split()[1:] == ["False", "False"]
+    assert forked.stdout.split() == [LAUNCHER, "True", "False"]  # verl itself: imported by each child
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys; sys.exit(3)",
+        "import sys; sys.exit('a message')",
+        "def f():\n    raise ValueError('boom')\nf()",
+        "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+        "raise KeyboardInterrupt",
+    ],
+)
+def test_it_ends_as_in_the_real_interpreter(code, tmp_path):
+    real, forked = both(["-c", code], tmp_path)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
+
+
+def test_the_hash_seed_a_command_asks_for_is_the_one_it_gets(tmp_path):
+    code = "import sys; print(hash('verl-ext'), 'torch' in sys.modules)"
+    for seed in ("0", "42"):
+        real, forked = both(["-c", code], tmp_path, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert forked.stdout.split()[0] == real.stdout.split()[0]
+        assert forked.stdout.split()[1] == "True"  # from the server with that seed
+
+
+def test_what_a_child_cannot_reproduce_runs_in_the_real_interpreter(tmp_path):
+    code = "import sys; print('torch' in sys.modules, sys.flags.optimize)"
+    for argv, env in ((["-O", "-c", code], {}), (["-c", code], {"OMP_NUM_THREADS": "2"})):
+        real, forked = both(argv, tmp_path, env={**os.environ, **env})
+        assert forked.stdout == real.stdout and forked.stdout.split()[0] == "False"
+
+
+def test_a_signal_to_the_launcher_reaches_the_command(tmp_path):
+    code = "import sys, time; print('ready', flush=True); time.sleep(60)"
+    for python in (real_python(), LAUNCHER):
+        process = subprocess.Popen([python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == -signal.SIGINT and stderr.rstrip().endswith("KeyboardInterrupt")
+
+
+def test_killing_the_launcher_kills_the_command(tmp_path):
+    code = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+    process = subprocess.Popen([LAUNCHER, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(process.stdout.readline())
+    assert child != process.pid
+    process.kill()
+    process.wait(timeout=10)
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the command {child} outlived its launcher")
