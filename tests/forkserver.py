@@ -46,11 +46,12 @@ import threading
 import types
 from pathlib import Path
 
-#: Imported once by the server: what every verl process imports before verl's own modules (verl, tensordict
-#: and ray then take about 0.5 s more).
+#: Imported once by the server: what verl's processes import besides verl, tensordict and ray (which
+#: then take about 0.5 s more).
 PRELOADED = (
-    "numpy", "torch", "torch._dynamo", "torch.distributed.fsdp", "transformers", "transformers.modeling_utils",
-    "transformers.models.llama.modeling_llama", "datasets", "pandas", "pyarrow", "hydra", "omegaconf",
+    "numpy", "torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
+    "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "datasets", "pandas", "pyarrow",
+    "hydra", "omegaconf", "peft", "fastapi", "uvicorn", "aiohttp", "requests", "zmq",
 )  # fmt: skip
 
 #: Interpreter options a child reproduces (``-W`` with its argument); with any other: a real interpreter.
