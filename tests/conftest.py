@@ -67,30 +67,37 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if any(directory in Path(item.fspath).parents for directory in CPU_TESTS):
                 item.add_marker(skip)
-    # The Ray group is the longest chain of the suite (see xdist_group): it starts first. The group
-    # that runs two trainers at once starts last: beside it any other test runs slowly (started second,
-    # beside the Ray group, it made the Ray group take 308 s instead of 163 s), and when it runs at the
-    # end, alone or nearly, it uses the cores the other worker leaves.
-    order = {RAY_GROUP: 0, BOTH_CORES_GROUP: 2}
-    items.sort(key=lambda item: order.get(xdist_group(item), 1))  # stable: the rest keep their order
+    # The Ray group is the longest chain of the suite (see xdist_group): it starts first, and the
+    # tests of two trainers at once run after it on its worker, while the other worker runs the rest.
+    # Started beside the Ray group they made it take 308 s instead of 163 s; run last, once their
+    # short trainer was done, their long one left a core idle for about half a minute.
+    order = {RAY_GROUP: 0, BOTH_CORES_GROUP: 1}
+    items.sort(key=lambda item: order.get(marked_group(item), 2))  # stable: the rest keep their order
 
 
 # --------------------------------------------------------------------------- the xdist workers (setup.cfg: -n auto)
 
 
+def marked_group(item: pytest.Item) -> str:
+    """The ``xdist_group`` mark of ``item``, else its file."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return item.nodeid.split("::")[0]
+    return str(mark.args[0] if mark.args else mark.kwargs["name"])
+
+
 def xdist_group(item: pytest.Item) -> str:
     """The group of ``item``: a pytest-xdist worker runs each group whole, so that a module's
     fixtures (a verl run that all of the module's tests read) run once. A test's group is its
-    ``xdist_group`` mark, else its file.
+    marked group (:func:`marked_group`); the tests of two trainers at once join the Ray group, after
+    its tests (why: ``pytest_collection_modifyitems``).
 
     The tests marked ``xdist_group(RAY_GROUP)`` start a Ray cluster; in one group they run one
     after the other: a second cluster beside one would share ``/tmp/ray``, and a plain
     ``ray.init()`` joins the cluster whose address ``ray.cluster_utils.Cluster`` wrote there
     (tests/e2e/test_multinode.py)."""
-    mark = item.get_closest_marker("xdist_group")
-    if mark is None:
-        return item.nodeid.split("::")[0]
-    return str(mark.args[0] if mark.args else mark.kwargs["name"])
+    group = marked_group(item)
+    return RAY_GROUP if group == BOTH_CORES_GROUP else group
 
 
 @pytest.hookimpl(tryfirst=True)  # before the worker sends its collection to the controller
@@ -151,7 +158,10 @@ def tool_assets(assets_dir):
 
 
 def pytest_sessionstart(session):
-    """A run of the whole suite starts building every task's assets at once, one process per task,
+    """Every run of the suite starts its fork server (tests/forkserver.py; the pytest-xdist workers,
+    started next, are its first children), unless ``VERL_EXT_TEST_FORKSERVER=0``.
+
+    A run of the whole suite also starts building every task's assets at once, one process per task,
     before the workers start: on an empty cache (a fresh machine) they are built side by side (about a
     minute each) rather than one after the other inside the tests that first need them, one of which
     is the Ray group, the suite's longest chain. The tests' fixtures read them as usual: a fixture

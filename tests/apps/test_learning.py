@@ -14,7 +14,7 @@ from tests.cpu.helpers import BOTH_CORES_GROUP
 from tests.apps.conftest import LEARNING_STEPS, REPRODUCED_STEPS, dense, valid_tokens
 from verl_ext.apps.learning import read_metrics
 
-pytestmark = pytest.mark.xdist_group(BOTH_CORES_GROUP)  # two trainers at once: last (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group(BOTH_CORES_GROUP)  # two trainers at once: after the Ray group (tests/conftest.py)
 
 STEPS = LEARNING_STEPS
 

@@ -14,8 +14,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "verl_ext" / "configs"
 #: The ``xdist_group`` of the tests that start a Ray cluster: they run one after the other on one
 #: pytest-xdist worker (why: tests/conftest.py, ``pytest_collection_modifyitems``).
 RAY_GROUP = "ray"
-#: The ``xdist_group`` of tests that load both cores by themselves (two trainers at once): it runs
-#: last (why: tests/conftest.py, ``pytest_collection_modifyitems``).
+#: The ``xdist_group`` of tests that load both cores by themselves (two trainers at once): they run
+#: after the Ray group, on its worker (why: tests/conftest.py, ``pytest_collection_modifyitems``).
 BOTH_CORES_GROUP = "both-cores"
 
 
