@@ -11,8 +11,8 @@ open file descriptors, ``sys.path``, standard streams, signal handlers, exit sta
 
 verl and verl-ext are never preloaded: what they do when imported (the plugin's activation from its
 entry point, the CPU backend's switch) happens in each child, from its own environment, as in a
-fresh interpreter; nor is Ray (it reads verl's settings when imported). A command a child cannot
-reproduce exactly runs in a real interpreter instead
+fresh interpreter; so are tensordict and Ray, which read what verl sets when imported. A command a
+child cannot reproduce exactly runs in a real interpreter instead
 (:func:`refusal`): an interpreter option other than ``-u``, ``-B`` and ``-W``, a ``multiprocessing``
 child, or an environment that differs from the server's in a variable that the preloaded libraries
 read while they were imported (recorded then), or that native code may read then (``OMP_*``, ...).
@@ -47,11 +47,14 @@ import types
 from pathlib import Path
 
 #: Imported once by the server: what verl's processes import besides verl, tensordict and ray (which
-#: then take about 0.5 s more).
+#: then take about 0.5 s more), and what verl-ext's commands import to draw and query a trace. Not
+#: tensordict and ray: they read, when imported, what verl sets when imported (LAZY_LEGACY_OP,
+#: RAY_ENABLE_UV_RUN_RUNTIME_ENV); with ray preloaded, Ray's workers failed to start. Not polars: it
+#: starts threads when imported.
 PRELOADED = (
     "numpy", "torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
     "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "datasets", "pandas", "pyarrow",
-    "hydra", "omegaconf", "peft", "fastapi", "uvicorn", "aiohttp", "requests", "zmq",
+    "hydra", "omegaconf", "peft", "fastapi", "uvicorn", "aiohttp", "requests", "zmq", "duckdb", "matplotlib",
 )  # fmt: skip
 
 #: Interpreter options a child reproduces (``-W`` with its argument); with any other: a real interpreter.
