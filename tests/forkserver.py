@@ -187,19 +187,27 @@ def preload() -> set[str]:
     return read
 
 
-def refusal(request: dict, environments: tuple[dict[str, str], dict[str, str]], import_time: set[str]) -> str | None:
-    """Why ``request`` must run in a real interpreter (None: a child runs it)."""
-    argv, env = request["argv"], request["env"]
+def split_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``python ARGV``'s interpreter options (``-W`` with its argument) and its command (``-c CODE ...``,
+    ``-m MODULE ...``, ``SCRIPT ...``, or empty)."""
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-c", "-m", "-"):
-        if argv[i] not in CHILD_OPTIONS:
-            return f"the option {argv[i]}"
         i += 2 if argv[i] == "-W" else 1
-    if i >= len(argv) or argv[i] == "-":
+    return argv[:i], argv[i:]  # "-W" without its argument: no command
+
+
+def refusal(request: dict, environments: tuple[dict[str, str], dict[str, str]], import_time: set[str]) -> str | None:
+    """Why ``request`` must run in a real interpreter (None: a child runs it)."""
+    env = request["env"]
+    options, command = split_options(request["argv"])
+    unknown = [option for option in options if option.startswith("-") and option not in CHILD_OPTIONS]
+    if unknown:
+        return f"the option {unknown[0]}"
+    if not command or command[0] == "-":
         return "no command (an interactive interpreter or standard input)"
-    if argv[i] not in ("-c", "-m") and not os.path.isfile(os.path.join(request["cwd"], argv[i])):
-        return f"{argv[i]} is not a file"
-    if "--multiprocessing-fork" in argv:
+    if command[0] not in ("-c", "-m") and not os.path.isfile(os.path.join(request["cwd"], command[0])):
+        return f"{command[0]} is not a file"
+    if "--multiprocessing-fork" in command:
         return "a multiprocessing child"
     before, after = environments  # the server's, before and after the libraries loaded (a variable they set
     # themselves, a child may have from a parent that imported them)
@@ -266,25 +274,14 @@ class Server:
             request = pickle.loads(data[_LENGTH.size :])
             request["received"] = fds
         except (OSError, EOFError, struct.error, pickle.UnpicklingError):
-            for fd in fds:
-                os.close(fd)
-            connection.close()
-            return None
+            return _decline(connection, fds, b"")
         seed = request["env"].get("PYTHONHASHSEED", "random")
         if self.name == SOCKET_NAME and seed != "random" and seed.isdigit():
-            connection.sendall(b"S" + self._seeded(seed).encode())  # the launcher asks there
-            connection.close()
-            for fd in fds:
-                os.close(fd)
-            return None
+            return _decline(connection, fds, b"S" + self._seeded(seed).encode())  # the launcher asks there
         why = refusal(request, self.environments, self.import_time)
         if why is not None:
             self.refused[why] = self.refused.get(why, 0) + 1
-            connection.sendall(b"R")
-            connection.close()
-            for fd in fds:
-                os.close(fd)
-            return None
+            return _decline(connection, fds, b"R")
         pid = os.fork()
         if pid == 0:
             self._close(listener, connection)
@@ -383,11 +380,7 @@ class Server:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter installs
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        argv, options = request["argv"], []
-        while argv[0] not in ("-c", "-m") and argv[0].startswith("-"):
-            options.append(argv.pop(0))
-            if options[-1] == "-W":
-                options.append(argv.pop(0))
+        options, argv = split_options(request["argv"])
         env = request["env"]
         unbuffered = "-u" in options or bool(env.get("PYTHONUNBUFFERED"))
         sys.stdin = sys.__stdin__ = os.fdopen(0, "r", closefd=False) if _is_open(0) else None
@@ -435,6 +428,17 @@ class Server:
             os.close(high)
 
 
+def _decline(connection: socket.socket, fds: list[int], answer: bytes) -> None:
+    """Answer a launcher that no child of this server runs its command, and let go of its descriptors."""
+    for fd in fds:
+        os.close(fd)
+    try:
+        connection.sendall(answer)
+    except OSError:
+        pass
+    connection.close()
+
+
 def _move_above(fd: int, lowest: int) -> int:
     import fcntl
 
@@ -467,9 +471,7 @@ def _stream(fd: int, unbuffered: bool):
 
 def run(request: dict) -> None:
     """Run the request's code as ``python ARGV`` would, in a fresh ``__main__``."""
-    argv = request["argv"]
-    while argv[0] not in ("-c", "-m") and argv[0].startswith("-"):
-        argv.pop(0)
+    _, argv = split_options(request["argv"])
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
