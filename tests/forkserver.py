@@ -33,6 +33,7 @@ import builtins
 import collections
 import gc
 import importlib
+import io
 import json
 import os
 import pickle
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import threading
 import types
+import weakref
 from pathlib import Path
 
 #: Imported once by the server: what verl's processes import besides verl, tensordict and ray (which
@@ -557,22 +559,81 @@ def main(directory: str, name: str = SOCKET_NAME) -> None:
         return
     server.become(request)
     del server
+    server_modules = dict(sys.modules)
+    interrupted = False
     try:
         run(request)
+        status = 0
+    except SystemExit as exit:
+        status = _exit_status(exit)
     except (Exception, KeyboardInterrupt) as error:  # shown from the command's first frame, as a fresh interpreter shows it
         traceback = error.__traceback__
         while traceback is not None and traceback.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
             traceback = traceback.tb_next
         sys.excepthook(type(error), error.with_traceback(traceback), traceback)
-        if not isinstance(error, KeyboardInterrupt):
-            sys.exit(1)
-        import atexit
+        status, interrupted = 1, isinstance(error, KeyboardInterrupt)
+    finish(status, server_modules, interrupted)
 
-        atexit._run_exitfuncs()  # then end by SIGINT, as an interpreter ends on an uncaught KeyboardInterrupt
-        sys.stdout.flush()
-        sys.stderr.flush()
+
+def _exit_status(exit: SystemExit) -> int:
+    """The status an interpreter exits with on an uncaught ``exit`` (printed when not a number)."""
+    code = exit.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except Exception:
+        pass
+    return 1
+
+
+def finish(status: int, server_modules: dict[str, types.ModuleType], interrupted: bool) -> None:
+    """End the child as an interpreter's shutdown ends it (``Py_FinalizeEx``), but free only what the
+    child made: its threads joined, ``atexit``'s functions, its files flushed, its own modules torn
+    down (their objects' finalizers run, unclosed files closed), its standard streams flushed.
+    Freeing the preloaded libraries too, as a fresh interpreter does, wrote to about 60,000 of the
+    pages the child shares with the server (0.45 s of CPU, of about 200 children a suite)."""
+    import atexit
+
+    threading._shutdown()  # the non-daemon threads
+    atexit._run_exitfuncs()
+    # Files flushed while everything is whole: a module torn down leaves garbage cycles, and the garbage
+    # collector may close a file's raw stream before the buffers above it (data a fresh interpreter keeps).
+    _flush_files()
+    # as the interpreter does: the modules nothing else holds go with the next collection; the others'
+    # globals are cleared, the last imported module first, its private names before the rest
+    own = [name for name, module in sys.modules.items() if server_modules.get(name) is not module]
+    alive = [weakref.ref(module) for module in map(sys.modules.pop, reversed(own)) if isinstance(module, types.ModuleType)]
+    gc.collect()
+    for ref in alive:
+        module = ref()
+        if module is not None:
+            names = [name for name in module.__dict__ if name != "__builtins__"]
+            for name in sorted(names, key=lambda name: not (name.startswith("_") and not name.startswith("__"))):
+                module.__dict__[name] = None
+        del module
+    gc.collect()
+    if not _flush_files():
+        status = 120  # an interpreter's status when it cannot flush its standard streams
+    if interrupted:  # an uncaught KeyboardInterrupt: the interpreter ends by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status)
+
+
+def _flush_files() -> bool:
+    """Flush the child's open files (``gc.get_objects``: not the server's, frozen) and its standard
+    streams; False when a standard stream could not be flushed."""
+    flushed = True
+    for stream in [*gc.get_objects(), sys.stdout, sys.stderr]:
+        try:
+            if isinstance(stream, io.IOBase) and not stream.closed and stream.writable():
+                stream.flush()
+        except Exception:
+            flushed = flushed and stream is not sys.stdout and stream is not sys.stderr
+    return flushed
 
 
 if __name__ == "__main__":

@@ -99,6 +99,48 @@ def test_it_ends_as_in_the_real_interpreter(code, tmp_path):
     assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
 
 
+#: What a command leaves to the interpreter's shutdown: a thread still running, an atexit function,
+#: a finalizer, objects whose __del__ prints (in __main__ and in a module it imported, one in a
+#: reference cycle), and files written but never closed (in __main__ and held by a preloaded library).
+LEAVES = r'''
+import atexit, threading, time, weakref, sys, logging
+import leaver
+class Noisy:
+    def __init__(self, name): self.name = name
+    def __del__(self): print("del", self.name, flush=True)
+def late():
+    time.sleep(0.2)
+    print("thread done")
+threading.Thread(target=late).start()
+atexit.register(print, "atexit")
+main_object, cycle = Noisy("main"), Noisy("cycle")
+cycle.itself = cycle
+weakref.finalize(Noisy, print, "finalized")
+unclosed = open("main.txt", "w")
+unclosed.write("kept")
+logging.getLogger("verl-ext-test").addHandler(logging.StreamHandler(open("held.txt", "w")))
+logging.getLogger("verl-ext-test").error("logged")
+print("end of script")
+'''
+
+
+def test_what_a_command_leaves_at_exit_ends_as_in_the_real_interpreter(tmp_path):
+    results = []
+    for python in (real_python(), LAUNCHER):
+        (tmp_path / "leaver.py").write_text("from __main__ import Noisy\nmodule_object = Noisy('module')\n")
+        (tmp_path / "leaves.py").write_text(LEAVES.replace("import leaver\n", "").replace("main_object,", "import leaver\nmain_object,"))
+        completed = subprocess.run([python, "leaves.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        # the order of what runs at exit is not Python's to promise (finalizers of one garbage cycle, atexit
+        # functions registered by the preloaded libraries): after the script and its thread, the same lines
+        lines = completed.stdout.splitlines()
+        files = (tmp_path / "main.txt").read_text(), (tmp_path / "held.txt").read_text()
+        results.append((completed.returncode, lines[:2], sorted(lines[2:]), completed.stderr, files))
+    real, forked = results
+    assert forked == real
+    assert real[1:3] == (["end of script", "thread done"], ["atexit", "del cycle", "del main", "del module", "finalized"])
+    assert real[4] == ("kept", "logged\n")
+
+
 def test_the_hash_seed_a_command_asks_for_is_the_one_it_gets(tmp_path):
     code = "import sys; print(hash('verl-ext'), 'torch' in sys.modules)"
     seed = "0"  # the seed of the suite's trainer runs (their Ray workers): this test shares their server
