@@ -37,7 +37,10 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 	@touch $(STAMP)
 
+# The project's own modules compiled too (a second): about 200 interpreters a suite import them, and
+# where PYTHONDONTWRITEBYTECODE is set each would compile them again.
 test: setup chromium
+	@$(PY) -m compileall -qq -j 0 verl_ext tests
 	$(PY) -m pytest
 
 demo: setup
