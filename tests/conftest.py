@@ -26,7 +26,7 @@ from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests import forkserver  # noqa: E402
+from tests import config_cache, forkserver  # noqa: E402
 
 # The interpreters the tests start are children of the suite's fork server (tests/forkserver.py,
 # started by pytest_sessionstart below): on a pytest-xdist worker, the controller has started it.
@@ -168,6 +168,8 @@ def pytest_sessionstart(session):
     that asks while a build is in progress waits for it (the cache's lock). On a full cache this is a
     check of the cache that takes a few seconds."""
     config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        config_cache.install()  # where tests run: Hydra's YAML files parsed once (tests/config_cache.py)
     if hasattr(config, "workerinput") or config.option.collectonly:
         return  # a worker: the controller started the server and the builds
     if os.environ.get(forkserver.SWITCH_VARIABLE, "1") != "0":
