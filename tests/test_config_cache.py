@@ -14,9 +14,11 @@ COMPOSE = """
 import json, sys
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
-with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-    config = compose(config_name="ppo_trainer", overrides=sys.argv[1:])
-print(json.dumps(OmegaConf.to_container(config, resolve=False)))
+configs = []
+for overrides in json.loads(sys.argv[1]):
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        configs.append(OmegaConf.to_container(compose(config_name="ppo_trainer", overrides=overrides), resolve=False))
+print(json.dumps(configs))
 """
 
 OVERRIDES = [
@@ -32,12 +34,13 @@ def test_a_composition_is_hydras_own():
     from omegaconf import OmegaConf
 
     assert SourcesRegistry.instance().resolve("pkg").load_config.cached  # installed in this process
+    here = []
     for overrides in OVERRIDES:
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-            here = OmegaConf.to_container(compose(config_name="ppo_trainer", overrides=overrides), resolve=False)
-        fresh = subprocess.run([sys.executable, "-c", COMPOSE, *overrides], capture_output=True, text=True, timeout=120, check=True)
-        assert here == json.loads(fresh.stdout)
-    assert here["algorithm"]["gamma"] == 0.9 and "cached" not in fresh.stdout
+            here.append(OmegaConf.to_container(compose(config_name="ppo_trainer", overrides=overrides), resolve=False))
+    fresh = subprocess.run([sys.executable, "-c", COMPOSE, json.dumps(OVERRIDES)], capture_output=True, text=True, timeout=120, check=True)
+    assert here == json.loads(fresh.stdout)
+    assert [config["algorithm"]["gamma"] for config in here] == [0.97, 1.0, 0.9]
 
 
 def test_each_composition_has_its_own_objects_and_a_changed_file_is_read_again(tmp_path):
