@@ -7,7 +7,9 @@ line of the code under test ran (about 200 interpreters per suite). Here one ser
 them once (``PRELOADED``) and forks a child for each interpreter the suite starts; the child runs
 its command as a fresh interpreter would: its own arguments, environment, working directory, umask,
 open file descriptors, ``sys.path``, standard streams, signal handlers, exit status and hash seed
-(a server per ``PYTHONHASHSEED`` asked for: verl's runs set it for their Ray workers).
+(a server per ``PYTHONHASHSEED`` asked for: verl's runs set it for their Ray workers), and ends as
+an interpreter's shutdown ends it, except that it leaves the preloaded libraries as they are
+(:func:`finish`).
 
 verl and verl-ext are never preloaded: what they do when imported (the plugin's activation from its
 entry point, the CPU backend's switch) happens in each child, from its own environment, as in a
