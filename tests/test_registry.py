@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
-from verl_ext import registry
+from verl_ext import estimators, registry
 from verl_ext.options import TRUNCATION
 
 # --------------------------------------------------------------------------- registering
@@ -163,6 +163,34 @@ def test_verl_ext_options_are_checked_with_verls_own_estimators():
 def test_a_description_names_the_settings_that_determine_the_numbers(name, algorithm, description):
     entry = registry.get(name)
     assert entry.describe(entry.settings(algorithm)) == description
+
+
+def test_an_estimator_with_its_own_lambda_is_not_described_with_the_runs(isolated_registry):
+    """The README's td_half fixes λ = 0.5 and never reads ``lam``: its description names no λ (the run's
+    λ = 1 would say what it does not use). One that reads ``lam``, or ``config`` (which holds it), is
+    described with it; ``uses_lam`` says it outright."""
+    from tests.integration.test_user_estimator import readme_example
+
+    namespace: dict = {"__name__": "my_estimators"}
+    exec(compile(readme_example(), "my_estimators.py", "exec"), namespace)  # registers td_half, as importing it does
+    td_half = isolated_registry.get("td_half")
+    assert td_half.describe(td_half.settings({"gamma": 1.0, "lam": 1.0})) == "td_half(γ=1)"
+
+    @isolated_registry.register_estimator("td_lam")
+    def td_lam(rewards, values, response_mask, *, gamma, lam, config):
+        return estimators.gae(rewards, values, response_mask, gamma, lam)
+
+    @isolated_registry.register_estimator("td_configured")
+    def td_configured(rewards, values, response_mask, *, gamma, lam, config):
+        return estimators.gae(rewards, values, response_mask, gamma, config["lam"] / 2)
+
+    @isolated_registry.register_estimator("td_quarter", uses_lam=True)
+    def td_quarter(rewards, values, response_mask, *, gamma, lam, config):
+        return estimators.gae(rewards, values, response_mask, gamma, 0.25)
+
+    for name in ("td_lam", "td_configured", "td_quarter"):
+        entry = isolated_registry.get(name)
+        assert entry.describe(entry.settings({"gamma": 0.9, "lam": 0.5})) == f"{name}(γ=0.9, λ=0.5)"
 
 
 def test_compare_gives_nstep_its_n_gae_ext_each_lambda_and_the_others_their_defaults():

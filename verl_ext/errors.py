@@ -9,6 +9,17 @@ class TraceError(UsageError):
     """A trace that cannot be read: missing, not a trace, unknown schema version, corrupt file."""
 
 
+class StepFileError(TraceError):
+    """A file of one step that is missing or does not read (cut short, moved, another write's): the
+    step cannot be read, the rest of the trace may be. ``step``: the step; ``file``: its path relative
+    to the trace directory."""
+
+    def __init__(self, message: str, step: int, file: str):
+        super().__init__(message)
+        self.step = step
+        self.file = file
+
+
 def one_line(error: BaseException) -> str:
     """The first line of an exception's message (file errors can span many lines)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]

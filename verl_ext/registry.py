@@ -27,7 +27,10 @@ trace, whether they need the critic, whether verl whitens them). Ask the entry
 
 from __future__ import annotations
 
+import dis
+import inspect
 import math
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -63,7 +66,9 @@ class Estimator:
       (inf: the whole response), which sizes the checker's float32 tolerance;
     * ``returns_minus_values(settings)``: True when advantage_raw = returns − values exactly, which
       the checker then verifies elementwise (otherwise it recomputes the advantage with ``fn``);
-    * ``uses_lam``: whether ``algorithm.lam`` matters (shown in descriptions);
+    * ``uses_lam``: whether ``algorithm.lam`` matters (shown in descriptions); by default, whether
+      ``fn`` reads it at all (:func:`reads_lam`), so that an estimator with its own fixed λ is not
+      described with the run's;
     * ``compared_at(n, lambdas) -> settings``: the columns ``verl-ext compare`` gives it, one per
       dict of ``algorithm`` settings (the run's γ is added), from compare's n (of the n-step
       estimator) and λs; by default one column at its options' defaults;
@@ -164,7 +169,7 @@ def register_estimator(
     formula: str | None = None,
     horizon: Callable[[Settings], tuple[float, float]] | None = None,
     returns_minus_values: Callable[[Settings], bool] | None = None,
-    uses_lam: bool = True,
+    uses_lam: bool | None = None,
     compared_at: Callable[[int, tuple[float, ...]], tuple[dict[str, Any], ...]] | None = None,
     label: Callable[[Settings], str] | None = None,
 ) -> Callable[[EstimatorFn], EstimatorFn]:
@@ -191,7 +196,7 @@ def register_estimator(
             )
         estimator = Estimator(
             name, fn, needs_critic, tuple(options), formula or docstring_formula(fn), horizon,
-            returns_minus_values, uses_lam, compared_at, label,
+            returns_minus_values, reads_lam(fn) if uses_lam is None else uses_lam, compared_at, label,
         )  # fmt: skip
         _ESTIMATORS[name] = estimator
         try:
@@ -255,6 +260,30 @@ def describe_verl_estimator(
     _VERL_ESTIMATORS[name] = Estimator(
         name, fn, needs_critic, (), formula, horizon, returns_minus_values, label=label, computed_by_verl=True, verl_whitens=verl_whitens,
     )  # fmt: skip
+
+
+#: How an estimator function can reach λ: its ``lam`` argument, or ``config``, which holds ``lam`` too.
+_LAM_CARRIERS = frozenset({"lam", "config"})
+
+
+def reads_lam(fn: Callable) -> bool:
+    """Whether ``fn`` may read ``algorithm.lam``: its code (nested functions included) loads its ``lam``
+    or ``config`` argument, or a ``**kwargs`` that would hold them. True when that cannot be told (not a
+    plain Python function): a description then names λ rather than hide one that matters."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return True
+    carriers = set(_LAM_CARRIERS)
+    if code.co_flags & inspect.CO_VARKEYWORDS:  # the name of **kwargs: after the named arguments
+        carriers.add(code.co_varnames[code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)])
+    codes = [code]
+    while codes:
+        current = codes.pop()
+        codes += [constant for constant in current.co_consts if isinstance(constant, types.CodeType)]
+        for instruction in dis.get_instructions(current):
+            if instruction.opname.startswith("LOAD_") and instruction.argval in carriers:
+                return True
+    return False
 
 
 def docstring_formula(fn: Callable) -> str:

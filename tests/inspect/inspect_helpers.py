@@ -216,10 +216,14 @@ def write_trace(
     update_settings: dict | None = None,
     truncations: dict | None = None,
     ends: tuple[tuple[int, ...], int] | None = None,
+    run: dict | None = None,
+    stop_reasons: dict[int, list] | None = None,
 ) -> str:
     """A trace of ``batches`` written by the real TraceWriter; ``updates``: UpdateCaptures per step;
+    ``stop_reasons``: the rollout engine's per sample, per step (absent: the engine said none);
     ``truncations``: the estimate's Truncation per step (absent: terminal); ``ends``: (EOS ids,
-    max_response_length), for the prompt table's end flags."""
+    max_response_length), for the prompt table's end flags; ``run``: more fields of the run record
+    (``finished``, ``planned_steps``, ``rollout``: by default the record does not say)."""
     options = TraceOptions(dir=str(directory), max_samples_per_step=max_samples)
     run_record = RunRecord(
         verl_ext_version="test",
@@ -232,6 +236,7 @@ def write_trace(
         rollout_n=1,
         trace=options.as_dict(),
         update=update_settings or {},
+        **(run or {}),
     )
     with TraceWriter(options, run_record) as writer:
         for step, b in batches.items():
@@ -253,6 +258,7 @@ def write_trace(
                     eos_token_ids=None if ends is None else ends[0],
                     max_response_length=None if ends is None else ends[1],
                     truncation=(truncations or {}).get(step),
+                    stop_reasons=(stop_reasons or {}).get(step),
                 )
             )
             for update in (updates or {}).get(step, []):
@@ -260,14 +266,19 @@ def write_trace(
     return str(directory)
 
 
-def good_trace(directory: Path, plant: bool = False) -> str:
+def good_trace(directory: Path, plant: bool = False, run: dict | None = None) -> str:
     """Three steps of td0 with KL and per-turn rewards in the reward (steps 1, 2, 3; step 3 also as the
     record's last), which pass the checker; ``plant``: one advantage of step 2 nudged, which the checker
-    catches."""
-    batches = {step: by_definition(random_batch(step, kl_coef=0.1, turn_rewards=True), "td0", gamma=1.0) for step in (1, 2, 3)}
+    catches; ``run``: more fields of the run record (:func:`write_trace`)."""
+    batches = good_batches()
     if plant:
         nudge(batches[2].advantages, 4, 6)
-    return write_trace(directory, algorithm("td0", kl="kl"), batches)
+    return write_trace(directory, algorithm("td0", kl="kl"), batches, run=run)
+
+
+def good_batches() -> dict[int, Batch]:
+    """The steps of :func:`good_trace`, by step."""
+    return {step: by_definition(random_batch(step, kl_coef=0.1, turn_rewards=True), "td0", gamma=1.0) for step in (1, 2, 3)}
 
 
 def valid_positions(batch: Batch) -> list[tuple[int, int]]:

@@ -199,7 +199,8 @@ def test_summary_critic_command(tmp_path, run_cli):
     path = hand_trace(tmp_path / "t")
     code, out, err = run_cli("summary", path, "--critic")
     assert code == 0 and err == ""
-    title, ev, note, tokens_title, tokens, mae_title, mae = out.strip().split("\n\n")
+    header, title, ev, note, tokens_title, tokens, mae_title, mae = out.strip().split("\n\n")
+    assert header == "rollout:  not recorded (the run record does not say)\nfinished: unknown (the run record does not say)"
     assert title.startswith("explained variance 1 − Var(G − V)/Var(G)") and "(γ = 0.5)" in title
     # text drops the columns that are null in every step: here every bucket, none of 8 tokens or more
     assert ev.splitlines() == ["step", "   7"]
@@ -230,7 +231,7 @@ def test_summary_critic_command(tmp_path, run_cli):
 def test_summary_critic_command_shows_the_buckets_of_eight_tokens(mc_trace, batches, run_cli):
     """11 to 13 responses a step: the EV of every bucket with 8 tokens or more, blank below."""
     code, out, _ = run_cli("summary", mc_trace, "--critic", "--format", "markdown", "--digits", "6")
-    table = [line.strip("|").split("|") for line in out.split("\n\n")[1].splitlines()]
+    table = [line.strip("|").split("|") for line in out.split("\n\n")[2].splitlines()]  # after the run's header and the title
     columns = [cell.strip() for cell in table[0]]
     shown = {(int(cells[0]), column): cell.strip() for cells in table[2:] for column, cell in zip(columns, cells)}
     blank = 0

@@ -50,7 +50,9 @@ def test_summary_command(tmp_path, run_cli):
     path = small_trace(tmp_path / "t")
     code, out, err = run_cli("summary", path)
     assert code == 0 and err == NO_FLAGS_NOTE.format(steps="step 3")
-    header, line = out.splitlines()
+    run, table = out.split("\n\n")
+    assert run == "rollout:  not recorded (the run record does not say)\nfinished: unknown (the run record does not say)"
+    header, line = table.splitlines()
     assert header.split() == [
         "step",
         "samples",

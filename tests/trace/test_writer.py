@@ -34,6 +34,9 @@ RUN_FIELDS = {
     "update": {"actor": {"loss_mode": "vanilla", "loss_agg_mode": "token-mean"}},
     "host": "trainer-node-0",
     "node": None,
+    "finished": False,
+    "planned_steps": 40,
+    "rollout": {"name": "vllm", "version": "0.27.0+cpu", "dtype": "float32"},
 }
 RUN_RECORD = RunRecord(**RUN_FIELDS)
 
@@ -42,6 +45,41 @@ def write(directory: str, captures, **options) -> None:
     with TraceWriter(TraceOptions(dir=directory, **options), RUN_RECORD) as writer:
         for capture in captures:
             writer.submit(capture)
+
+
+def finished_on_disk(directory) -> bool | None:
+    return json.loads((Path(directory) / "_run.json").read_text())["finished"]
+
+
+def test_the_run_record_says_finished_only_after_finish(tmp_path, hooked_url):
+    """finished stays as the run started it (False) through every step and a close; finish() makes it
+    True, written after the steps submitted before it (the trainer calls it once fit() returned)."""
+    unfinished, finished = tmp_path / "unfinished", tmp_path / "finished"
+    with TraceWriter(TraceOptions(dir=str(unfinished)), RUN_RECORD) as writer:
+        writer.submit(make_capture(1))
+        writer.flush()
+        assert finished_on_disk(unfinished) is False
+        writer.submit(make_capture(2, seed=2))
+    assert finished_on_disk(unfinished) is False  # closed without finish(): a run that stopped early
+    gate = Gate("step-2/part-0.parquet")
+    HookedMemoryFileSystem.on_write = gate
+    with TraceWriter(TraceOptions(dir=hooked_url), RUN_RECORD) as writer:
+        writer.submit(make_capture(1))
+        writer.submit(make_capture(2, seed=2))  # held at its token file until the gate opens
+        writer.finish()
+        assert gate.reached.wait(timeout=30)
+        record = json.loads(HookedMemoryFileSystem().cat_file(f"{hooked_url}/_run.json"))
+        assert record["finished"] is False and list(record["steps"]) == ["1"]  # not before step 2
+        gate.open()
+    record = json.loads(HookedMemoryFileSystem().cat_file(f"{hooked_url}/_run.json"))
+    assert record["finished"] is True and list(record["steps"]) == ["1", "2"]
+    with TraceWriter(TraceOptions(dir=str(finished)), RUN_RECORD) as writer:
+        writer.submit(make_capture(1))
+        writer.finish()
+    assert finished_on_disk(finished) is True
+    assert open_trace(str(finished)).record.finished is True
+    with pytest.raises(UsageError, match=r"finish\(\) called after close\(\)"):
+        writer.finish()
 
 
 def rows_of(directory: str, step: int) -> list[dict]:

@@ -205,3 +205,33 @@ def test_a_port_in_use_and_a_bad_start_are_one_line(view_trace, run_cli):
     assert code == 2 and err.count("\n") == 1 and "has no step 7" in err
     code, _, err = run_cli("view", view_trace, "--host", "203.0.113.9", "--port", "0")
     assert code == 2 and err.startswith("verl-ext view: cannot serve on 203.0.113.9:0: ") and err.count("\n") == 1
+
+
+def test_a_step_that_does_not_read_is_its_own_error_and_the_others_are_served(tmp_path):
+    """A step's prompt table cut short: the run says which step the record lists and the disk lacks, the
+    cut step's requests answer 404 with the reader's one line naming its file, and every other step is
+    served, the same prompt found at the steps that read."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from tests.inspect.inspect_helpers import good_trace
+    from verl_ext.trace.schema import prompt_file
+    from verl_ext.view.payload import prompt_key
+
+    path = good_trace(tmp_path / "t")
+    first = pq.read_table(tmp_path / "t" / prompt_file(1)).column("prompt_token_ids")[0].as_py()
+    (tmp_path / "t" / prompt_file(2)).write_bytes((tmp_path / "t" / prompt_file(2)).read_bytes()[:100])
+    shutil.rmtree(tmp_path / "t" / "step-3")
+    instance = start(path)
+    try:
+        status, _, body = get(instance, "/api/run")
+        assert status == 200 and json.loads(body)["notes"] == ["step 3 is listed in the run record but missing on disk: left out"]
+        status, _, body = get(instance, "/api/step?step=2")
+        assert status == 404 and json.loads(body)["error"].startswith(f"{path}/{prompt_file(2)} is not a readable Parquet file")
+        status, _, body = get(instance, "/api/step?step=1")
+        assert status == 200 and json.loads(body)["step"] == 1
+        status, _, body = get(instance, f"/api/prompt?key={prompt_key(first)}")
+        assert status == 200 and {"step": 1, "sample": 0, "uid": "u0"} in json.loads(body)
+    finally:
+        stop(instance)

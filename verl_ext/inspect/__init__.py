@@ -18,8 +18,9 @@ token table's checks, recomputation and tolerances); ``check`` (runs them all, t
 ``summary`` (one row per step); ``update`` (the update tables' checks and statistics);
 ``comparison`` (the estimators side by side on one step); ``cuts`` (the responses cut at the length
 limit, and the estimators under each ``algorithm.truncation``); ``critic`` (the critic's values against
-the Monte-Carlo return, by position); ``plots``; ``render`` (text, CSV, Markdown, the check report,
-progress lines). The commands are in :mod:`verl_ext.cli`.
+the Monte-Carlo return, by position); ``unread`` (the steps a scan could not read: missing on disk, or
+whose files do not read, and how the commands say so); ``plots``; ``render`` (text, CSV, Markdown, the
+check report, progress lines). The commands are in :mod:`verl_ext.cli`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ The verdict (:attr:`CheckReport.verdict`) is ``fail`` when an identity is violat
 ``incomplete`` when one that applies to the run could not be evaluated here (status ``unchecked``:
 e.g. the run's estimator, whose module does not import in this process), else ``pass``. An identity
 that does not apply (no critic, whitening off, ...) is ``skipped`` and leaves the verdict alone.
+
+A step whose file does not read (cut short, moved, another write's) is not checked; the identity
+``steps_on_disk`` fails it, naming the file, and every other step is checked. Whether the run
+finished is the run record's (:class:`~verl_ext.inspect.stepdata.RecordedRun`): a run that did not
+finish can pass, and its report says how far it got.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from typing import Any, Iterable
 
 import pyarrow as pa
 
+from verl_ext.errors import StepFileError
 from verl_ext.inspect import update
+from verl_ext.inspect.cuts import StepCuts
 from verl_ext.inspect.identities import IDENTITIES, RUN, TOKEN, UPDATE, Identity
 from verl_ext.inspect.results import NOT_CHECKED, IdentityResult, StepResult, aggregate
-from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
+from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, RecordedRun, StepData, as_trace
 from verl_ext.inspect.tokens import QUANTITIES, RunScope, TokenStep
 
 __all__ = ["check_trace", "CheckReport"]
@@ -39,26 +46,31 @@ def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | 
     with_updates = any(trace.update_steps.values())  # a trace without update tables has no §8.6 rows
     checked = [i for i in IDENTITIES if (i.table != UPDATE or with_updates) and i.applies_to(algorithm)]
     per_step: list[StepResult] = []
+    unreadable: dict[int, StepFileError] = {}
     tokens = 0
     for done, step in enumerate(selected, start=1):
-        data = StepData.read(trace, step, QUANTITIES, rows_only=("turn", "role"))
-        contexts = {TOKEN: TokenStep(algorithm, trace.step_record(step), data, TokenStep.read_cuts(trace, algorithm, data))}
-        if with_updates:
-            contexts[UPDATE] = update.UpdateStep(trace, step, data)
-        for i in checked:
-            if i.table != RUN:
-                per_step.append(StepResult(**vars(i.check(contexts[i.table])), identity=i.name, step=step))
-        tokens += data.tokens
+        try:
+            data = StepData.read(trace, step, QUANTITIES, rows_only=("turn", "role"))
+            cuts = StepCuts.of(trace.prompts(step), data.layout)  # every file of the step must read
+            contexts = {TOKEN: TokenStep(algorithm, trace.step_record(step), data, cuts)}
+            if with_updates:
+                contexts[UPDATE] = update.UpdateStep(trace, step, data)
+            findings = [(i, i.check(contexts[i.table])) for i in checked if i.table != RUN]
+        except StepFileError as error:  # the step is not checked; steps_on_disk fails it, the others go on
+            unreadable[step] = error
+        else:
+            per_step.extend(StepResult(**vars(finding), identity=i.name, step=step) for i, finding in findings)
+            tokens += data.tokens
         if progress is not None:
             progress(done, len(selected), tokens)
-    run = RunScope(trace, selected, everything=steps is None)
+    run = RunScope(trace, selected, everything=steps is None, unreadable=unreadable)
     for i in checked:
         if i.table == RUN:
             per_step.extend(StepResult(**vars(finding), identity=i.name, step=step) for step, finding in i.check(run))
     identities = tuple(
         aggregate(i.name, *i.describe(algorithm), [r for r in per_step if r.identity == i.name]) for i in checked
     )
-    return CheckReport(str(trace.path), algorithm, selected, tokens, identities, tuple(per_step))
+    return CheckReport(str(trace.path), algorithm, selected, tokens, identities, tuple(per_step), RecordedRun.of(trace), tuple(sorted(unreadable)))
 
 
 # --------------------------------------------------------------------------- the report
@@ -72,6 +84,10 @@ class CheckReport:
     tokens: int
     identities: tuple[IdentityResult, ...]
     per_step: tuple[StepResult, ...]
+    #: the run as a whole: whether it finished, its planned steps, its rollout engine (None: not read)
+    run: RecordedRun | None = None
+    #: the selected steps that were not checked because a file of theirs does not read
+    unreadable: tuple[int, ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -136,6 +152,11 @@ class CheckReport:
             "estimator": self.algorithm.describe(),
             "steps": list(self.steps),
             "tokens": self.tokens,
+            "unreadable_steps": list(self.unreadable),
+            "run": None if self.run is None else {
+                "finished": self.run.finished, "planned_steps": self.run.planned_steps,
+                "last_step": self.run.last_step, "rollout": None if self.run.rollout is None else dict(self.run.rollout),
+            },
             "verdict": self.verdict,
             "passed": self.passed,
             "not_checked": [{"reason": reason, "identities": list(names)} for reason, names in self.not_checked.items()],

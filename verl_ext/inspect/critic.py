@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
+from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.step_metrics import (
     BUCKETS,
     DECILES,
@@ -59,29 +60,43 @@ CRITIC_SCHEMA = pa.schema(
 METRICS = tuple(CRITIC_SCHEMA.names[2:])
 
 
-def critic_diagnostics(trace, steps: Iterable[int] | None = None, progress: Progress | None = None) -> pa.Table:
+def critic_diagnostics(
+    trace, steps: Iterable[int] | None = None, progress: Progress | None = None, unread: UnreadSteps | None = None
+) -> pa.Table:
     """CRITIC_SCHEMA: for every step (all traced steps, or ``steps``) and every bucket of BUCKETS,
     the critic's values against the Monte-Carlo return (module docstring), one step read at a time.
+    ``unread``: where to note a step whose files do not read, which is then left out (without it,
+    such a step raises :class:`~verl_ext.errors.StepFileError`).
 
     A step without values (a run without a critic, such as ``grpo``) is a UsageError."""
     trace = as_trace(trace)
     selected = [trace.require_step(step) for step in (trace.steps if steps is None else steps)]
     gamma = RecordedAlgorithm.from_record(trace.record).gamma
     rows, tokens = [], 0
+
+    def read(step: int) -> StepData:
+        return StepData.read(trace, step, ("reward", "value"))
+
     for done, step in enumerate(selected, start=1):
-        data = StepData.read(trace, step, ("reward", "value"))
-        if data.columns["value"] is None or data.columns["reward"] is None:
-            missing = "values" if data.columns["value"] is None else "rewards"
-            estimator = trace.record.algorithm.get("adv_estimator")
-            raise UsageError(
-                f"step {step} has no {missing}: nothing to compare the critic with "
-                f"(adv_estimator={estimator}; a run without a critic, such as grpo, has no values)"
-            )
-        rows += step_diagnostics(data, gamma)
-        tokens += data.tokens
+        read_steps = unread.read([step], read) if unread is not None else [(step, read(step))]
+        for _, data in read_steps:
+            rows += _checked_diagnostics(trace, data, gamma)
+            tokens += data.tokens
         if progress is not None:
             progress(done, len(selected), tokens)
     return pa.Table.from_pylist(rows, schema=CRITIC_SCHEMA)
+
+
+def _checked_diagnostics(trace, data: StepData, gamma: float) -> list[dict]:
+    """:func:`step_diagnostics`, or a UsageError for a step without values or rewards."""
+    if data.columns["value"] is None or data.columns["reward"] is None:
+        missing = "values" if data.columns["value"] is None else "rewards"
+        estimator = trace.record.algorithm.get("adv_estimator")
+        raise UsageError(
+            f"step {data.step} has no {missing}: nothing to compare the critic with "
+            f"(adv_estimator={estimator}; a run without a critic, such as grpo, has no values)"
+        )
+    return step_diagnostics(data, gamma)
 
 
 def step_diagnostics(data: StepData, gamma: float) -> list[dict]:

@@ -2,8 +2,9 @@
 and the estimators re-run under each treatment of ``algorithm.truncation``
 (docs/definitions.md#truncated-responses).
 
-The prompt table says which responses were cut (``truncated``) and, for a run that bootstrapped,
-the critic's value after each cut response's last token (``bootstrap_value``, null elsewhere).
+The prompt table says which responses were cut (``truncated``), for a run that bootstrapped the
+critic's value after each cut response's last token (``bootstrap_value``, null elsewhere), and, where
+the rollout engine said it (verl's vLLM rollout), why the engine ended each response (``stop_reason``).
 :class:`StepCuts` aligns both with a step's :class:`~verl_ext.inspect.stepdata.StepLayout`;
 :func:`estimate_under` recomputes an estimator under one treatment (:meth:`StepData.estimate`,
 through :func:`verl_ext.registry.run`, the code path of training).
@@ -21,17 +22,22 @@ from verl_ext.inspect.stepdata import StepData, StepLayout, floats
 #: The prompt table's columns read here.
 CUT_COLUMN = "truncated"
 BOOTSTRAP_COLUMN = "bootstrap_value"
+STOP_COLUMN = "stop_reason"
+#: The engine's stop reason of a response it ended at the length limit (vLLM's finish_reason).
+STOPPED_AT_LENGTH = "length"
 #: Where every message about the cut points.
 SECTION = "docs/definitions.md#truncated-responses"
 
 
 @dataclass(frozen=True)
 class StepCuts:
-    """Per sample of a step's layout (0 … B−1): ``cut`` (bool; None when the trace records no flags)
-    and ``bootstrap_value`` (float64, NaN where null; None when no sample has one)."""
+    """Per sample of a step's layout (0 … B−1): ``cut`` (bool; None when the trace records no flags),
+    ``bootstrap_value`` (float64, NaN where null; None when no sample has one) and the rollout engine's
+    ``stop_reason`` (object: str or None; None when no sample has one)."""
 
     cut: np.ndarray | None
     bootstrap_value: np.ndarray | None
+    stop_reason: np.ndarray | None = None
 
     @classmethod
     def read(cls, trace, step: int, layout: StepLayout) -> "StepCuts":
@@ -53,7 +59,13 @@ class StepCuts:
             if len(column) and column.null_count < len(column):
                 bootstrap = np.full(layout.samples, np.nan)
                 bootstrap[at[known]] = floats(column)[known]
-        return cls(cut, bootstrap)
+        reasons = None
+        if STOP_COLUMN in prompts.column_names:
+            column = prompts.column(STOP_COLUMN)
+            if len(column) and column.null_count < len(column):
+                reasons = np.full(layout.samples, None, object)
+                reasons[at[known]] = np.asarray(column.to_pylist(), object)[known]
+        return cls(cut, bootstrap, reasons)
 
     @property
     def recorded(self) -> bool:
@@ -126,3 +138,19 @@ def whitened(advantages: np.ndarray, cut_tokens: np.ndarray, mode: str) -> np.nd
         return None
     white = estimators.masked_whiten(torch.from_numpy(advantages)[None], torch.from_numpy(keep.astype(np.float64))[None])[0].numpy()
     return np.where(keep, white, 0.0)
+
+
+def last_step_with_cuts(trace) -> int | None:
+    """The last step of ``trace`` with a response cut at the length limit (its prompt table's
+    ``truncated``), None when no step has one or the trace records no flags. A step whose prompt table
+    does not read is passed over (a command that reads it says so)."""
+    from verl_ext.errors import StepFileError
+
+    for step in reversed(trace.steps):
+        try:
+            flags = trace.prompts(step).column(CUT_COLUMN)
+        except StepFileError:
+            continue
+        if flags.fill_null(False).to_numpy(zero_copy_only=False).any():
+            return step
+    return None

@@ -22,6 +22,8 @@ __all__ = ["IDENTITIES", "Identity"]
 #: The tables an identity reads: one step of the token table, one step of the update tables, or the
 #: run record against the files (once per check, with a finding per step).
 TOKEN, UPDATE, RUN = "token", "update", "run"
+#: The rollouts whose engine says why it ended each response (the trace's ``stop_reason``).
+STOP_REASON_ROLLOUTS = ("vllm",)
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ IDENTITIES = (
     Identity("turns", "8.5", TOKEN, "turn = the holes before the token (§7)", EXACT, TokenStep.turns, counts="row"),
     Identity("roles", "8.5", TOKEN, "role = assistant exactly on valid tokens (§7)", EXACT, TokenStep.roles, counts="row"),
     Identity("finite", "8.5", TOKEN, "quantities present and finite on valid tokens", EXACT, TokenStep.finite),
-    Identity("steps_on_disk", "8.5", RUN, "every step and update table of the run record is on disk", EXACT, steps_on_disk, counts="file"),
+    Identity("steps_on_disk", "8.5", RUN, "every step and update table of the run record is on disk and reads", EXACT, steps_on_disk, counts="file"),
     # docs/definitions.md#truncated-responses: only in the report of a run that treats cut responses apart
     Identity(
         "bootstrap_value", "8.7", TOKEN, "bootstrap_value present exactly on cut responses", EXACT, TokenStep.bootstrap_value,
@@ -119,6 +121,11 @@ IDENTITIES = (
     Identity(
         "cut_advantage", "8.7", TOKEN, "cut responses have advantage 0", EXACT, TokenStep.cut_advantage,
         applies=lambda a: a.truncation == "mask",
+    ),
+    # only in the report of a run whose rollout engine says why it ended each response (verl_ext.integration.stop_reasons)
+    Identity(
+        "stop_reason", "8.7", TOKEN, "truncated = the rollout engine stopped at the length limit (its stop reason)", EXACT,
+        TokenStep.stop_reason, counts="response", applies=lambda a: a.rollout in STOP_REASON_ROLLOUTS,
     ),
     Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update.update_rows),
     Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", update.RATIO, update.ratio),

@@ -51,6 +51,7 @@ from verl_ext.inspect.render import display_width
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.summary import summarize
 from verl_ext.inspect.table import CONTINUATION, EMPTY, decoder_for, sample_view
+from verl_ext.inspect.unread import UnreadSteps, last_step_that_reads
 from verl_ext.inspect.update_rows import UpdateRows
 from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
@@ -116,9 +117,10 @@ def position_curves(trace, step: int | None = None) -> Figure:
     return fig
 
 
-def over_steps(trace, progress: Progress | None = None) -> Figure:
-    """Mean sequence score (and reward), explained variance of values vs returns, and KL, per step."""
-    summary = summarize(as_trace(trace), progress=progress).to_pydict()
+def over_steps(trace, progress: Progress | None = None, unread: UnreadSteps | None = None) -> Figure:
+    """Mean sequence score (and reward), explained variance of values vs returns, and KL, per step;
+    ``unread``: where to note the steps that do not read, left out (:func:`summarize`)."""
+    summary = summarize(as_trace(trace), progress=progress, unread=unread).to_pydict()
     steps = summary["step"]
     has_kl = any(v is not None for v in summary["kl"])
     fig = Figure(figsize=(9, 7.5 if has_kl else 5.5), layout="constrained")
@@ -358,15 +360,16 @@ def comparison_figure(comparison) -> Figure:
 CRITIC_ANNOTATE_STEPS = 30
 
 
-def critic_heatmap(trace, progress: Progress | None = None) -> Figure:
+def critic_heatmap(trace, progress: Progress | None = None, unread: UnreadSteps | None = None) -> Figure:
     """Two heatmaps, steps (rows, downwards) × position buckets (columns: deciles of each response,
     its last valid token, all): the explained variance 1 − Var(G − V)/Var(G) of the values against
     the Monte-Carlo return, its colour clipped to [−1, 1] and diverging around 0 (white: the critic
     explains nothing; red: below 0, V adds error; blue: towards 1, ready), and the mean |V − G|.
     Grey: undefined (an EV of fewer than MIN_EV_TOKENS tokens, returns that do not vary, no tokens),
-    as the EV panel's title says. Needs values (UsageError without)."""
+    as the EV panel's title says. Needs values (UsageError without). ``unread``: where to note the
+    steps that do not read, left out (:func:`critic_diagnostics`)."""
     trace = as_trace(trace)
-    diagnostics = critic_diagnostics(trace, progress=progress)
+    diagnostics = critic_diagnostics(trace, progress=progress, unread=unread)
     panels = (
         ("explained_var", f"explained variance 1 − Var(G − V) / Var(G)\n(grey: fewer than {MIN_EV_TOKENS} tokens, or G does not vary)",
          "colour clipped to [−1, 1]", colormaps["RdBu"]),
@@ -406,25 +409,36 @@ def _step_ticks(steps: list[int], most: int = 30) -> tuple[list[int], list[str]]
 
 
 def save_plots(
-    trace, out_dir, step: int | None = None, sample: int = 0, tokenizer=None, progress: Progress | None = None
+    trace,
+    out_dir,
+    step: int | None = None,
+    sample: int = 0,
+    tokenizer=None,
+    progress: Progress | None = None,
+    unread: UnreadSteps | None = None,
 ) -> list[Path]:
     """Write every figure as a PNG under ``out_dir``; return the paths written.
 
     Figures that do not apply to the run (value vs return and the critic heatmap without values) are
     left out. Nothing is written unless every figure that applies could be drawn. Without ``step``
-    (the last step), the ratio against advantage is drawn at :func:`most_clipped_step`, and a
-    :class:`PlotNote` says which when that is another step.
+    (the last step that reads), the ratio against advantage is drawn at :func:`most_clipped_step`, and
+    a :class:`PlotNote` says which when that is another step. ``unread``: where to note the steps whose
+    files do not read, which the figures over steps then leave out (without it, such a step raises
+    :class:`~verl_ext.errors.StepFileError`).
     """
     trace = as_trace(trace)
-    chosen, step = step, _step(trace, step)
+    chosen = step
+    if step is None and unread is not None:
+        step = last_step_that_reads(trace, unread)[0]
+    step = _step(trace, step)
     figures = {
         f"positions_step{step}.png": lambda: position_curves(trace, step),
-        "over_steps.png": lambda: over_steps(trace, progress),
+        "over_steps.png": lambda: over_steps(trace, progress, unread),
         f"value_vs_return_step{step}.png": lambda: value_vs_return(trace, step),
         f"advantages_step{step}_sample{sample}.png": lambda: advantage_heatmap(trace, step, sample, tokenizer),
-        "critic_ev.png": lambda: critic_heatmap(trace, progress),
+        "critic_ev.png": lambda: critic_heatmap(trace, progress, unread),
     }
-    ratio_step = step if chosen is not None else most_clipped_step(trace)
+    ratio_step = step if chosen is not None else most_clipped_step(trace, unread)
     if ratio_step is not None and ratio_step != step:  # the last step's ratios may all sit at 1 (the lr decayed)
         clipped, rows = _clipped_rows(trace, ratio_step)
         warnings.warn(f"ratio_vs_advantage is drawn at step {ratio_step}, the step with the most clipped update rows ({clipped:,} of {rows:,})", PlotNote, stacklevel=2)
@@ -448,13 +462,22 @@ def save_plots(
     return [out / name for name in built]
 
 
-def most_clipped_step(trace) -> int | None:
+def most_clipped_step(trace, unread: UnreadSteps | None = None) -> int | None:
     """The step whose actor update clipped the most rows (the earliest of equals; the last step when
-    none clipped); None without actor update tables."""
+    none clipped); None without actor update tables. ``unread``: where to note a step whose update
+    table does not read, which is then left out (without it, it raises StepFileError)."""
     steps = trace.update_steps.get("actor", [])
+    if unread is not None:
+        steps = [step for step in steps if step not in unread.unreadable]
     if not steps:
         return None
-    clipped = {step: _clipped_rows(trace, step)[0] for step in steps}
+    if unread is None:
+        clipped = {step: _clipped_rows(trace, step)[0] for step in steps}
+    else:
+        clipped = {step: rows[0] for step, rows in unread.read(steps, lambda step: _clipped_rows(trace, step))}
+        steps = [step for step in steps if step in clipped]
+        if not steps:
+            return None
     most = max(clipped.values())
     return next(step for step in steps if clipped[step] == most) if most else steps[-1]
 
@@ -466,14 +489,21 @@ def _clipped_rows(trace, step: int) -> tuple[int, int]:
 
 
 def save_plots_with_notes(
-    trace, out_dir, step: int | None = None, sample: int = 0, tokenizer=None, progress: Progress | None = None
+    trace,
+    out_dir,
+    step: int | None = None,
+    sample: int = 0,
+    tokenizer=None,
+    progress: Progress | None = None,
+    unread: UnreadSteps | None = None,
 ) -> tuple[list[Path], list[str]]:
     """:func:`save_plots`, and what a person should know about the figures (the :class:`PlotNote`
-    warnings, and a tokenizer that could not be loaded), each note once: (paths, notes)."""
+    warnings, and a tokenizer that could not be loaded), each note once: (paths, notes). The steps
+    left out are in ``unread`` (:func:`save_plots`)."""
     decoder = decoder_for(trace, tokenizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PlotNote)
-        paths = save_plots(trace, out_dir, step, sample, decoder, progress)
+        paths = save_plots(trace, out_dir, step, sample, decoder, progress, unread)
     notes = [str(w.message) for w in caught if issubclass(w.category, PlotNote)]
     if not decoder.available:
         notes.insert(0, f"{decoder.problem}; the heatmap shows token ids")

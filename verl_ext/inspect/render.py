@@ -117,10 +117,16 @@ def format_report(report, accept_unchecked: bool = False) -> str:
         )
         for r in report.identities
     ]
+    checked = len(report.steps) - len(report.unreadable)
+    unreadable = f" ({len(report.unreadable)} more could not be read)" if report.unreadable else ""
     lines = [
         f"run:       {report.path}",
         f"estimator: {report.algorithm.describe()}",
-        f"checked:   {len(report.steps)} step{'s' * (len(report.steps) != 1)}, {report.tokens:,} valid tokens",
+        *(
+            [f"rollout:   {report.run.describe_rollout()}", f"finished:  {report.run.describe_end()}"]
+            if report.run is not None else []
+        ),
+        f"checked:   {checked} step{'s' * (checked != 1)}, {report.tokens:,} valid tokens{unreadable}",
         "",
         text_table(
             ["§", "identity", "max abs error", "tolerance", "result"], rows, [False, False, True, False, False]
@@ -145,10 +151,13 @@ def format_report(report, accept_unchecked: bool = False) -> str:
 
 def verdict_line(report, accept_unchecked: bool = False) -> str:
     """``PASS (…)``, ``FAIL: n violated (…)``, or ``INCOMPLETE (…): why`` when an identity that applies
-    to the run was not evaluated (never PASS then: the counts say how many, the reasons what to do)."""
+    to the run was not evaluated (never PASS then: the counts say how many, the reasons what to do).
+    For a run that did not finish the counts end with how far it got: ``PASS (…; 8 of 40 planned steps;
+    the run did not finish)``, still a pass of the steps it wrote."""
     count = {status: sum(r.status == status for r in report.identities) for status in ("pass", "fail", "unchecked", "skipped")}
     not_checked = f", {count['unchecked']} not checked" if count["unchecked"] else ""
-    counts = f"({count['pass']} passed, {count['fail']} failed{not_checked}, {count['skipped']} skipped)"
+    unfinished = report.run.unfinished() if report.run is not None else None
+    counts = f"({count['pass']} passed, {count['fail']} failed{not_checked}, {count['skipped']} skipped{'; ' + unfinished if unfinished else ''})"
     if count["fail"]:
         return f"FAIL: {count['fail']} violated {counts}"
     if count["unchecked"]:

@@ -10,6 +10,8 @@
   whitened; ``grpo`` and the others build advantages from group statistics the trace does not hold),
   and its ``algorithm.truncation`` (docs/definitions.md#truncated-responses; a run record before
   format 7 has none: terminal, what every run did then);
+* :class:`RecordedRun`: whether the run finished, the steps it planned and the engine that generated
+  its responses (a run record before format 8 says none of these: unknown);
 * :func:`as_trace`: every inspection function takes an open trace or a path to one;
 * :func:`floats` (a column as float numpy, NaN where null), :func:`join_keys` and :func:`locate`
   (the join of the update tables with the token table on (sample, token_index)).
@@ -65,6 +67,8 @@ class RecordedAlgorithm:
     estimator_missing: bool = False
     #: ``algorithm.truncation``: what the estimate did with the responses cut at the length limit.
     truncation: str = TRUNCATION_DEFAULT
+    #: verl's name of the rollout that made the responses (None: a trace before format 8).
+    rollout: str | None = None
 
     @classmethod
     def from_record(cls, record) -> "RecordedAlgorithm":
@@ -78,6 +82,7 @@ class RecordedAlgorithm:
             kl_in_reward=bool(algorithm.get("use_kl_in_reward", False)),
             kl_penalty=algorithm.get("kl_penalty"),
             truncation=recorded_truncation(algorithm),
+            rollout=(getattr(record, "rollout", None) or {}).get("name"),
         )
         gamma = algorithm.get("gamma", 1.0)
         for key in ("gamma", "lam"):
@@ -127,6 +132,66 @@ class RecordedAlgorithm:
         if self.truncation != TRUNCATION_DEFAULT:
             parts.append(f"truncation={self.truncation}")
         return ", ".join(parts)
+
+
+#: The format whose run record first says whether the run finished, and its rollout engine.
+RUN_END_SINCE = 8
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """What the run record says about the run as a whole: whether it finished, the steps it planned,
+    the last step the trace holds, and the rollout engine."""
+
+    #: True: the trainer's fit() returned after its last step; False: it did not (killed, interrupted,
+    #: failed, or still running); None: the record does not say (a trace before format 8)
+    finished: bool | None
+    planned_steps: int | None
+    #: the last step the trace holds, on disk or listed in the run record (None: no step)
+    last_step: int | None
+    #: {"name", "version", "dtype"}; None: not recorded
+    rollout: Mapping[str, Any] | None
+    schema_version: int
+
+    @classmethod
+    def of(cls, trace) -> "RecordedRun":
+        record = trace.record
+        steps = set(trace.steps) | {int(step) for step in record.steps}
+        finished = record.finished if isinstance(record.finished, bool) else None
+        planned = record.planned_steps if isinstance(record.planned_steps, int) else None
+        rollout = record.rollout if isinstance(record.rollout, Mapping) else None
+        return cls(finished, planned, max(steps) if steps else None, rollout, record.schema_version)
+
+    def _not_recorded(self) -> str:
+        return f"a trace before format {RUN_END_SINCE}" if self.schema_version < RUN_END_SINCE else "the run record does not say"
+
+    def describe_rollout(self) -> str:
+        """``vllm 0.27.0+cpu, float32``; what is not known said as such."""
+        if self.rollout is None:
+            return f"not recorded ({self._not_recorded()})"
+        name = self.rollout.get("name") or "unknown engine"
+        version = self.rollout.get("version")
+        dtype = self.rollout.get("dtype")
+        engine = f"{name} {version}" if version else f"{name} (version unknown)"
+        return f"{engine}, {dtype}" if dtype else engine
+
+    def steps_done(self) -> str:
+        """``8 of 40 planned steps``: the last step the trace holds of those planned."""
+        if self.planned_steps is None:
+            return "planned steps unknown" if self.last_step is None else f"last step {self.last_step}, planned steps unknown"
+        return f"{self.last_step or 0} of {self.planned_steps} planned steps"
+
+    def describe_end(self) -> str:
+        """Whether the run finished, in a few words: ``no: 8 of 40 planned steps``."""
+        if self.finished is None:
+            return f"unknown ({self._not_recorded()})"
+        if self.finished:
+            return "yes" if self.planned_steps is None else f"yes ({self.planned_steps} planned steps)"
+        return f"no: {self.steps_done()}"
+
+    def unfinished(self) -> str | None:
+        """``8 of 40 planned steps; the run did not finish`` for a run that did not finish, else None."""
+        return None if self.finished is not False else f"{self.steps_done()}; the run did not finish"
 
 
 def recorded_truncation(algorithm: Mapping[str, Any]) -> str:

@@ -38,6 +38,7 @@ import pyarrow as pa
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
 from verl_ext.inspect.cuts import SECTION, StepCuts
 from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
+from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.inspect.update import update_statistics, why_no_correlation
 from verl_ext.step_metrics import critic_by_position, turn_shares
 
@@ -74,19 +75,27 @@ SUMMARY_SCHEMA = pa.schema(
 _COLUMNS = ("score", "reward", "kl", "value", "return", "advantage_raw", "advantage")
 
 
-def summarize(trace, steps: Iterable[int] | None = None, progress: Progress | None = None) -> pa.Table:
-    """SUMMARY_SCHEMA, one row per step (all traced steps, or ``steps``), read one step at a time."""
+def summarize(
+    trace, steps: Iterable[int] | None = None, progress: Progress | None = None, unread: UnreadSteps | None = None
+) -> pa.Table:
+    """SUMMARY_SCHEMA, one row per step (all traced steps, or ``steps``), read one step at a time.
+    ``unread``: where to note a step whose files do not read, which is then left out (without it, such
+    a step raises :class:`~verl_ext.errors.StepFileError`)."""
     trace = as_trace(trace)
     selected = list(trace.steps if steps is None else steps)
     gamma = RecordedAlgorithm.from_record(trace.record).gamma
     rows, tokens = [], 0
-    for done, step in enumerate(selected, start=1):
+
+    def summary_row(step: int) -> tuple[dict, int]:
         data = StepData.read(trace, step, _COLUMNS)
         prompts = trace.prompts(step)
-        rows.append(
-            step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(prompts) | truncation_statistics(prompts, data)
-        )
-        tokens += data.tokens
+        row = step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(prompts) | truncation_statistics(prompts, data)
+        return row, data.tokens
+
+    for done, step in enumerate(selected, start=1):
+        for _, (row, step_tokens) in (unread.read([step], summary_row) if unread is not None else [(step, summary_row(step))]):
+            rows.append(row)
+            tokens += step_tokens
         if progress is not None:
             progress(done, len(selected), tokens)
     return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)

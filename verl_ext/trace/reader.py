@@ -1,7 +1,10 @@
 """Read a trace: the run record, one step at a time, or all steps as one dataset.
 
 A :class:`Trace` is a view of the directory as it was when opened (reopen it to see steps written
-since). Every problem with the trace itself raises :class:`TraceError` with a one-line message.
+since). Every problem with the trace itself raises :class:`TraceError` with a one-line message; one
+with a file of a single step (missing, cut short, moved there from another step, from another write)
+raises its subclass :class:`StepFileError`, which names the step and the file, so that a reader of
+many steps can say which one it could not read and go on with the others.
 Traces of every readable format give the same tables: format 3 stores ``step`` in its files
 (``step-<n>``), formats 1 and 2 only in the folder name (``step=<n>``); see schema.py.
 """
@@ -18,7 +21,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from verl_ext.errors import TraceError, UsageError, one_line
+from verl_ext.errors import StepFileError, TraceError, UsageError, one_line
 from verl_ext.trace import record, storage
 from verl_ext.trace.schema import (
     PROMPT_SCHEMA,
@@ -157,9 +160,11 @@ class Trace:
         table = self._read_file(self.layout.prompt_file(step), PROMPT_SCHEMA, PROMPT_SCHEMA.names, step, stores_step=True)
         written_with = (table.schema.metadata or {}).get(WRITE_ID_METADATA_KEY.encode())
         if written_with != self._footer(step).get(WRITE_ID_METADATA_KEY.encode()):
-            raise TraceError(
+            raise StepFileError(
                 f"{self.path}: the prompt table of step {step} comes from another write than its token "
-                "table (a re-trace of the step was interrupted); trace the step again"
+                "table (a re-trace of the step was interrupted); trace the step again",
+                step,
+                self.layout.prompt_file(step),
             )
         return table.replace_schema_metadata(PROMPT_SCHEMA.metadata)
 
@@ -187,10 +192,10 @@ class Trace:
         """What the update table of ``kind`` at ``step`` holds, as stored in its footer (incl. verl's logged metrics)."""
         self._require_update(kind, step)
         relative = self.layout.update_file(kind, step)
-        footer = self._attempt(relative, lambda file: pq.read_metadata(file).metadata or {})
+        footer = self._attempt(relative, lambda file: pq.read_metadata(file).metadata or {}, step)
         entry = footer.get(UPDATE_RECORD_METADATA_KEY.encode())
         if entry is None:
-            raise TraceError(f"{self.path}/{relative} has no update record in its footer")
+            raise StepFileError(f"{self.path}/{relative} has no update record in its footer", step, relative)
         return UpdateEntry.from_dict(json.loads(entry), f"{self.path}/{relative} footer")
 
     def step_record(self, step: int) -> StepEntry:
@@ -198,7 +203,7 @@ class Trace:
         entry = self._footer(step).get(STEP_RECORD_METADATA_KEY.encode())
         relative = self.layout.token_file(step)
         if entry is None:
-            raise TraceError(f"{self.path}/{relative} has no step record in its footer")
+            raise StepFileError(f"{self.path}/{relative} has no step record in its footer", step, relative)
         return StepEntry.from_dict(json.loads(entry), f"{self.path}/{relative} footer")
 
     def dataset(self) -> ds.Dataset:
@@ -242,12 +247,18 @@ class Trace:
             raise TraceError(f"{self.path} has no step {step} (steps on disk: {listing(self.steps)})")
         return step
 
+    @property
+    def missing_steps(self) -> list[int]:
+        """Steps the run record lists whose token file is not on disk (sorted). A step on disk that the
+        record lacks is not missing: the writer publishes a step's data before its index entry."""
+        return sorted(set(map(int, self.record.steps)) - set(self.steps))
+
     def _footer(self, step: int) -> dict[bytes, bytes]:
         """Key-value metadata of the step's token file (cached)."""
         if step not in self._footers:
             self.require_step(step)
             relative = self.layout.token_file(step)
-            self._footers[step] = self._attempt(relative, lambda file: pq.read_metadata(file).metadata or {})
+            self._footers[step] = self._attempt(relative, lambda file: pq.read_metadata(file).metadata or {}, step)
         return self._footers[step]
 
     def _read_parquet(self, step: int, relative: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
@@ -288,19 +299,22 @@ class Trace:
                     table = table.add_column(columns.index(name), schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
             return table.cast(_subschema(schema, columns).with_metadata(table.schema.metadata))
 
-        return self._attempt(relative, read)
+        return self._attempt(relative, read, step)
 
-    def _attempt(self, relative: str, read):
-        """``read(file)`` on the opened file ``relative``, its failures as one-line TraceErrors."""
+    def _attempt(self, relative: str, read, step: int):
+        """``read(file)`` on the opened file ``relative`` of ``step``, its failures as one-line
+        StepFileErrors (naming the file)."""
         try:
             with self._fs.open_input_file(storage.join(self._root, relative)) as file:
                 return read(file)
-        except TraceError:
+        except StepFileError:
             raise
+        except TraceError as error:  # what ``read`` found wrong with the file
+            raise StepFileError(str(error), step, relative) from None
         except FileNotFoundError:
-            raise TraceError(f"{self.path}/{relative} is missing") from None
+            raise StepFileError(f"{self.path}/{relative} is missing", step, relative) from None
         except (OSError, ValueError, pa.ArrowException) as error:
-            raise TraceError(f"{self.path}/{relative} is not a readable Parquet file ({one_line(error)})") from None
+            raise StepFileError(f"{self.path}/{relative} is not a readable Parquet file ({one_line(error)})", step, relative) from None
 
 
 def _other_steps(parquet: pq.ParquetFile, step: int) -> list[int]:

@@ -1,9 +1,11 @@
 """The trace format: layout, columns, the run record. This is a public contract; bump
 :data:`SCHEMA_VERSION` on any change a reader could notice.
 
-Layout of a trace directory (local path or fsspec URL), formats 3 to 7 (4 added the turns; 5 the roles,
+Layout of a trace directory (local path or fsspec URL), formats 3 to 8 (4 added the turns; 5 the roles,
 tool calls and turn limits of agent loops; 6 the per-turn rewards; 7 the bootstrap values of cut
-responses and the run's ``algorithm.truncation``, which a run record before it lacks: terminal)::
+responses and the run's ``algorithm.truncation``, which a run record before it lacks: terminal; 8 in
+the run record only: whether the run finished, the steps it planned and its rollout engine, which a
+run record before it lacks: unknown)::
 
     TRACE/
       _run.json                   the run record (:class:`RunRecord`)
@@ -66,7 +68,7 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: Schema versions this code reads: every one so far. A column missing from an older file (its
 #: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
 #: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
@@ -125,7 +127,7 @@ class Layout:
         return table.replace_schema_metadata({**(table.schema.metadata or {}), **version})
 
 
-#: The layout of formats 3 to 7: ``step-<n>``, ``step`` stored in every file.
+#: The layout of formats 3 to 8: ``step-<n>``, ``step`` stored in every file.
 LAYOUT = Layout("-", SCHEMA_VERSION)
 #: The layout of formats 1 and 2: ``step=<n>``, a hive partition (``step`` only in the folder name).
 HIVE_LAYOUT = Layout("=", 2)
@@ -254,6 +256,9 @@ PROMPT_COLUMNS = (
     Column("bootstrap_value", pa.float32(), "V(s_L), the critic's value after the last token, which the returns of a truncated "
            "response bootstrapped from (algorithm.truncation=bootstrap, docs/definitions.md#truncated-responses); "
            "null on every other response and in every other run", since=7),
+    Column("stop_reason", pa.string(), "the rollout engine's own reason for ending the response's last generation "
+           "(vLLM's finish_reason: stop, length, abort); null where the engine does not say (verl_ext.integration.stop_reasons)",
+           since=8),
 )
 PROMPT_SCHEMA = pa.schema([c.field for c in PROMPT_COLUMNS], metadata=_VERSION)
 
@@ -391,6 +396,15 @@ class RunRecord:
     #: {"<n>": StepEntry}, set by the writer; a writer resuming into the directory keeps those there
     steps: dict[str, StepEntry] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    #: (since format 8) False from the start of the run, True once the trainer's ``fit()`` returned
+    #: after its last step (:meth:`TraceWriter.finish`); None: the record does not say (before format 8)
+    finished: bool | None = None
+    #: (since format 8) the training steps the trainer planned: verl's ``trainer.total_training_steps``,
+    #: or total_epochs × batches per epoch when that is unset; None: unknown
+    planned_steps: int | None = None
+    #: (since format 8) the engine that generated the responses: {"name": actor_rollout_ref.rollout.name,
+    #: "version": its package's installed version (None: unknown), "dtype": actor_rollout_ref.rollout.dtype}
+    rollout: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         """JSON bytes, steps in numeric order; TypeError/ValueError if something is not JSON data."""

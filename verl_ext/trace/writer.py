@@ -13,6 +13,11 @@ and, when the step's updates have run, ``_critic_update/step-<n>/part-0.parquet`
 A writer resuming into a trace of format 1 or 2 writes these files in that trace's layout
 (``step=<n>``, format 2) and says so once, so that one trace never mixes layouts (schema.py).
 
+The run record's ``finished`` stays as the run started it (False for a training run) until
+:meth:`TraceWriter.finish`, which the trainer's ``fit()`` wrapper calls once ``fit()`` returned after its
+last step: a run that stopped in any other way (killed, interrupted, an error) leaves a record that says
+it did not finish.
+
 Every file is written under ``_tmp/`` and moved into place (:mod:`storage` says what that
 guarantees per filesystem), so a reader never sees a half-written file, a re-traced step replaces
 the old files (one file per step, never duplicates), and a failed or killed write leaves every
@@ -94,6 +99,9 @@ UPDATE_PARQUET_OPTIONS = {
 }
 
 _STOP = object()
+#: Queued by :meth:`TraceWriter.finish`: the writer thread marks the run record finished, after every
+#: step queued before it is written.
+_FINISHED = object()
 
 
 class TraceWriter:
@@ -169,6 +177,14 @@ class TraceWriter:
         self._report_failures(may_raise=True)
         self._queue.put(capture)
 
+    def finish(self) -> None:
+        """Say in the run record that the run finished: call once the trainer's ``fit()`` returned after its
+        last step. Written after the steps already submitted; a failure to write it is reported like a
+        step's."""
+        if self._closed:
+            raise UsageError("TraceWriter.finish() called after close()")
+        self._queue.put(_FINISHED)
+
     def flush(self) -> None:
         """Wait until every submitted step is written (or has failed), then report failures."""
         self._queue.join()
@@ -213,9 +229,8 @@ class TraceWriter:
         if may_raise and self._options.on_error == "raise":
             (step, error), others = failures[0], [step for step, _ in failures[1:]]
             more = f" (steps {', '.join(map(str, others))} failed too)" if others else ""
-            raise TraceError(
-                f"writing step {step} of the trace to {self._options.dir} failed: {one_line(error)}{more}"
-            ) from error
+            what = f"writing step {step} of the trace" if step is not None else "writing the trace"  # its run record, its lease
+            raise TraceError(f"{what} to {self._options.dir} failed: {one_line(error)}{more}") from error
         consequence = "training goes on" if self._options.on_error == "warn" else "reported when the trace closed"
         for step, error in failures:
             what = f"writing step {step}" if step is not None else "the trace"
@@ -249,12 +264,15 @@ class TraceWriter:
             try:
                 if self._lost is not None:  # the directory is no longer this writer's
                     raise OSError(f"not written: {one_line(self._lost)}")
-                if isinstance(item, UpdateCapture):
+                if item is _FINISHED:
+                    self._record.finished = True
+                    self._write_record()
+                elif isinstance(item, UpdateCapture):
                     self._publish_update(UpdateFiles.build(item, self._options.max_samples_per_step, self._layout))
                 else:
                     self._write(item)
             except Exception as error:  # noqa: BLE001 - reported on the training thread
-                self._record_failure(item.step, error)
+                self._record_failure(getattr(item, "step", None), error)
             finally:
                 self._queue.task_done()
 

@@ -50,9 +50,17 @@ class Selection:
 
 
 def step_rows(trace, step: int) -> int:
-    """Token rows of a step, from the run record's index (its footer when the index lacks it)."""
+    """Token rows of a step, from the run record's index (its footer when the index lacks it); 0 for a
+    step whose footer does not read, which the page then leaves out (:func:`page_data`)."""
+    from verl_ext.errors import StepFileError
+
     entry = trace.record.steps.get(str(step))
-    return int(entry.rows) if entry is not None else int(trace.step_record(step).rows)
+    if entry is not None:
+        return int(entry.rows)
+    try:
+        return int(trace.step_record(step).rows)
+    except StepFileError:
+        return 0
 
 
 def spread(steps: Sequence[int]) -> list[int]:
@@ -161,19 +169,25 @@ def render_page(data: dict, title: str) -> str:
     )
 
 
-def page_data(trace, start_step: int, start_sample: int | None, selection: Selection, decoder, progress=None) -> dict:
+def page_data(
+    trace, start_step: int, start_sample: int | None, selection: Selection, decoder, progress=None, unread=None
+) -> dict:
     """The data of a self-contained page: the run, and per step of ``selection`` its overview, its
-    tokens and its statistics, with the summary and the check of those steps."""
+    tokens and its statistics, with the summary and the check of those steps. A step whose files do
+    not read is left out of the page and noted in ``unread`` (:class:`UnreadSteps`), which the page's
+    notes say with the missing steps."""
     from verl_ext.inspect.check import check_trace
     from verl_ext.inspect.summary import summarize
+    from verl_ext.inspect.unread import UnreadSteps
     from verl_ext.view.payload import StepSource, check_failures, check_not_checked, clean, run_info
 
-    summary = {row["step"]: row for row in summarize(trace, selection.steps).to_pylist()}
-    report = check_trace(trace, selection.steps)
+    unread = UnreadSteps.of(trace) if unread is None else unread
+    summary = {row["step"]: row for row in summarize(trace, selection.steps, unread=unread).to_pylist()}
+    readable = [step for step in selection.steps if step not in unread.unreadable]
+    report = check_trace(trace, readable)
     steps = {}
     tokens = 0
-    for done, step in enumerate(selection.steps, start=1):
-        source = StepSource(trace, step, decoder)
+    for done, (step, source) in enumerate(unread.read(readable, lambda step: StepSource(trace, step, decoder)), start=1):
         overview = source.overview()
         chunk = source.chunk(selection.cut.get(step))
         steps[str(step)] = {
@@ -184,13 +198,14 @@ def page_data(trace, start_step: int, start_sample: int | None, selection: Selec
         }
         tokens += overview["valid"]
         if progress is not None:
-            progress(done, len(selection.steps), tokens)
-    run = run_info(trace, decoder)
+            progress(done, len(readable), tokens)
+    shown = [step for step in selection.steps if str(step) in steps]
+    run = run_info(trace, decoder, unread)
     return clean({
         "mode": "file",
         "run": run,
         "start": {"step": start_step, "sample": start_sample},
-        "steps_in_file": list(selection.steps),
+        "steps_in_file": list(shown),
         "check": {
             "steps": list(report.steps),
             "passed": report.passed,
@@ -212,27 +227,42 @@ def write_page(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     tokenizer=None,
     progress=None,
+    unread=None,
 ) -> Path:
     """Write the self-contained page of a trace to ``out_path`` and return its path.
 
-    ``step``/``sample``: what the page shows first (default: the last traced step, its first
-    sample); ``steps``, ``max_tokens``: which steps go into the file (module docstring);
+    ``step``/``sample``: what the page shows first (default: the last traced step that reads, its
+    first sample); ``steps``, ``max_tokens``: which steps go into the file (module docstring);
     ``tokenizer``: a TokenDecoder, a Hugging Face tokenizer or a path (default: the run record's).
-    Bad input (an unknown step or sample, an unwritable path) is a UsageError; the file is written
-    under a temporary name and renamed, so a failure leaves nothing behind."""
+    A step whose files do not read is left out of the page, which says so; ``unread``
+    (:class:`~verl_ext.inspect.unread.UnreadSteps`) gets those steps and the missing ones. Bad input
+    (an unknown step or sample, a ``step`` that does not read, an unwritable path) is a UsageError;
+    the file is written under a temporary name and renamed, so a failure leaves nothing behind."""
+    from verl_ext.errors import StepFileError
     from verl_ext.inspect.stepdata import as_trace
     from verl_ext.inspect.table import decoder_for
+    from verl_ext.inspect.unread import UnreadSteps, last_step_that_reads, step_reads
 
     trace = as_trace(trace_or_path)
     if not trace.steps:
         raise UsageError(f"{trace.path} has no traced steps yet")
     out = Path(out_path)
     _require_writable_file(out)
-    start = trace.require_step(step) if step is not None else trace.steps[-1]
+    unread = UnreadSteps.of(trace) if unread is None else unread
+    if step is None:
+        start = last_step_that_reads(trace, unread)[0]
+    else:
+        start = trace.require_step(step)
+        try:
+            step_reads(trace, start)
+        except StepFileError as error:
+            raise UsageError(f"step {start} does not read: {error}") from None
     group = start_group(trace, start, sample)
     selection = select_steps(trace, start, steps, max_tokens, keep=lambda _: group)
     decoder = decoder_for(trace, tokenizer)
-    data = page_data(trace, start, sample, selection, decoder, progress)
+    data = page_data(trace, start, sample, selection, decoder, progress, unread)
+    if start in unread.unreadable:  # its footer read, a table of it did not
+        raise UsageError(f"step {start} does not read: {unread.unreadable[start]}")
     text = render_page(data, f"verl-ext view · {trace.path}")
     temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:

@@ -8,7 +8,8 @@ only chooses what to send and encodes it: every number, flag and join comes from
   and how to show each, the summary's fields, the quantities a token can be coloured by), all
   derived from their records (:mod:`verl_ext.trace.schema`, :data:`verl_ext.inspect.summary.SUMMARY_SCHEMA`):
   a new column or field reaches the page by its record alone;
-* :func:`run_info`: what the page says about the run (estimator, steps, tokenizer).
+* :func:`run_info`: what the page says about the run (estimator, rollout engine, steps, tokenizer, and
+  notes: a run that did not finish, the steps missing or that do not read).
 * :class:`StepSource`: one step read once (token table, prompts, update tables), and from it
   - :meth:`~StepSource.overview`: every sample of the step with its flags (wrong answer, truncated,
     clipped by PPO, non-finite), its assistant turns and tool calls, the PPO epochs, and the colour
@@ -196,13 +197,25 @@ def _largest(values: np.ndarray, centre: float = 0.0, finite: np.ndarray | None 
 # --------------------------------------------------------------------------- the run
 
 
-def run_info(trace, decoder) -> dict:
-    """What the page says about the run."""
+def run_info(trace, decoder, unread=None) -> dict:
+    """What the page says about the run; ``unread``: the steps left out (:class:`UnreadSteps`; by
+    default those the run record lists and the disk lacks), said in ``notes`` with whether the run
+    finished."""
+    from verl_ext.inspect.stepdata import RecordedRun
+    from verl_ext.inspect.unread import UnreadSteps
+
     record = trace.record
     algorithm = RecordedAlgorithm.from_record(record)
+    run = RecordedRun.of(trace)
+    unread = UnreadSteps.of(trace) if unread is None else unread
+    unfinished = f"the run did not finish: {run.steps_done()}" if run.finished is False else None
     return clean({
         "path": str(trace.path),
         "estimator": algorithm.describe(),
+        "rollout": run.describe_rollout(),
+        "finished": run.finished,
+        "planned_steps": run.planned_steps,
+        "notes": [*([unfinished] if unfinished else []), *unread.lines()],
         "gamma": algorithm.gamma,
         "verl_version": record.verl_version,
         "trainer": record.trainer,

@@ -131,14 +131,16 @@ class ViewServer:
             return self._stats[step]
 
     def _prompt(self, query) -> list[dict]:
+        from verl_ext.inspect.unread import UnreadSteps
         from verl_ext.view.payload import prompt_key
 
         key = _text(query, "key")
         with self._step_lock("prompts", 0):
             if self._prompt_index is None:
                 index: dict[str, list[dict]] = {}
-                for step in self.trace.steps:
-                    prompts = self.trace.prompts(step)
+                # a step whose prompt table does not read is not among the same prompt's steps (its own
+                # request says why)
+                for step, prompts in UnreadSteps().read(self.trace.steps, self.trace.prompts):
                     for sample, uid, ids in zip(*(prompts.column(n).to_pylist() for n in ("sample", "uid", "prompt_token_ids"))):
                         if ids is not None:
                             index.setdefault(prompt_key(ids), []).append({"step": step, "sample": sample, "uid": uid})

@@ -425,10 +425,12 @@
 
   function renderHeader() {
     $("title").textContent = `verl-ext view · ${RUN.path}`;
-    const parts = [RUN.estimator, `${RUN.trainer} trainer`, `verl ${RUN.verl_version}`, `${RUN.steps.length} steps traced`];
+    const parts = [RUN.estimator, `${RUN.trainer} trainer`, `verl ${RUN.verl_version}`, `rollout ${RUN.rollout}`, `${RUN.steps.length} steps traced`];
     parts.push(RUN.tokenizer ? `tokenizer ${RUN.tokenizer}` : "no tokenizer: tokens shown as ids");
     $("run-line").textContent = parts.join(" · ");
     const notes = clear($("notes"));
+    // what the data says about the run as a whole: it did not finish, steps missing or that do not read
+    for (const note of RUN.notes || []) notes.appendChild(el("div", { class: "note", text: `note: ${note}` }));
     if (RUN.tokenizer_problem) notes.appendChild(el("div", { class: "note", text: `note: ${RUN.tokenizer_problem}` }));
     if (missingGlyphs) notes.appendChild(glyphNote());
     if (!SERVED) {
