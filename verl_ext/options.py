@@ -242,6 +242,10 @@ TRACE_KEYS = TraceOptions().as_dict()
 CPU_SWITCH = "VERL_EXT_CPU"
 #: verl's list of modules to import in every process of a run (a user's estimators, plugins).
 EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
+#: The file whose existence asks a run to stop between two steps, named in every process of the run
+#: (verl_ext.stopping), and its name in a CPU run's output directory.
+STOP_FILE_ENV = "VERL_EXT_STOP_FILE"
+STOP_FILE = ".verl-ext.stop"
 
 
 def cpu_requested() -> bool:

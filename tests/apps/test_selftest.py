@@ -114,6 +114,43 @@ def test_a_bad_override_fails_at_composition_in_one_line_before_any_trainer(run_
     assert code == 1
     runs = [line.split() for line in out.splitlines() if line.startswith("  mc ") or line.startswith("  grpo ")]
     assert [run[:2] for run in runs] == [["mc", "ERROR"], ["grpo", "ERROR"]]
-    assert all("Could not override 'trainer.no_such_key'" in line for line in out.splitlines() if " ERROR " in line)
+    assert all("trainer.no_such_key is not a key of the trainer's config" in line for line in out.splitlines() if " ERROR " in line)
     assert out.splitlines()[-1].startswith("FAIL: selftest in ")
     assert not list(tmp_path.rglob("train.log"))  # no trainer started
+
+
+def test_a_misspelt_key_names_the_nearest_keys_and_a_bad_value_fails_before_ray(run_cli, assets, tmp_path):
+    """Issue 43: a key typo gets the keys it was meant to be, not hydra's "append with +"; a value
+    verl-ext's options refuse fails at composition too, before Ray or a trainer starts."""
+    code, out, _ = run_cli("selftest", "-q", "--output-dir", str(tmp_path / "typo"), "--", "trainer.total_training_step=2")
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert code == 1 and len(errors) == 2
+    assert all("did you mean trainer.total_training_steps?" in line for line in errors)
+    code, out, _ = run_cli("selftest", "-q", "--output-dir", str(tmp_path / "value"), "--", "algorithm.truncation=maybe")
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert code == 1 and len(errors) == 2
+    assert all("algorithm.truncation must be one of terminal, bootstrap, mask, got 'maybe'" in line for line in errors)
+    assert not list(tmp_path.rglob("train.log"))
+
+
+def test_the_cpu_only_vllm_settings_apply_under_the_cpu_backend_only(assets, tmp_path):
+    """verl's vLLM rollout in the selftest: on a CPU-only machine with the CPU backend's settings (no
+    sleep mode, eager, no batch invariance, fp32, the engine's worker in its own process); on a CUDA
+    machine with verl's own GPU defaults, untouched."""
+    from verl_ext.apps.selftest import RUNS, _compose, _plan
+
+    mc = RUNS[0]
+    rollouts = {
+        device: _compose(_plan(mc, assets, tmp_path / device, device, [], None, "fp32", "vllm"))["actor_rollout_ref"]["rollout"]
+        for device in ("cpu", "cuda")
+    }
+    cpu, gpu = rollouts["cpu"], rollouts["cuda"]
+    assert cpu["name"] == gpu["name"] == "vllm"
+    assert (cpu["enable_sleep_mode"], cpu["free_cache_engine"], cpu["enforce_eager"], cpu["full_determinism"]) == (False, False, True, False)
+    assert cpu["dtype"] == "float32" and cpu["engine_kwargs"]["vllm"] == {"distributed_executor_backend": "uni"}
+    # verl's own defaults (trainer/config/rollout/rollout.yaml; sleep mode is RolloutConfig's default, True)
+    assert "enable_sleep_mode" not in gpu
+    assert (gpu["free_cache_engine"], gpu["enforce_eager"], gpu["full_determinism"], gpu["dtype"]) == (True, False, False, "bfloat16")
+    assert gpu["engine_kwargs"]["vllm"] == {}
+    bf16 = _compose(_plan(mc, assets, tmp_path / "bf16", "cpu", [], None, "bf16", "vllm"))["actor_rollout_ref"]["rollout"]
+    assert bf16["dtype"] == "bfloat16"  # PRECISION=bf16: vLLM computes in bfloat16 too

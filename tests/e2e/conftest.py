@@ -77,7 +77,11 @@ def selftest_run(tmp_path_factory, assets_dir, assets, ray_cluster):
         **os.environ, **probe, "PYTHONPATH": str(ROOT), "VERL_EXT_CPU_ASSETS": str(assets_dir), "RAY_ADDRESS": ray_cluster.address,
     }  # fmt: skip
     script = Path(sysconfig.get_path("scripts"), "verl-ext")  # run as its #! line runs it, by the suite's interpreter
-    command = [sys.executable, str(script), "selftest", "--output-dir", str(out), "--precision", "bf16", "--", *overrides]
+    # verl-ext's HF-generate rollout: with vLLM's CPU build installed the selftest would take vLLM, two servers
+    # (one per data-parallel rank) for each of the two runs; vLLM's own runs are tests/e2e/test_vllm_rollout.py's
+    command = [
+        sys.executable, str(script), "selftest", "--output-dir", str(out), "--precision", "bf16", "--rollout", "hf_generate", "--", *overrides,
+    ]  # fmt: skip
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     (out / "selftest.log").write_text(completed.stdout + completed.stderr)
     return out, probes, completed

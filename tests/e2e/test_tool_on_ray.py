@@ -1,16 +1,19 @@
 """The tool task on Ray with verl 0.9's default V1 trainer (recipes/cpu_demo.sh, ``TASK=tool V1=1``),
-``turn_gae`` with per-turn rewards: verl's ToolAgentLoop in a Ray agent-loop worker, the agent loop's
+its responses from verl's own vLLM server (``ROLLOUT=vllm``: vLLM's CPU build, verl_ext.cpu.vllm_rollout),
+``turn_gae`` with per-turn rewards: verl's ToolAgentLoop in a Ray agent-loop worker calling vLLM turn by turn, the agent loop's
 record of each sample's turns (and of the turns its tool rewards belong to) carried through
 TransferQueue's ``extra_fields``, the calculator's reward on the calling turn's last token before the
 estimator runs. Every response is checked against the task's definition (tests/apps/test_tool_demo.py)
 and the trace passes the checker, which recomputes turn_gae from the recorded rewards and values.
-(In process, the legacy trainer: tests/apps/test_tool_demo.py.)
+vLLM's log-probs of the responses agree with the trainer's to < 1e-5 (fp32), and vLLM's own stop reason of
+each response's last generation agrees with the trace's EOS rule. (In process, the legacy trainer:
+tests/apps/test_tool_demo.py; the legacy trainer on vLLM: tests/e2e/test_vllm_rollout.py.)
 
 Covers: the V1 trainer's seam (verl_ext.integration: patches, agent_turns in the Ray agent-loop
 worker, turn_rewards_hook, trace_hook), verl_ext.turn_rewards and verl_ext.turns,
 verl_ext.estimators' turn_gae with verl_ext.kernels, verl_ext.trace (capture, agent record, writer,
 reader), verl_ext.inspect.check, the tool task (verl_ext.tasks.tool) and the CPU backend
-(verl_ext.cpu) on Ray."""
+(verl_ext.cpu, verl_ext.cpu.vllm_rollout) on Ray."""
 
 from __future__ import annotations
 
@@ -30,13 +33,14 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
 
 @pytest.fixture(scope="module")
 def v1_tool_run(tmp_path_factory, assets_dir, tool_assets, ray_cluster):
-    # its own run: the only run of the tool task's agent loop in a Ray worker (V1 trainer)
+    # its own run: the only run of the tool task's agent loop in a Ray worker (V1 trainer), the only V1 run on vLLM
     from tests.cpu.helpers import run
 
     out = tmp_path_factory.mktemp("v1_tool")
     env = {
         **os.environ, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
         "TASK": "tool", "V1": "1", "ESTIMATOR": "turn_gae", "ROLLOUT_N": "4", "STEPS": "2", "RAY_ADDRESS": ray_cluster.address,
+        "ROLLOUT": "vllm",
     }  # fmt: skip
     overrides = [
         f"+verl_ext.trace.dir={out / 'trace'}",
@@ -60,7 +64,14 @@ def test_the_v1_trainer_runs_turn_gae_with_the_tools_rewards_on_their_turns(v1_t
     assert count_checked_tool_calls(trace) >= 5  # of 64 responses, about 3 in 10 call
     report = check_trace(trace)
     passed = {r.identity for r in report.identities if r.status == "pass"}
-    assert report.passed and {"advantage_raw", "returns", "rewards", "turn_rewards", "turns", "roles"} <= passed
+    assert report.passed and {"advantage_raw", "returns", "rewards", "turn_rewards", "turns", "roles", "stop_reason"} <= passed
+    # vLLM made the responses, turn by turn: its log-probs are the trainer's (fp32), and it said why each ended
+    assert trace.record.rollout["name"] == "vllm"
+    for step in trace.steps:
+        table = trace.read_step(step, ["mask", "old_log_prob", "rollout_log_prob"]).to_pandas()
+        valid = table[table["mask"]]
+        assert (valid["rollout_log_prob"] - valid["old_log_prob"]).abs().max() < 1e-5
+        assert trace.prompts(step).column("stop_reason").null_count == 0
     # the step's live metric: the tool rewards placed, per response, as the trace has them
     metrics = [json.loads(line) for line in (v1_tool_run / "metrics.jsonl").read_text().splitlines()]
     for step in trace.steps:

@@ -4,7 +4,8 @@
    :mod:`verl_ext.tasks.arith.warm_start`, :mod:`verl_ext.tasks.arith.value_pretraining`): built once and cached,
    nothing downloaded.
 2. Training: ``algorithm.adv_estimator=mc`` (the critic switched on by the plugin) with the recipe
-   of :mod:`verl_ext.apps.learning`, verl's ``RayPPOTrainer.fit()`` in a child process without Ray,
+   of :mod:`verl_ext.apps.learning`, verl's ``RayPPOTrainer.fit()`` in a child process without Ray (with
+   ``--rollout vllm``: verl's own ``main_ppo`` on a local Ray cluster, responses from verl's vLLM server),
    the per-token trace on. verl validates on the held-out prompts before and after.
 3. The trace checked against the definitions.
 4. Where the credit lands (:mod:`verl_ext.apps.credit`): every 10 steps the verdict token's share
@@ -26,7 +27,8 @@ Exit code: the trainer's when it fails, else ``verl-ext check``'s (0 when every 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,8 +36,17 @@ from typing import Callable
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """The five parts (module docstring). ``args``: the CLI's (``verl-ext demo --help``); ``steps``
-    and ``estimator`` None take the task's (its record in :data:`verl_ext.tasks.TASKS`)."""
+    """The five parts (module docstring), holding the output directory's lock
+    (:mod:`verl_ext.apps.output_lock`): a second demo into it is refused before it touches anything.
+    ``args``: the CLI's (``verl-ext demo --help``); ``steps`` and ``estimator`` None take the task's
+    (its record in :data:`verl_ext.tasks.TASKS`)."""
+    from verl_ext.apps.output_lock import output_lock
+
+    with output_lock(args.output_dir, "verl-ext demo") as lock:
+        return _run_demo(args, lock)
+
+
+def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
     from verl_ext.inspect.check import check_trace
     from verl_ext.inspect.render import format_report
     from verl_ext.tasks import get_task
@@ -50,9 +61,15 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     output = args.output_dir.resolve()
     trace_dir = output / "trace"
+    # a demo's outputs replace an earlier demo's (its trace would otherwise be merged into this one's)
+    for earlier in (trace_dir, output / "plots"):
+        shutil.rmtree(earlier, ignore_errors=True)
 
     _say("1/5 the task, the warm-started policy" + (" and its pretrained critic" if task.pretrained_critic else ""))
-    status = _train(args, output, before=task.describe)
+    status, stopped = _train(args, output, before=task.describe, lock=lock)
+    if stopped:
+        print(f"\n[demo] {stopped}")
+        return status
     if status != 0:
         print(f"\n[demo] the trainer failed (exit {status}); its full output is in {output / 'train.log'}")
         return status
@@ -140,29 +157,37 @@ def _sample_with_a_call(trace, step: int) -> tuple[int, str]:
     return 0, "the first response (none called the tool)"
 
 
-def _train(args: argparse.Namespace, output: Path, before: Callable[[], None]) -> int:
+def _train(args: argparse.Namespace, output: Path, before: Callable[[], None], lock: int | None) -> tuple[int, str | None]:
     """Start the trainer, run ``before`` (the task's description, which builds the assets), then
-    follow the training.
+    follow the training; Ctrl-C or SIGTERM stop it between two steps (:func:`forwarding_signals`).
+    Returns (its exit status, the line that says where it stopped, when it was asked to).
 
     The trainer spends its first seconds importing verl; on a first run that overlaps the asset
     build here, and its own ``build_assets()`` then waits for this one (the build holds a lock)."""
-    from verl_ext.apps.progress import follow
+    from verl_ext.apps.progress import follow, forwarding_signals, start_trainer, stopped_line
+    from verl_ext.cpu.overrides import user_modules_path
+    from verl_ext.hf_rollout import ROLLOUT_NAME
+    from verl_ext.options import STOP_FILE
+    from verl_ext.stopping import INTERRUPTED
 
     command = [
         sys.executable, "-m", "verl_ext.apps.learning", str(output), "--task", args.task,
         "--estimator", args.estimator, "--seed", str(args.seed), "--steps", str(args.steps),
-        "--test-freq", str(args.steps), "--trace", "--precision", args.precision, "--",
+        "--test-freq", str(args.steps), "--trace", "--precision", args.precision, "--rollout", args.rollout, "--",
         *(["verl_ext.turn_rewards=true"] if args.turn_rewards else []), *args.overrides,
     ]  # fmt: skip
-    with subprocess.Popen(command, cwd=output, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trainer:
-        try:
-            before()
-            _say(f"2/5 training: {args.steps} PPO steps of `{args.estimator}` with verl's real trainer (in process, CPU)")
-            follow(trainer.stdout, output / "train.log", args.steps, every=10)
-        except BaseException:
-            trainer.kill()  # else it would build the assets itself, or train on without anyone reading
-            raise
-    return trainer.returncode
+    # the lock goes to the trainer; a module of VERL_USE_EXTERNAL_MODULES is found where the user started
+    environment = {**os.environ, **user_modules_path()}
+    trainer = start_trainer(command, cwd=output, env=environment, pass_fds=() if lock is None else (lock,))
+    with trainer, forwarding_signals(trainer, output / STOP_FILE) as received:
+        before()
+        where = "in process" if args.rollout == ROLLOUT_NAME else "on a local Ray cluster, responses from verl's vLLM server"
+        _say(f"2/5 training: {args.steps} PPO steps of `{args.estimator}` with verl's real trainer ({where}, CPU)")
+        last = follow(trainer.stdout, output / "train.log", args.steps, every=10, rollout=args.rollout, quiet=lambda: bool(received))
+        trainer.wait()
+    if received:
+        return INTERRUPTED, stopped_line(received, last, args.steps, output)
+    return trainer.returncode, None
 
 
 def _print_credit(trace, task: str, every: int = 10, late: int = 10) -> dict:

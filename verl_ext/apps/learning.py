@@ -16,10 +16,15 @@ prompts, responses per step, seeds and step budget.
 
 From a shell (one run per process: verl's registries and the CPU backend are process-global)::
 
-    python -m verl_ext.apps.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--task tool] [--trace] [--precision bf16] [--fresh-critic] [-- OVERRIDE ...]
+    python -m verl_ext.apps.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--task tool] [--trace] [--precision bf16] [--rollout vllm] [--fresh-critic] [-- OVERRIDE ...]
 
 writes ``OUTPUT_DIR/metrics.jsonl`` (verl's metrics, one line per step), ``train.log`` and, with
 ``--trace``, the per-token trace in ``OUTPUT_DIR/trace``.
+
+With ``--rollout vllm`` the responses come from verl's own vLLM server (:mod:`verl_ext.cpu.vllm_rollout`),
+a Ray actor: the run is then verl's own ``python -m verl.trainer.main_ppo`` on a local Ray cluster,
+with the same recipe. vLLM samples from its engine's seeded stream in the order requests reach it, so
+such a run is not bit-for-bit reproducible (the in-process HF-generate rollout seeds every request).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ import random
 import sys
 from pathlib import Path
 
+from verl_ext.cpu.vllm_rollout import VLLM
+from verl_ext.hf_rollout import ROLLOUT_NAME
+from verl_ext.options import STOP_FILE_ENV
 from verl_ext.tasks import DEFAULT_TASK, TASKS, get_task
 
 STEPS = get_task(DEFAULT_TASK).steps
@@ -73,12 +81,14 @@ def learning_overrides(
     extra: list[str] = (),
     task: str = DEFAULT_TASK,
     precision: str = "fp32",
+    rollout: str = ROLLOUT_NAME,
 ) -> list[str]:
     """The hydra overrides of one learning run (CPU settings from :func:`cpu_overrides` included),
     ``extra`` last (they win).
 
     ``task``: the name of the task whose assets to train on (:data:`verl_ext.tasks.TASKS`).
     ``precision``: the CPU backend's (:data:`verl_ext.cpu.overrides.PRECISIONS`).
+    ``rollout``: one of :data:`verl_ext.cpu.overrides.ROLLOUTS`; verl's vLLM rollout runs on Ray.
     ``pretrained_critic``: start verl's critic from the value-pretrained one of the assets when the
     task has one (else from the warm start with a fresh value head, the control of the study). The
     mini- and micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
@@ -100,9 +110,10 @@ def learning_overrides(
         train_batch_size=prompts,
         rollout_n=samples,
         response_length=12,
-        use_ray=False,
+        use_ray=rollout == VLLM,
         seed=seed,
         precision=precision,
+        rollout=rollout,
     )
     settings = [
         # the actor's lr: the CPU backend's 3e-4
@@ -137,24 +148,41 @@ def _positive_int(given: dict[str, str], key: str, default: int) -> int:
 
 def run(
     output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int, trace: bool, extra: list[str],
-    pretrained_critic: bool = True, task: str = DEFAULT_TASK, precision: str = "fp32",
+    pretrained_critic: bool = True, task: str = DEFAULT_TASK, precision: str = "fp32", rollout: str = ROLLOUT_NAME,
 ) -> None:
-    """Train in this process (the CPU backend is activated here)."""
+    """Train in this process (the CPU backend is activated here), or with ``rollout="vllm"`` replace
+    this process by verl's own trainer on Ray (``python -m verl.trainer.main_ppo``). Holds
+    ``output_dir``'s lock (or the one the command that started it holds: :mod:`verl_ext.apps.output_lock`)
+    before it touches anything there. The run stops between two steps once its stop file exists
+    (:mod:`verl_ext.stopping`): in process, :class:`~verl_ext.stopping.StopRequested` comes out of here."""
+    from verl_ext.apps.output_lock import output_lock
+    from verl_ext.cpu.overrides import METRICS_FILE, cpu_environment, merge_overrides
+
+    with output_lock(output_dir, "python -m verl_ext.apps.learning"):
+        (output_dir / METRICS_FILE).unlink(missing_ok=True)
+        environment = cpu_environment(output_dir)
+        overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra, task, precision, rollout)
+        if trace:
+            overrides = merge_overrides([f"verl_ext.trace.dir={output_dir / 'trace'}"], overrides)
+        configs = Path(__file__).resolve().parents[1] / "configs"
+        if rollout == VLLM:
+            command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={configs}", "--config-name=verl_ext_trainer", *overrides]
+            os.chdir(output_dir)  # hydra writes its run directory (outputs/) under the working directory
+            os.execve(sys.executable, command, {**os.environ, **environment})  # the lock's descriptor goes with it
+        for name in ("VERL_FILE_LOGGER_PATH", STOP_FILE_ENV):  # what the in-process trainer reads of a CPU run's environment
+            os.environ[name] = environment[name]
+        _train_in_process(overrides, configs, seed)
+
+
+def _train_in_process(overrides: list[str], configs: Path, seed: int) -> None:
     import numpy as np
     import torch
 
     import verl_ext.cpu
-    from verl_ext.cpu.overrides import METRICS_FILE, merge_overrides
 
     verl_ext.cpu.activate()
     from verl_ext.cpu.in_process import run_in_process
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / METRICS_FILE).unlink(missing_ok=True)
-    os.environ["VERL_FILE_LOGGER_PATH"] = str(output_dir / METRICS_FILE)
-    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra, task, precision)
-    if trace:
-        overrides = merge_overrides([f"verl_ext.trace.dir={output_dir / 'trace'}"], overrides)
     # verl seeds neither torch nor numpy for the FSDP engine: the critic's fresh value head would
     # differ from run to run. One intra-op thread: threads buy nothing on this model, and results
     # then do not depend on the machine's core count.
@@ -162,7 +190,6 @@ def run(
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    configs = Path(__file__).resolve().parents[1] / "configs"
     run_in_process(overrides, config_dir=configs, config_name="verl_ext_trainer")
 
 
@@ -195,7 +222,7 @@ def validation_accuracy(metrics: dict[int, dict]) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    from verl_ext.cpu.overrides import add_precision_argument
+    from verl_ext.cpu.overrides import add_precision_argument, add_rollout_argument
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", type=Path)
@@ -206,15 +233,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-freq", type=int, default=TEST_FREQ, help="validate every N steps (and before training)")
     parser.add_argument("--trace", action="store_true", help="write the per-token trace to OUTPUT_DIR/trace")
     add_precision_argument(parser)
+    add_rollout_argument(parser)
     parser.add_argument(
         "--fresh-critic", action="store_true",
         help="start the critic from the warm start with a fresh value head instead of the pretrained critic",
     )  # fmt: skip
     args = parser.parse_args(own)
-    run(
-        args.output_dir.resolve(), args.estimator, args.seed, args.steps, args.test_freq, args.trace, extra,
-        pretrained_critic=not args.fresh_critic, task=args.task, precision=args.precision,
-    )  # fmt: skip
+    from verl_ext.errors import UsageError
+    from verl_ext.stopping import INTERRUPTED, StopRequested
+
+    try:
+        run(
+            args.output_dir.resolve(), args.estimator, args.seed, args.steps, args.test_freq, args.trace, extra,
+            pretrained_critic=not args.fresh_critic, task=args.task, precision=args.precision, rollout=args.rollout,
+        )  # fmt: skip
+    except StopRequested as stop:
+        print(f"[learning] {stop}", file=sys.stderr)
+        return INTERRUPTED
+    except UsageError as error:  # e.g. the output directory is another run's
+        print(f"[learning] {error}", file=sys.stderr)
+        return 2
     return 0
 
 

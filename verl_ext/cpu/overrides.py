@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from verl_ext.cpu import CPU_PROCESS_ENV, ENV_SWITCH, ROLLOUT_NAME
+from verl_ext.cpu.vllm_rollout import VLLM, VLLM_CPU_ENV, vllm_overrides
+from verl_ext.options import STOP_FILE, STOP_FILE_ENV
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -28,6 +30,9 @@ METRICS_FILE = "metrics.jsonl"
 #: fast on any CPU); ``bf16`` leaves verl's mixed precision unset, as a GPU run has it: bf16
 #: parameters and autocast, fp32 reduce and buffers (verl's ``FSDPEngine._build_fsdp_module``).
 PRECISIONS = ("fp32", "bf16")
+#: The rollouts a CPU run can generate with: verl-ext's HF-generate server (the default: fast to start,
+#: sampled per request) or verl's own vLLM server on vLLM's CPU build (verl_ext.cpu.vllm_rollout).
+ROLLOUTS = (ROLLOUT_NAME, VLLM)
 
 
 def add_precision_argument(parser, help_prefix: str = "") -> None:
@@ -35,6 +40,15 @@ def add_precision_argument(parser, help_prefix: str = "") -> None:
     parser.add_argument(
         "--precision", choices=PRECISIONS, default="fp32",
         help=f"{help_prefix}fp32 everywhere (default), or bf16: verl's GPU mixed precision",
+    )  # fmt: skip
+
+
+def add_rollout_argument(parser) -> None:
+    """The ``--rollout`` option of every command that makes a CPU run."""
+    parser.add_argument(
+        "--rollout", choices=ROLLOUTS, default=ROLLOUT_NAME,
+        help=f"what generates the responses: {ROLLOUT_NAME} (default, verl-ext's HF-generate server) or "
+        f"{VLLM} (verl's own vLLM server, on vLLM's CPU build)",
     )  # fmt: skip
 
 
@@ -52,13 +66,35 @@ class RunAssets(Protocol):
 
 
 def cpu_environment(output_dir: str | os.PathLike) -> dict[str, str]:
-    """Environment variables of a CPU run: the switch, offline hubs, verl's metrics file."""
+    """Environment variables of a CPU run: the switch, offline hubs, verl's metrics file, the run's
+    stop file (:mod:`verl_ext.stopping`), the size of a vLLM server's KV cache (read by
+    vLLM's CPU build only), and the user's modules' directory (:func:`user_modules_path`)."""
     return {
         ENV_SWITCH: "1",
         **CPU_PROCESS_ENV,
+        **VLLM_CPU_ENV,
         # verl's "file" logger (trainer.logger) writes one JSON line of metrics per step here
         "VERL_FILE_LOGGER_PATH": str(Path(output_dir).resolve() / METRICS_FILE),
+        # the run stops between two steps once this file exists (verl-ext's commands create it on Ctrl-C)
+        STOP_FILE_ENV: str(Path(output_dir).resolve() / STOP_FILE),
+        **user_modules_path(),
     }
+
+
+def user_modules_path(environ: dict[str, str] | None = None, start: str | os.PathLike | None = None) -> dict[str, str]:
+    """``{"PYTHONPATH": ...}`` with ``start`` (default: this process' working directory, where the
+    user started the command) first, when ``VERL_USE_EXTERNAL_MODULES`` names modules for verl to
+    import in every process of a run; else ``{}``. ``python my_script.py`` or ``python -m`` finds a
+    module beside the user; a trainer that runs in its output directory, or a Ray worker that runs in
+    Ray's, would not."""
+    from verl_ext.options import EXTERNAL_MODULES
+
+    environ = os.environ if environ is None else environ
+    if not environ.get(EXTERNAL_MODULES, "").strip():
+        return {}
+    first = str(Path(start if start is not None else os.getcwd()).resolve())
+    rest = [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry and entry != first]
+    return {"PYTHONPATH": os.pathsep.join([first, *rest])}
 
 
 def cpu_overrides(
@@ -75,15 +111,21 @@ def cpu_overrides(
     ray_address: str | None = None,
     seed: int = 0,
     precision: str = "fp32",
+    rollout: str = ROLLOUT_NAME,
 ) -> list[str]:
     """Overrides for ``steps`` PPO steps of ``estimator`` on CPU; checkpoints go under ``output_dir``.
 
     ``use_ray=False`` leaves out the Ray-only settings (the in-process runner starts no Ray).
     ``ray_address``: join that running Ray cluster (its nodes declare their own CPUs and logical
     GPUs) instead of starting a local one. ``seed``: the data order and the rollout's sampling.
+    ``rollout``: one of :data:`ROLLOUTS` (verl's vLLM server runs on Ray only: ``use_ray``).
     Adjust the result with :func:`merge_overrides` (hydra rejects a key given twice).
     """
     check_precision(precision)
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"rollout {rollout!r}: expected one of {', '.join(ROLLOUTS)}")
+    if rollout == VLLM and not use_ray:
+        raise ValueError("verl's vLLM rollout runs its server as a Ray actor: a CPU run with it needs Ray (use_ray)")
     output = Path(output_dir).resolve()
     micro_batch = train_batch_size * rollout_n  # one micro-batch per step: fewest forward passes
     overrides = [
@@ -147,6 +189,8 @@ def cpu_overrides(
         # V1 only: one TransferQueue storage actor instead of 8 (each reserves a Ray CPU)
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
     ]
+    if rollout == VLLM:
+        overrides = merge_overrides(overrides, vllm_overrides(precision))
     overrides = merge_overrides(overrides, list(getattr(assets, "overrides", ())))
     if use_ray and ray_address is not None:
         overrides.append(f"+ray_kwargs.ray_init.address={ray_address}")

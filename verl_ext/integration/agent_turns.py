@@ -35,6 +35,10 @@ no extra column.
 
 The record is dropped (None) when it does not cover the response exactly or disagrees with its mask
 (a loop that adds tokens some other way); the trace then leaves the roles of the mask-0 tokens null.
+
+Each generation's reply also passes through ``LLMServerClient.generate`` while the sample's record is
+open: the sample's :data:`~verl_ext.integration.stop_reasons.STOP_REASON_KEY` becomes its last
+generation's (verl keeps the first generation's ``extra_fields`` only).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import functools
 import logging
 from typing import Any, Callable
 
+from verl_ext.integration.stop_reasons import STOP_REASON_KEY
 from verl_ext.trace.agent_record import AgentRecord
 from verl_ext.trace.schema import ROLE_ASSISTANT, ROLE_OTHER, ROLE_TOOL, ROLE_USER
 
@@ -65,6 +70,7 @@ class _Record:
     def __init__(self):
         self.merges: list[tuple[str, int, int, str]] = []
         self.tool_rounds: list[tuple[int, int]] = []
+        self.stop_reasons: list[str | None] = []  # each generation's, where the server gave one
 
     def calling_turn(self) -> int:
         """The turn of the last assistant token merged so far: the holes before it."""
@@ -136,6 +142,18 @@ def wrap_ct_merge_context_msg(original: Callable) -> Callable:
     return ct_merge_context_msg
 
 
+def wrap_server_client_generate(original: Callable) -> Callable:
+    @functools.wraps(original)
+    async def generate(self, *args, **kwargs):
+        output = await original(self, *args, **kwargs)
+        record = _RECORD.get()
+        if record is not None and STOP_REASON_KEY in (output.extra_fields or {}):
+            record.stop_reasons.append(output.extra_fields[STOP_REASON_KEY])
+        return output
+
+    return generate
+
+
 def wrap_agent_loop_run(original: Callable) -> Callable:
     @functools.wraps(original)
     async def run(self, sampling_params, *args, **kwargs):
@@ -148,6 +166,8 @@ def wrap_agent_loop_run(original: Callable) -> Callable:
         finally:
             _RECORD.reset(token)
         output.extra_fields[TURNS_KEY] = await _summary(self, record, output)
+        if record.stop_reasons:
+            output.extra_fields[STOP_REASON_KEY] = record.stop_reasons[-1]
         return output
 
     return run

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from verl_ext.errors import one_line
 from verl_ext.options import CPU_SWITCH, EXTERNAL_MODULES, cpu_requested
 
 
@@ -127,20 +128,26 @@ def _module_of(filename: str) -> str:
 
 
 def _touch_finding(touch, state, verl_version: str) -> Finding:
+    from verl_ext.patching import installed_version
+
     label, name = touch.kind, f"{touch.component}: {touch.name}"
-    if not touch.covers(verl_version):
-        return Finding(True, label, f"{name}: n/a, written for verl{touch.versions} (this is {verl_version})")
+    written_for = f"{touch.package}{touch.versions}"
+    installed = verl_version if touch.package == "verl" else installed_version(touch.package)
+    if installed is None:
+        return Finding(True, label, f"{name}: n/a, {touch.package} is not installed (written for {written_for})")
+    if not touch.covers(installed):
+        return Finding(True, label, f"{name}: n/a, written for {written_for} (this is {installed})")
     absent_module, missing = _find_target(touch)  # importing the module is what applies a pending touch
     if state is not None and state.error:
         return Finding(False, label, f"{name}: {state.error}")
     if state is not None and state.applied:
-        return Finding(True, label, f"{name} [{touch.versions}]")
+        return Finding(True, label, f"{name} [{written_for}]")
     if absent_module:
-        return Finding(True, label, f"{name}: not applied, {absent_module} (written for verl{touch.versions})")
+        return Finding(True, label, f"{name}: not applied, {absent_module} (written for {written_for})")
     if missing:
         return Finding(False, label, f"{name}: {missing}")
     why = "the CPU backend is off" if state is None else "an override of verl-ext's subclass"
-    return Finding(True, label, f"{name}: target present, {why} [{touch.versions}]")
+    return Finding(True, label, f"{name}: target present, {why} [{written_for}]")
 
 
 def _find_target(touch) -> tuple[str | None, str | None]:
@@ -149,8 +156,8 @@ def _find_target(touch) -> tuple[str | None, str | None]:
 
     try:
         module = importlib.import_module(touch.module)
-    except ImportError as exc:
-        return f"{touch.module} cannot be imported here ({exc})", None
+    except Exception as exc:  # noqa: BLE001 - verl's vLLM modules raise ValueError where vLLM is absent or unknown
+        return f"{touch.module} cannot be imported here ({one_line(exc)})", None
     try:
         resolve_target(module, touch.target)
     except AttributeError as exc:

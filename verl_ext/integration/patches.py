@@ -119,8 +119,12 @@ def _wrap_fit(original: Callable, trainer_kind: str, check: Callable[[Any], None
     def fit(self, *args, **kwargs):
         if check is not None:
             check(self)
-        with step.fit_session(self, trainer_kind):
-            return original(self, *args, **kwargs)
+        with step.fit_session(self, trainer_kind) as run:
+            result = original(self, *args, **kwargs)
+            # only once fit() returned after its last step: an error or an interrupt leaves the run
+            # record saying the run did not finish
+            run.fit_returned()
+            return result
 
     return fit
 

@@ -30,8 +30,10 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from verl_ext import stopping
 from verl_ext.integration import estimate, metrics_hook, nonfinite_hook, trace_hook, truncation_hook, turn_rewards_hook
 from verl_ext.integration.agent_turns import TURNS_KEY
+from verl_ext.integration.stop_reasons import STOP_REASON_KEY
 from verl_ext.options import (
     NONFINITE_DEFAULT,
     TRUNCATION_DEFAULT,
@@ -46,8 +48,12 @@ from verl_ext.options import (
 
 def advantage_step(arguments: dict[str, Any], verl_compute_advantage: Callable[[], Any]) -> Any:
     """verl's ``compute_advantage`` with verl-ext. ``arguments``: the call's, by name;
-    ``verl_compute_advantage()`` runs verl's own. Returns the batch with its advantages."""
-    step = current_run().begin_step(arguments)
+    ``verl_compute_advantage()`` runs verl's own. Returns the batch with its advantages. A run asked to
+    stop (Ctrl-C, SIGTERM: :mod:`verl_ext.stopping`) stops here, before the step records anything."""
+    run = current_run()
+    if run.trainer is not None:
+        stopping.raise_if_requested(int(run.trainer.global_steps))
+    step = run.begin_step(arguments)
     step.place_turn_rewards()
     step.estimate(verl_compute_advantage)
     step.capture()
@@ -60,7 +66,9 @@ def v1_advantage_step(batch_meta: Any, metrics: dict, verl_step: Callable[[], An
     """The V1 trainer's ``_compute_advantage`` with verl-ext; ``verl_step()`` runs verl's own, which
     calls ``compute_advantage`` (:func:`advantage_step`) on the batch it reads. Returns the batch meta
     the updates use."""
-    step = V1Step(current_run(), batch_meta)
+    run = current_run()
+    stopping.raise_if_requested(int(run.trainer.global_steps))
+    step = V1Step(run, batch_meta)
     step.read_transfer_queue()
     with step.in_progress():  # a non-finite step raises at the end, once stored and captured
         batch_meta = verl_step()
@@ -100,6 +108,11 @@ class Run:
         if self.v1 is not None:
             self.v1.advantage_step = step  # the V1 step stores and captures it after verl's own step
         return step
+
+    def fit_returned(self) -> None:
+        """The trainer's ``fit()`` returned after its last step: the trace's run record says the run finished."""
+        if self.writer is not None:
+            self.writer.finish()
 
     def take_kl(self) -> dict[str, Any]:
         kl, self.kl = self.kl, {}
@@ -200,13 +213,14 @@ class AdvantageStep:
         if run.v1 is not None or not run.traces_current_step():
             return
         data = self.data
-        self.submit_to_trace(data.batch, data.non_tensor_batch.get("uid"), data.non_tensor_batch.get(TURNS_KEY))
+        extra = data.non_tensor_batch
+        self.submit_to_trace(data.batch, extra.get("uid"), extra.get(TURNS_KEY), extra.get(STOP_REASON_KEY))
         if run.trace.update:
             from verl_ext.integration.update_hook import ROW_KEY
 
             data.batch[ROW_KEY] = trace_hook.rows(len(data.batch["response_mask"]), run.trace.max_samples_per_step)
 
-    def submit_to_trace(self, batch: Any, uid: Any, agent_turns: Any) -> None:
+    def submit_to_trace(self, batch: Any, uid: Any, agent_turns: Any, stop_reasons: Any = None) -> None:
         kl, placed = self.run.take_kl(), self.placed
         computed = {
             "advantage_raw": self.advantage_raw,
@@ -215,7 +229,7 @@ class AdvantageStep:
             "tool_reward": None if placed is None else placed.tool_reward,
         }
         trace_hook.submit_step(
-            self.run.writer, self.run.trainer, batch, uid, computed, kl.get("kl_coef"), agent_turns, self.truncation
+            self.run.writer, self.run.trainer, batch, uid, computed, kl.get("kl_coef"), agent_turns, self.truncation, stop_reasons
         )
 
     def compute_metrics(self) -> None:
@@ -333,8 +347,10 @@ class V1Step:
         if step.placed is not None:  # on grpo verl estimates on a copy of the batch, which has them
             tensors["token_level_rewards"] = step.placed.rewards
         extra_fields = self.extra_fields
-        agent_turns = None if extra_fields is None else [e.get(TURNS_KEY) if isinstance(e, dict) else None for e in extra_fields]
-        step.submit_to_trace(tensors, data.non_tensor_batch.get("uid"), agent_turns)
+        def per_sample(key: str) -> list | None:
+            return None if extra_fields is None else [e.get(key) if isinstance(e, dict) else None for e in extra_fields]
+
+        step.submit_to_trace(tensors, data.non_tensor_batch.get("uid"), per_sample(TURNS_KEY), per_sample(STOP_REASON_KEY))
 
 
 def v1_batch_advantaged(data: Any) -> None:
