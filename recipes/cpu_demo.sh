@@ -62,7 +62,7 @@ status=0
 (
   cd "$OUTPUT_DIR"  # hydra writes its run directory (outputs/) under the working directory
   exec "$PYTHON" -m verl_ext.apps.progress "$OUTPUT_DIR/train.log" --steps "$STEPS" --rollout "$ROLLOUT" \
-    --lock "$OUTPUT_DIR" --label cpu-demo -- env "${ENVIRONMENT[@]}" "$PYTHON" -m verl.trainer.main_ppo "${CONFIG_ARGS[@]}" "${OVERRIDES[@]}"
+    --lock "$OUTPUT_DIR" --label cpu-demo --holder recipes/cpu_demo.sh -- env "${ENVIRONMENT[@]}" "$PYTHON" -m verl.trainer.main_ppo "${CONFIG_ARGS[@]}" "${OVERRIDES[@]}"
 ) || status=$?
 case $status in
   0) ;;

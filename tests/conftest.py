@@ -19,6 +19,10 @@ from verl_ext.cpu import CPU_PROCESS_ENV  # noqa: E402 (imports neither numpy no
 # and its offline switches for every process: the suite never reaches for a hub, and every interpreter
 # it starts imports the Hugging Face libraries in the same mode as the fork server (tests/forkserver.py).
 os.environ.update({name: value for name, value in CPU_PROCESS_ENV.items() if name.startswith(("RAY_", "HF_", "TRANSFORMERS_"))})
+# vLLM's log level, as verl's runtime environment sets it for every Ray worker of a run
+# (verl/trainer/constants_ppo.py): the fork server preloads vLLM, which reads it when imported, and a
+# child whose level differed from the server's would start as a fresh interpreter.
+os.environ["VLLM_LOGGING_LEVEL"] = "WARN"
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -51,10 +51,12 @@ import weakref
 from pathlib import Path
 
 #: Imported once by the server: what verl's processes import besides verl, tensordict and ray (which
-#: then take about 0.5 s more), and what verl-ext's commands import to draw and query a trace. vLLM's
-#: ``vllm.distributed.utils`` is what verl's engine workers import of vLLM (checkpoint_engine/hccl_checkpoint_engine.py)
-#: where vLLM is installed; importing vLLM sets environment variables (TORCHINDUCTOR_COMPILE_THREADS, ...):
-#: preloaded, a child whose parent imported vLLM has the environment the server recorded after loading. Not
+#: then take about 0.5 s more), and what verl-ext's commands import to draw and query a trace. vLLM:
+#: verl's engine workers import ``vllm.distributed.utils`` where vLLM is installed
+#: (checkpoint_engine/hccl_checkpoint_engine.py), and importing vLLM sets environment variables
+#: (TORCHINDUCTOR_COMPILE_THREADS, ...): preloaded, a child whose parent imported vLLM has the
+#: environment the server recorded after loading. Not vLLM's server modules (what verl's vLLM server
+#: imports): they import ray. Not
 #: tensordict and ray: they read, when imported, what verl sets when imported (LAZY_LEGACY_OP,
 #: RAY_ENABLE_UV_RUN_RUNTIME_ENV); with ray preloaded, Ray's workers failed to start. Not polars: it
 #: starts threads when imported.
@@ -62,7 +64,7 @@ PRELOADED = (
     "numpy", "torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
     "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "datasets", "pandas", "pyarrow",
     "hydra", "omegaconf", "peft", "fastapi", "uvicorn", "aiohttp", "requests", "zmq", "duckdb", "matplotlib",
-    "vllm.distributed.utils",
+    "vllm.distributed.utils",  # see below
 )  # fmt: skip
 
 #: Interpreter options a child reproduces (``-W`` with its argument); with any other: a real interpreter.

@@ -130,3 +130,15 @@ def test_the_learning_runs_pass_the_precision_on(assets_dir, assets, tmp_path, m
     assert not [o for o in learning_overrides(tmp_path, "mc", 0, 2, 2, precision="bf16") if ".mixed_precision." in o]
     with pytest.raises(SystemExit):  # argparse's one line naming the choices
         main([str(tmp_path), "--precision", "fp16"])
+
+
+def test_a_users_modules_are_found_in_the_directory_the_command_started_from(tmp_path):
+    """Issue 43: with VERL_USE_EXTERNAL_MODULES set, a CPU run's environment puts the directory the user
+    started from first on PYTHONPATH (the trainer runs in its output directory, Ray's workers in Ray's)."""
+    from verl_ext.cpu.overrides import user_modules_path
+
+    modules = {"VERL_USE_EXTERNAL_MODULES": "my_estimators"}
+    assert user_modules_path({**modules, "PYTHONPATH": "/a:/b"}, tmp_path) == {"PYTHONPATH": f"{tmp_path}:/a:/b"}
+    assert user_modules_path({**modules, "PYTHONPATH": f"/a:{tmp_path}"}, tmp_path) == {"PYTHONPATH": f"{tmp_path}:/a"}
+    assert user_modules_path(modules, tmp_path) == {"PYTHONPATH": str(tmp_path)}
+    assert user_modules_path({"PYTHONPATH": "/a"}, tmp_path) == {}  # no modules to find: PYTHONPATH is left alone

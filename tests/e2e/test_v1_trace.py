@@ -1,6 +1,6 @@
 """recipes/cpu_demo.sh with verl 0.9's default V1 trainer (``V1=1``), verl's own ppo_trainer.yaml and the
 README's example of a user's estimator (loaded in every process through VERL_USE_EXTERNAL_MODULES, as
-the README runs it), on a local Ray cluster: the recipe reports progress and trains, the plugin
+the README runs it: the module in the directory the recipe is started from), on a local Ray cluster: the recipe reports progress and trains, the plugin
 switches the critic on; the trace equals what the actor update read from TransferQueue (captured by
 tests/e2e/v1_capture.py), its update tables cover every trained token once per epoch and reproduce
 verl's logged metrics, the live metrics verl logged equal the trace's numbers, and it passes the checker. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)
@@ -37,7 +37,7 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
     from verl_ext.cpu.overrides import merge_overrides
 
     from tests.e2e.gpu_world import GPU_WORLD_OVERRIDES
-    from tests.e2e.test_fit_with_trace import CUT_AT, UPDATE_OVERRIDES, user_module_env
+    from tests.e2e.test_fit_with_trace import CUT_AT, ROOT, UPDATE_OVERRIDES, user_module_env
 
     out = tmp_path_factory.mktemp("v1")
     capture = out / "captured"
@@ -53,14 +53,17 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
         f"data.max_response_length={CUT_AT}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
-        f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{user['PYTHONPATH']}'",
         *ray_cluster.v1_overrides,
     ]
     env = {
         **os.environ, **user, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
         "V1": "1", "PRECISION": "bf16", "ESTIMATOR": "td_half", "STEPS": str(STEPS), "RAY_ADDRESS": ray_cluster.address,
     }  # fmt: skip
-    run(["bash", str(RECIPE), *overrides], env, out, timeout=600)  # its output: out/output.log
+    # issue 43: the user's module sits in the directory the recipe is started from, as the README has it; only
+    # the suite's own capture module is on PYTHONPATH (the recipe puts that directory first, for every process)
+    env["PYTHONPATH"] = str(ROOT)
+    completed = run(["bash", str(RECIPE), *overrides], env, out / "user", timeout=600)
+    (out / "output.log").write_text(completed.stdout + completed.stderr)
     return out
 
 

@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout", default="hf_generate", help="verl's name of the run's rollout (the progress names its server)")
     parser.add_argument("--lock", type=Path, default=None, metavar="DIR", help="hold DIR's lock; remove its metrics.jsonl first")
     parser.add_argument("--label", default="progress", help="what the stop line starts with (default: progress)")
+    parser.add_argument("--holder", default=None, help="the command named to a second one the lock refuses (default: the label)")
     args = parser.parse_args(own)
     if not command:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # copy to the end, when the trainer stopped, not before
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     directory = args.lock or Path(args.log_file).parent
     try:
-        with output_lock(args.lock, " ".join(command)) if args.lock else contextlib.nullcontext() as fd:
+        with output_lock(args.lock, args.holder or args.label) if args.lock else contextlib.nullcontext() as fd:
             if args.lock:
                 (args.lock / METRICS_FILE).unlink(missing_ok=True)
             status, stopped = run_trainer(
