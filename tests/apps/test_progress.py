@@ -44,3 +44,69 @@ def test_the_rollout_server_is_named_by_the_runs_rollout(tmp_path):
     assert "HF-generate rollout server up" in printed["hf_generate"] and "vLLM" not in printed["hf_generate"]
     assert "vLLM server starting" in printed["vllm"] and "vLLM rollout server up" in printed["vllm"]
     assert "HF-generate" not in printed["vllm"]
+
+
+TRAINER = """
+import os, sys, time
+stop, stubborn = os.environ["VERL_EXT_STOP_FILE"], len(sys.argv) > 1
+print("Training from scratch", flush=True)
+try:
+    for step in range(1, 1000):
+        if os.path.exists(stop) and not stubborn:
+            sys.exit(1)  # as verl's driver ends on verl-ext's StopRequested
+        print(f"step:{step} - critic/score/mean:0.5", flush=True)
+        time.sleep(0.05)
+except KeyboardInterrupt:
+    print("interrupted at once", flush=True)
+    sys.exit(2)
+"""
+
+
+def _run_with_signals(tmp_path, signals: list[int], *trainer_args: str):
+    """run_trainer on a stand-in trainer that stops before its next step once its stop file exists
+    (verl_ext.stopping), with ``signals`` sent to this process once it trained a few steps."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from verl_ext.apps.progress import run_trainer
+
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    stop_file = tmp_path / ".verl-ext.stop"
+    log = tmp_path / "train.log"
+
+    def send():
+        while "step:3 " not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.02)
+        for signum in signals:
+            os.kill(os.getpid(), signum)
+            time.sleep(0.3)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    env = {**os.environ, "VERL_EXT_STOP_FILE": str(stop_file)}
+    result = run_trainer([sys.executable, str(script), *trainer_args], log, steps=1000, out=io.StringIO(), stop_file=stop_file, env=env)
+    sender.join()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process' handlers are back
+    assert not stop_file.exists()
+    return result, log.read_text()
+
+
+def test_the_first_signal_asks_the_trainer_to_stop_between_two_steps_and_says_where(tmp_path):
+    import signal
+
+    (status, line), log = _run_with_signals(tmp_path, [signal.SIGTERM])
+    last = max(int(row.split(":")[1].split()[0]) for row in log.splitlines() if row.startswith("step:"))
+    assert status == 130 and line == f"stopped by SIGTERM after step {last} of 1000: every finished step is in {tmp_path}"
+    assert "interrupted at once" not in log
+
+
+def test_a_second_signal_stops_the_trainer_at_once(tmp_path):
+    import signal
+
+    (status, line), log = _run_with_signals(tmp_path, [signal.SIGINT, signal.SIGINT], "stubborn")
+    assert status == 130 and line.startswith("stopped by SIGINT after step ")
+    assert log.rstrip().endswith("interrupted at once")  # the second signal reached it as SIGINT
