@@ -49,9 +49,9 @@ def test_importing_every_module_activates_nothing():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["meta_path_changed"] is False and report["touches_installed"] == []
     assert report["plugin_loaded"] is False and report["cpu_active"] is False
-    # the in-process runner needs the backend active before it imports verl, and says so instead
-    assert [name for name, _ in report["refused"]] == ["verl_ext.cpu.in_process"]
-    assert "verl_ext.cpu.activate()" in report["refused"][0][1]
+    # the in-process runner and its vLLM replica need the backend active before they import verl, and say so instead
+    assert [name for name, _ in report["refused"]] == ["verl_ext.cpu.in_process", "verl_ext.cpu.vllm_replica"]
+    assert all("verl_ext.cpu.activate()" in why for _, why in report["refused"])
 
 
 # Each package may import the ones listed for it, and the ground floor (the modules directly under

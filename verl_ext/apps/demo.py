@@ -5,7 +5,7 @@
    nothing downloaded.
 2. Training: ``algorithm.adv_estimator=mc`` (the critic switched on by the plugin) with the recipe
    of :mod:`verl_ext.apps.learning`, verl's ``RayPPOTrainer.fit()`` in a child process without Ray (with
-   ``--rollout vllm``: verl's own ``main_ppo`` on a local Ray cluster, responses from verl's vLLM server),
+   ``--rollout vllm``: the responses from verl's own vLLM server, a Ray actor beside it),
    the per-token trace on. verl validates on the held-out prompts before and after.
 3. The trace checked against the definitions.
 4. Where the credit lands (:mod:`verl_ext.apps.credit`): every 10 steps the verdict token's share

@@ -22,7 +22,7 @@ writes ``OUTPUT_DIR/metrics.jsonl`` (verl's metrics, one line per step), ``train
 ``--trace``, the per-token trace in ``OUTPUT_DIR/trace``.
 
 With ``--rollout vllm`` the responses come from verl's own vLLM server (:mod:`verl_ext.cpu.vllm_rollout`),
-a Ray actor: the run is then verl's own ``python -m verl.trainer.main_ppo`` on a local Ray cluster,
+a Ray actor beside the in-process trainer (on the cluster ``RAY_ADDRESS`` names, else a local one),
 with the same recipe. vLLM samples from its engine's seeded stream in the order requests reach it, so
 such a run is not bit-for-bit reproducible (the in-process HF-generate rollout seeds every request).
 """
@@ -36,7 +36,6 @@ import random
 import sys
 from pathlib import Path
 
-from verl_ext.cpu.vllm_rollout import VLLM
 from verl_ext.hf_rollout import ROLLOUT_NAME
 from verl_ext.options import STOP_FILE_ENV
 from verl_ext.tasks import DEFAULT_TASK, TASKS, get_task
@@ -88,7 +87,7 @@ def learning_overrides(
 
     ``task``: the name of the task whose assets to train on (:data:`verl_ext.tasks.TASKS`).
     ``precision``: the CPU backend's (:data:`verl_ext.cpu.overrides.PRECISIONS`).
-    ``rollout``: one of :data:`verl_ext.cpu.overrides.ROLLOUTS`; verl's vLLM rollout runs on Ray.
+    ``rollout``: one of :data:`verl_ext.cpu.overrides.ROLLOUTS`.
     ``pretrained_critic``: start verl's critic from the value-pretrained one of the assets when the
     task has one (else from the warm start with a fresh value head, the control of the study). The
     mini- and micro-batch sizes follow the prompts per step and samples per prompt the run ends up with
@@ -110,7 +109,7 @@ def learning_overrides(
         train_batch_size=prompts,
         rollout_n=samples,
         response_length=12,
-        use_ray=rollout == VLLM,
+        use_ray=False,
         seed=seed,
         precision=precision,
         rollout=rollout,
@@ -150,8 +149,8 @@ def run(
     output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int, trace: bool, extra: list[str],
     pretrained_critic: bool = True, task: str = DEFAULT_TASK, precision: str = "fp32", rollout: str = ROLLOUT_NAME,
 ) -> None:
-    """Train in this process (the CPU backend is activated here), or with ``rollout="vllm"`` replace
-    this process by verl's own trainer on Ray (``python -m verl.trainer.main_ppo``). Holds
+    """Train in this process (the CPU backend is activated here; verl's vLLM server, with
+    ``rollout="vllm"``, a Ray actor beside it). Holds
     ``output_dir``'s lock (or the one the command that started it holds: :mod:`verl_ext.apps.output_lock`)
     before it touches anything there. The run stops between two steps once its stop file exists
     (:mod:`verl_ext.stopping`): in process, :class:`~verl_ext.stopping.StopRequested` comes out of here."""
@@ -165,10 +164,6 @@ def run(
         if trace:
             overrides = merge_overrides([f"verl_ext.trace.dir={output_dir / 'trace'}"], overrides)
         configs = Path(__file__).resolve().parents[1] / "configs"
-        if rollout == VLLM:
-            command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={configs}", "--config-name=verl_ext_trainer", *overrides]
-            os.chdir(output_dir)  # hydra writes its run directory (outputs/) under the working directory
-            os.execve(sys.executable, command, {**os.environ, **environment})  # the lock's descriptor goes with it
         for name in ("VERL_FILE_LOGGER_PATH", STOP_FILE_ENV):  # what the in-process trainer reads of a CPU run's environment
             os.environ[name] = environment[name]
         _train_in_process(overrides, configs, seed)

@@ -14,6 +14,10 @@ provides is replaced, by :class:`InProcessPPOTrainer.init_workers` (the counterp
 * :class:`InProcessWeightSync` for ``CheckpointEngineManager`` (the ``naive`` backend: the worker
   pushes its weights to the rollout directly).
 
+With verl's vLLM rollout (``rollout.name=vllm``) the generation server is verl's own, a Ray actor:
+this process joins the Ray cluster ``RAY_ADDRESS`` names or starts a small local one for it alone
+(:func:`run_in_process`), and the replica is :class:`verl_ext.cpu.vllm_replica.LocalVLLMReplica`.
+
 A test gets at what the trainer actually trained on through ``on_batch``: it is called once per
 step with the batch after advantages and returns are computed, before the critic and actor updates
 (see :class:`BatchRecorder`).
@@ -67,6 +71,7 @@ from verl.workers.rollout.llm_server import LLMServerManager  # noqa: E402
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer  # noqa: E402
 
 from verl_ext.cpu.local_actor import LocalActorHandle, actor_loop  # noqa: E402
+from verl_ext.cpu.vllm_rollout import VLLM  # noqa: E402
 from verl_ext.hf_rollout.server import HFGenerationServer, HFReplica, register_local_server  # noqa: E402
 
 #: Called once per step: ``on_batch(step, batch, trainer)``; ``batch`` is the trainer's live batch.
@@ -158,6 +163,17 @@ class InProcessLLMServerManager(LLMServerManager):
             servers=dict(zip(self.server_addresses, self.server_handles, strict=True)),
             max_cache_size=DEFAULT_ROUTING_CACHE_SIZE,
         )
+
+
+class InProcessVLLMServerManager(InProcessLLMServerManager):
+    """The in-process manager of verl's vLLM servers (Ray actors: verl's own replica, whose workers
+    are this process')."""
+
+    def __init__(self, *args, **kwargs):
+        from verl_ext.cpu.vllm_replica import LocalVLLMReplica  # imports vLLM: only for a vLLM run
+
+        self.rollout_replica_class = LocalVLLMReplica
+        super().__init__(*args, **kwargs)
 
 
 class InProcessAgentLoopWorker(AgentLoopWorker):
@@ -277,9 +293,9 @@ class InProcessPPOTrainer(RayPPOTrainer):
         self.async_rollout_mode = True
         self.teacher_model_manager = None
         self.distillation_config = None
-        self.llm_server_manager = InProcessLLMServerManager.create(
-            config=self.config, worker_group=self.actor_rollout_wg
-        )
+        managers = {VLLM: InProcessVLLMServerManager}
+        manager = managers.get(self.config.actor_rollout_ref.rollout.name, InProcessLLMServerManager)
+        self.llm_server_manager = manager.create(config=self.config, worker_group=self.actor_rollout_wg)
         self.async_rollout_manager = InProcessAgentLoopManager.create(
             config=self.config,
             llm_client=self.llm_server_manager.get_client(),
@@ -300,6 +316,8 @@ class InProcessPPOTrainer(RayPPOTrainer):
 
     def _use_stream(self, name: str) -> None:
         for replica in self.llm_server_manager.get_replicas():
+            if not isinstance(replica, LocalHFReplica):  # vLLM samples from its engine's own stream
+                continue
             for server in replica.servers:
                 server.use_stream.remote(name).result()
 
@@ -376,6 +394,8 @@ def run_in_process(
     from verl_ext.cpu.overrides import compose_config
 
     config = compose_config(overrides, config_dir, config_name)
+    if config.actor_rollout_ref.rollout.name == VLLM:
+        _join_ray_for_the_vllm_server(Path(config.trainer.default_local_dir).parent)
     if "file" in config.trainer.logger and "VERL_FILE_LOGGER_PATH" not in os.environ:
         # verl's file logger would write to ./<project>/<experiment>.jsonl; put it next to the
         # checkpoints instead, where cpu_environment() puts it for a run on Ray.
@@ -388,6 +408,20 @@ def run_in_process(
     trainer.init_workers()
     trainer.fit()
     return trainer
+
+
+def _join_ray_for_the_vllm_server(output_dir: Path) -> None:
+    """Ray for verl's vLLM server actor (its engine is a process of its own): the cluster ``RAY_ADDRESS``
+    names, else a local one for the server alone; the server's processes get the CPU run's environment."""
+    import ray
+
+    from verl_ext.cpu.overrides import cpu_environment
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    cluster = {"address": address} if address else {"num_cpus": 2, "num_gpus": 0, "include_dashboard": False}
+    ray.init(**cluster, runtime_env={"env_vars": cpu_environment(output_dir)}, configure_logging=False)
 
 
 class BatchRecorder:

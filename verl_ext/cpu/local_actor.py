@@ -105,3 +105,26 @@ class LocalActorHandle:
         if name.startswith("__"):
             raise AttributeError(name)
         return _RemoteMethod(getattr(self._instance, name), self._loop)
+
+
+class ThisNodeWorker:
+    """What verl's vLLM replica asks of each worker it is given before it starts its server (a Ray actor
+    in verl's trainer: ``worker.__ray_call__.remote(fn)`` for its node and device): the in-process
+    runner's worker is no Ray actor; it is on this node, device 0. Picklable: verl hands it on to the
+    server, which keeps it unused (it reads its workers only with vLLM's data parallelism)."""
+
+    def __init__(self, node_id: str):
+        self.answer = (node_id, "0")
+
+    @property
+    def __ray_call__(self):
+        answer = self.answer
+
+        class _Call:
+            @staticmethod
+            def remote(function):
+                future = asyncio.get_running_loop().create_future()
+                future.set_result(answer)
+                return future
+
+        return _Call

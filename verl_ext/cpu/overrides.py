@@ -118,14 +118,13 @@ def cpu_overrides(
     ``use_ray=False`` leaves out the Ray-only settings (the in-process runner starts no Ray).
     ``ray_address``: join that running Ray cluster (its nodes declare their own CPUs and logical
     GPUs) instead of starting a local one. ``seed``: the data order and the rollout's sampling.
-    ``rollout``: one of :data:`ROLLOUTS` (verl's vLLM server runs on Ray only: ``use_ray``).
+    ``rollout``: one of :data:`ROLLOUTS` (verl's vLLM server is a Ray actor; without ``use_ray`` the
+    in-process runner joins or starts a Ray cluster for it alone).
     Adjust the result with :func:`merge_overrides` (hydra rejects a key given twice).
     """
     check_precision(precision)
     if rollout not in ROLLOUTS:
         raise ValueError(f"rollout {rollout!r}: expected one of {', '.join(ROLLOUTS)}")
-    if rollout == VLLM and not use_ray:
-        raise ValueError("verl's vLLM rollout runs its server as a Ray actor: a CPU run with it needs Ray (use_ray)")
     output = Path(output_dir).resolve()
     micro_batch = train_batch_size * rollout_n  # one micro-batch per step: fewest forward passes
     overrides = [
