@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from verl_ext import registry
-from verl_ext.inspect.check import check_trace
+from verl_ext.check.run import check_trace
 from verl_ext.inspect.render import ProgressPrinter
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture

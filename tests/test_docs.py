@@ -458,7 +458,7 @@ def test_every_section_and_anchor_reference_resolves():
     docs lands on a heading (tests/doc_references.py says how each is read)."""
     from tests.doc_references import scanned_files, unresolved
 
-    assert {"README.md", "docs/definitions.md", "verl_ext/inspect/identities.py", "verl_ext/view/static/viewer.js"} <= {
+    assert {"README.md", "docs/definitions.md", "verl_ext/check/identities.py", "verl_ext/view/static/viewer.js"} <= {
         path.relative_to(ROOT).as_posix() for path in scanned_files(ROOT)
     }
     wrong = unresolved(ROOT)

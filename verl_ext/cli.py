@@ -101,7 +101,7 @@ def _say(lines) -> None:
 
 def _run_header(trace, fmt: str) -> str:
     """The run's rollout engine and whether it finished, as a header of the output ("" for CSV)."""
-    from verl_ext.inspect.stepdata import RecordedRun
+    from verl_ext.check.stepdata import RecordedRun
 
     if fmt == "csv":
         return ""
@@ -160,7 +160,7 @@ CHECK_INCOMPLETE = 3
 
 def check(args: argparse.Namespace) -> int:
     """Every identity of docs/definitions.md §8 on every traced step."""
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.inspect.render import format_report
 
     trace = _open_run(args.run)
@@ -222,7 +222,7 @@ def _one_step(trace, step: int | None, read: Callable):
 def show(args: argparse.Namespace) -> int:
     """One sample's per-token table with decoded tokens."""
     from verl_ext.inspect.render import render
-    from verl_ext.inspect.stepdata import RecordedAlgorithm
+    from verl_ext.check.stepdata import RecordedAlgorithm
     from verl_ext.inspect.table import decoder_for, first_sample_with_tool_call, sample_view
 
     trace = _open_run(args.run)
@@ -282,7 +282,7 @@ def _critic_summary(trace, args: argparse.Namespace, unread) -> int:
     """``summary --critic``: steps × position buckets, EV then mean |V − G| (CSV: the long table)."""
     from verl_ext.inspect.critic import critic_diagnostics, few_tokens_note, steps_by_bucket
     from verl_ext.inspect.render import render
-    from verl_ext.inspect.stepdata import RecordedAlgorithm
+    from verl_ext.check.stepdata import RecordedAlgorithm
 
     diagnostics = critic_diagnostics(trace, progress=_progress(args, "summary --critic"), unread=unread)
     if args.format == "csv":
@@ -396,7 +396,7 @@ def _truncation_mode(text: str) -> str:
 def compare(args: argparse.Namespace) -> int:
     """Re-estimate one traced step with every estimator (no retraining) and show them side by side."""
     from verl_ext.inspect.comparison import compare as compare_step
-    from verl_ext.inspect.cuts import last_step_with_cuts
+    from verl_ext.check.cuts import last_step_with_cuts
     from verl_ext.inspect.render import render
 
     trace = _open_run(args.run)

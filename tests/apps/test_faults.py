@@ -77,7 +77,7 @@ def trainer_pids(runner: subprocess.Popen) -> list[int]:
 
 def assert_stopped_whole(out: Path, runner: subprocess.Popen, signum: int, pids: list[int]) -> int:
     """What every interruption must leave; returns the last step written."""
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.trace.reader import open_trace
 
     printed = runner.stdout.read()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from verl_ext.apps.selftest_report import RunOutcome, diagnose_log, first_failure, format_screen, what_ran
-from verl_ext.inspect.results import IdentityResult, Location, Violation
+from verl_ext.check.results import IdentityResult, Location, Violation
 
 
 def identity(name: str, status: str, first: Violation | None = None, notes: tuple[str, ...] = ()) -> IdentityResult:

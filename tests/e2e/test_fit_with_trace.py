@@ -552,7 +552,7 @@ def test_a_planted_error_in_each_update_column_is_caught(one_step_run, tmp_path,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.trace.schema import update_file
 
     kind, column = plant

@@ -10,8 +10,8 @@ packed sequences, entropy in the loss, dynamic batch size (tests/e2e/gpu_world.p
 
 Covers: verl_ext.integration's plugin activation (entry point, every process) and its trace_hook on a
 Ray node other than the driver's (run record, node), its update_hook and the check's bf16 tolerances
-(verl_ext.inspect.update) in a bf16 run, verl_ext.trace (writer, reader),
-verl_ext.inspect.check through verl_ext.cli, and the CPU backend (verl_ext.cpu) on Ray.
+(verl_ext.check.update_checks) in a bf16 run, verl_ext.trace (writer, reader),
+verl_ext.check.run through verl_ext.cli, and the CPU backend (verl_ext.cpu) on Ray.
 """
 
 from __future__ import annotations

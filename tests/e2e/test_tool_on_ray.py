@@ -12,7 +12,7 @@ tests/apps/test_tool_demo.py; the legacy trainer on vLLM: tests/e2e/test_vllm_ro
 Covers: the V1 trainer's seam (verl_ext.integration: patches, agent_turns in the Ray agent-loop
 worker, turn_rewards_hook, trace_hook), verl_ext.turn_rewards and verl_ext.turns,
 verl_ext.estimators' turn_gae with verl_ext.kernels, verl_ext.trace (capture, agent record, writer,
-reader), verl_ext.inspect.check, the tool task (verl_ext.tasks.tool) and the CPU backend
+reader), verl_ext.check.run, the tool task (verl_ext.tasks.tool) and the CPU backend
 (verl_ext.cpu, verl_ext.cpu.vllm_rollout) on Ray."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def v1_tool_run(tmp_path_factory, assets_dir, tool_assets, ray_cluster):
 
 def test_the_v1_trainer_runs_turn_gae_with_the_tools_rewards_on_their_turns(v1_tool_run):
     from tests.apps.test_tool_demo import count_checked_tool_calls
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.trace.reader import open_trace
 
     assert "(TaskRunnerV1 pid=" in (v1_tool_run / "train.log").read_text()

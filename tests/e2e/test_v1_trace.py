@@ -7,7 +7,7 @@ verl's logged metrics, the live metrics verl logged equal the trace's numbers, a
 
 Covers: the V1 trainer's seam and hooks (verl_ext.integration: plugin, patches, validation,
 trace_hook, update_hook, metrics_hook), verl_ext.registry with a user's estimator, verl_ext.trace
-(capture, writer, reader), verl_ext.step_metrics, verl_ext.inspect.check through verl_ext.cli, the
+(capture, writer, reader), verl_ext.step_metrics, verl_ext.check.run through verl_ext.cli, the
 recipe's progress report (verl_ext.apps.progress) and the CPU backend (verl_ext.cpu) on Ray."""
 
 from __future__ import annotations

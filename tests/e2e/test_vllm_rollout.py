@@ -45,7 +45,7 @@ def vllm_run(tmp_path_factory, cpu_env, assets, ray_cluster):
 
 
 def test_verls_vllm_server_makes_the_responses_and_the_trace_passes_the_checker(vllm_run):
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.trace.reader import open_trace
 
     out, printed = vllm_run
@@ -87,7 +87,7 @@ def test_vllms_log_probs_equal_the_trainers_and_verls_metrics_say_the_same_gap(v
 def test_vllms_stop_reasons_are_recorded_and_agree_with_the_eos_rule(vllm_run):
     """Responses cut at CUT_AT tokens: vLLM says "length" for exactly the ones the trace's EOS rule calls
     truncated (the checker's stop_reason identity), and "stop" for those that ended."""
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(vllm_run[0] / "trace"))

@@ -15,7 +15,7 @@ import torch
 from tests.inspect.inspect_helpers import algorithm, nudge, rewrite_step, whiten
 from tests.inspect.test_inspect_check import IDENTITIES, statuses
 from tests.inspect.truncation_helpers import CUT, by_definition, cut_batch, row_sums, truncation_of, write
-from verl_ext.inspect.check import check_trace
+from verl_ext.check.run import check_trace
 from verl_ext.trace.reader import open_trace
 from verl_ext.trace.schema import prompt_file
 

@@ -26,8 +26,8 @@ from tests.inspect.inspect_helpers import (
 )
 
 from verl_ext import registry
-from verl_ext.inspect.identities import IDENTITIES as RECORDS
-from verl_ext.inspect.check import check_trace
+from verl_ext.check.identities import IDENTITIES as RECORDS
+from verl_ext.check.run import check_trace
 from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, TOKEN_SCHEMA, token_file
 
 #: Every run's identities without update tables (those of algorithm.truncation apply to its runs only)

@@ -10,7 +10,7 @@ import sys
 import pytest
 from tests.inspect.inspect_helpers import good_trace, rewrite_step
 
-from verl_ext.inspect.check import check_trace
+from verl_ext.check.run import check_trace
 from verl_ext.inspect.render import ProgressPrinter
 from verl_ext.trace.schema import RUN_RECORD, token_file
 

@@ -119,7 +119,7 @@ def test_summary_says_why_adv_dlogp_corr_is_blank(tmp_path, run_cli):
 def test_a_single_mini_batch_of_one_epoch_is_named_as_the_reason(tmp_path):
     """One mini-batch in one epoch: every log-prob is computed before the only optimizer step."""
     from tests.inspect.test_inspect_update import hand_trace
-    from verl_ext.inspect.update import why_no_correlation
+    from verl_ext.check.update_checks import why_no_correlation
     from verl_ext.trace.reader import open_trace
 
     def one_minibatch_unmoved(parts):

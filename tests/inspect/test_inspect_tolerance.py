@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from verl_ext import estimators
-from verl_ext.inspect.tokens import ACCUMULATED as accumulated_tolerance
-from verl_ext.inspect.tokens import EPS32
-from verl_ext.inspect.tokens import WHITENING_FACTOR as WHITENING
+from verl_ext.check.token_checks import ACCUMULATED as accumulated_tolerance
+from verl_ext.check.token_checks import EPS32
+from verl_ext.check.token_checks import WHITENING_FACTOR as WHITENING
 
 EPS = EPS32
 

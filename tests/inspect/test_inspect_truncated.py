@@ -20,8 +20,8 @@ import torch
 
 from tests.inspect.inspect_helpers import algorithm
 from verl_ext.inspect import compare, summarize
-from verl_ext.inspect.cuts import StepCuts, estimate_under
-from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, StepLayout
+from verl_ext.check.cuts import StepCuts, estimate_under
+from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout
 
 GAMMA, LAM, EOS, LIMIT = 0.9, 0.5, 3, 3
 MASK = [[1, 1, 1], [1, 1, 0], [1, 1, 1]]

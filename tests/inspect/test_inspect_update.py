@@ -29,7 +29,7 @@ import pytest
 import torch
 from tests.inspect.inspect_helpers import algorithm, random_batch, write_trace
 
-from verl_ext.inspect.check import check_trace
+from verl_ext.check.run import check_trace
 from verl_ext.inspect.summary import summarize
 from verl_ext.trace.capture import UpdateCapture
 from verl_ext.trace.reader import open_trace

@@ -2,13 +2,13 @@
 ``verl-ext check`` holds ``truncated`` to "the engine stopped at the length limit" on every response the
 engine said why it ended, on the runs whose rollout says it (verl's vLLM rollout).
 
-Covers: verl_ext.trace.capture's ``stop_reason`` column, verl_ext.inspect.cuts, the ``stop_reason``
-identity of verl_ext.inspect.identities and verl_ext.inspect.tokens."""
+Covers: verl_ext.trace.capture's ``stop_reason`` column, verl_ext.check.cuts, the ``stop_reason``
+identity of verl_ext.check.identities and verl_ext.check.token_checks."""
 
 from __future__ import annotations
 
 from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
-from verl_ext.inspect.check import check_trace
+from verl_ext.check.run import check_trace
 from verl_ext.trace.reader import open_trace
 
 T = 12

@@ -14,7 +14,7 @@ from tests.integration.test_truncation_seam import CUT, legacy_run, make_batch
     [("gae", "bootstrap"), ("gae", "mask"), ("gae_ext", "bootstrap"), ("nstep", "mask"), ("grpo", "mask"), ("gae", "terminal")],
 )
 def test_the_traced_step_passes_the_check_under_its_truncation(compose, tmp_path, estimator, truncation):
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.trace.reader import open_trace
 
     legacy_run(compose, estimator, truncation, None, f"verl_ext.trace.dir={tmp_path / 'trace'}")

@@ -191,7 +191,7 @@ def test_statistics_compare_the_estimators_and_locate_the_failures(source, view_
     import json
     from pathlib import Path
 
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
 
     trace = open_trace(view_trace)
     stats = source.statistics({"step": NAN_AT[0]}, check_trace(trace, [NAN_AT[0]]))

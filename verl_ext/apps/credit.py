@@ -26,7 +26,7 @@ import numpy as np
 
 from verl_ext.inspect.comparison import DEFAULT_N, step_estimates
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
-from verl_ext.inspect.stepdata import LAYOUT_COLUMNS, RecordedAlgorithm, StepData
+from verl_ext.check.stepdata import LAYOUT_COLUMNS, RecordedAlgorithm, StepData
 from verl_ext.tasks import DEFAULT_TASK, get_task
 
 #: λ of the GAE the demo sets between td0 (λ = 0) and mc (λ = 1).

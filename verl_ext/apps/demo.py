@@ -47,7 +47,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.inspect.render import format_report
     from verl_ext.tasks import get_task
     from verl_ext.trace.reader import open_trace
@@ -115,7 +115,7 @@ def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
 def _show(trace, step: int, sample: int) -> None:
     """What ``verl-ext show TRACE --step STEP --sample SAMPLE`` prints."""
     from verl_ext.inspect.render import render
-    from verl_ext.inspect.stepdata import RecordedAlgorithm
+    from verl_ext.check.stepdata import RecordedAlgorithm
     from verl_ext.inspect.table import decoder_for, sample_view
 
     decoder = decoder_for(trace)

@@ -247,7 +247,7 @@ def _train_and_check(run: SelftestRun, overrides: list[str], directory: Path, de
 
 def check_run(trace_dir: Path) -> tuple[str, str]:
     """``verl-ext check`` on a run's trace: (verdict, the first failure in one line)."""
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.trace.reader import open_trace
 
     try:

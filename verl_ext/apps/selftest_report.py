@@ -94,7 +94,7 @@ def _rollout_dtype(config: Mapping[str, Any], device: str) -> str:
 
 
 def first_failure(report) -> str:
-    """One line for a check report (:class:`verl_ext.inspect.check.CheckReport`) that did not pass:
+    """One line for a check report (:class:`verl_ext.check.run.CheckReport`) that did not pass:
     the first violated identity and where (step, sample, token), else what was not evaluated."""
     for result in report.identities:
         if result.status == "fail":

@@ -11,33 +11,28 @@
     critic_diagnostics(trace).to_pandas()          # the critic against the MC return, per step and position
     plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
 
-Every function takes an open trace or a path. Modules: ``stepdata`` (a step as arrays, and what the
-run record says about its estimator); ``identities`` (the identities of docs/definitions.md §8,
-one record each); ``results`` (what a check finds, the one comparison, tolerances); ``tokens`` (the
-token table's checks, recomputation and tolerances); ``check`` (runs them all, the report as data); ``table`` (the per-token table, decoded tokens);
-``summary`` (one row per step); ``update`` (the update tables' checks and statistics);
-``comparison`` (the estimators side by side on one step); ``cuts`` (the responses cut at the length
-limit, and the estimators under each ``algorithm.truncation``); ``critic`` (the critic's values against
-the Monte-Carlo return, by position); ``unread`` (the steps a scan could not read: missing on disk, or
-whose files do not read, and how the commands say so); ``plots``; ``render`` (text, CSV, Markdown, the
-check report, progress lines). The commands are in :mod:`verl_ext.cli`.
+Every function takes an open trace or a path. The checker (``check_trace`` and its report, exported
+here too) and the step data both read (``stepdata``, ``cuts``) are in :mod:`verl_ext.check`. Modules:
+``table`` (the per-token table, decoded tokens); ``summary`` (one row per step); ``comparison`` (the
+estimators side by side on one step); ``critic`` (the critic's values against the Monte-Carlo return,
+by position); ``unread`` (the steps a scan could not read: missing on disk, or whose files do not
+read, and how the commands say so); ``plots``; ``render`` (text, CSV, Markdown, the check report,
+progress lines). The commands are in :mod:`verl_ext.cli`.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from verl_ext import check as _check
+from verl_ext.lazy_exports import lazy_exports
+
 #: Public name -> module defining it. Imported on first use, so that ``import verl_ext.inspect``
 #: loads nothing heavy.
 _EXPORTS = {
     "open_trace": "verl_ext.trace.reader",
     "Trace": "verl_ext.trace.reader",
-    "check_trace": "verl_ext.inspect.check",
-    "CheckReport": "verl_ext.inspect.check",
-    "IdentityResult": "verl_ext.inspect.results",
-    "StepResult": "verl_ext.inspect.results",
-    "Violation": "verl_ext.inspect.results",
-    "Location": "verl_ext.inspect.results",
+    **{name: "verl_ext.check" for name in _check.__all__},  # check_trace, CheckReport, what a check finds
     "sample_view": "verl_ext.inspect.table",
     "SampleView": "verl_ext.inspect.table",
     "summarize": "verl_ext.inspect.summary",
@@ -48,12 +43,11 @@ _EXPORTS = {
     "critic_diagnostics": "verl_ext.inspect.critic",
     "steps_by_bucket": "verl_ext.inspect.critic",
 }
-__all__ = [*_EXPORTS, "plots"]
+_names, _exported = lazy_exports(__name__, _EXPORTS)
+__all__ = [*_names, "plots"]
 
 
 def __getattr__(name: str):
     if name == "plots":
         return importlib.import_module("verl_ext.inspect.plots")
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _exported(name)

@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import UsageError
-from verl_ext.inspect.cuts import SECTION, StepCuts, estimate_under, whitened
-from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, as_trace
+from verl_ext.check.cuts import SECTION, StepCuts, estimate_under, whitened
+from verl_ext.check.stepdata import RecordedAlgorithm, StepData, as_trace
 from verl_ext.step_metrics import prompt_groups
 from verl_ext.truncation import TRUNCATION_MODES
 

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import UsageError
-from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
+from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
 from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.step_metrics import (
     BUCKETS,

@@ -36,10 +36,10 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
-from verl_ext.inspect.cuts import SECTION, StepCuts
-from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
+from verl_ext.check.cuts import SECTION, StepCuts
+from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.unread import UnreadSteps
-from verl_ext.inspect.update import update_statistics, why_no_correlation
+from verl_ext.check.update_checks import update_statistics, why_no_correlation
 from verl_ext.step_metrics import critic_by_position, turn_shares
 
 SUMMARY_SCHEMA = pa.schema(

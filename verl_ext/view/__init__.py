@@ -9,25 +9,19 @@ check's findings.
     print(server.url); server.serve_forever()
 
 Modules: ``payload`` (a trace's steps and samples as the page's data: the numbers come from
-:mod:`verl_ext.inspect` and the trace reader), ``page`` (the HTML page: which steps go into a file,
-the data inlined safely), ``server`` (the local read-only server), ``static/`` (the page's script and
-style, inlined into every page).
+:mod:`verl_ext.check`, :mod:`verl_ext.inspect` and the trace reader), ``page`` (the HTML page: which
+steps go into a file, the data inlined safely), ``server`` (the local read-only server), ``static/``
+(the page's script and style, inlined into every page).
 """
 
 from __future__ import annotations
 
-import importlib
+from verl_ext.lazy_exports import lazy_exports
 
-_EXPORTS = {
+#: Public name -> module defining it, imported on first use: ``import verl_ext.view`` loads nothing heavy.
+__all__, __getattr__ = lazy_exports(__name__, {
     "write_page": "verl_ext.view.page",
     "select_steps": "verl_ext.view.page",
     "serve": "verl_ext.view.server",
     "ViewServer": "verl_ext.view.server",
-}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+})

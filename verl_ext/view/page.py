@@ -114,7 +114,7 @@ def select_steps(
 
 
 def _sample_rows(trace, step: int) -> dict[int, int]:
-    from verl_ext.inspect.stepdata import StepLayout
+    from verl_ext.check.stepdata import StepLayout
 
     layout = StepLayout.read(trace, step)
     return dict(zip(layout.sample_ids.tolist(), layout.row_counts.tolist()))
@@ -176,7 +176,7 @@ def page_data(
     tokens and its statistics, with the summary and the check of those steps. A step whose files do
     not read is left out of the page and noted in ``unread`` (:class:`UnreadSteps`), which the page's
     notes say with the missing steps."""
-    from verl_ext.inspect.check import check_trace
+    from verl_ext.check.run import check_trace
     from verl_ext.inspect.summary import summarize
     from verl_ext.inspect.unread import UnreadSteps
     from verl_ext.view.payload import StepSource, check_failures, check_not_checked, clean, run_info
@@ -239,7 +239,7 @@ def write_page(
     (an unknown step or sample, a ``step`` that does not read, an unwritable path) is a UsageError;
     the file is written under a temporary name and renamed, so a failure leaves nothing behind."""
     from verl_ext.errors import StepFileError
-    from verl_ext.inspect.stepdata import as_trace
+    from verl_ext.check.stepdata import as_trace
     from verl_ext.inspect.table import decoder_for
     from verl_ext.inspect.unread import UnreadSteps, last_step_that_reads, step_reads
 

@@ -40,9 +40,9 @@ import pyarrow.compute as pc
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect import summary as summary_module
-from verl_ext.inspect.cuts import BOOTSTRAP_COLUMN, StepCuts
-from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, StepLayout, floats, join_keys, locate
-from verl_ext.inspect.update_rows import UpdateRows
+from verl_ext.check.cuts import BOOTSTRAP_COLUMN, StepCuts
+from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout, floats, join_keys, locate
+from verl_ext.check.update_rows import UpdateRows
 from verl_ext.trace import schema
 from verl_ext.trace.reader import listing
 
@@ -201,7 +201,7 @@ def run_info(trace, decoder, unread=None) -> dict:
     """What the page says about the run; ``unread``: the steps left out (:class:`UnreadSteps`; by
     default those the run record lists and the disk lacks), said in ``notes`` with whether the run
     finished."""
-    from verl_ext.inspect.stepdata import RecordedRun
+    from verl_ext.check.stepdata import RecordedRun
     from verl_ext.inspect.unread import UnreadSteps
 
     record = trace.record

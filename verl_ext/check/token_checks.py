@@ -1,5 +1,5 @@
 """The token table's identities of docs/definitions.md §8 (items 1–5), and the run record's index
-against the files: the checks their records in :mod:`verl_ext.inspect.identities` name.
+against the files: the checks their records in :mod:`verl_ext.check.identities` name.
 
 For each step, on valid tokens, within the tolerances below:
 
@@ -54,10 +54,10 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from verl_ext.inspect.cuts import SECTION as TRUNCATION_SECTION
-from verl_ext.inspect.cuts import STOPPED_AT_LENGTH, StepCuts
-from verl_ext.inspect.results import ATOL, DTYPE_EPS, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
-from verl_ext.inspect.stepdata import RecordedAlgorithm, StepData, floats, step_beta
+from verl_ext.check.cuts import SECTION as TRUNCATION_SECTION
+from verl_ext.check.cuts import STOPPED_AT_LENGTH, StepCuts
+from verl_ext.check.results import ATOL, DTYPE_EPS, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
+from verl_ext.check.stepdata import RecordedAlgorithm, StepData, floats, step_beta
 from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import ROLE_ASSISTANT, since
 

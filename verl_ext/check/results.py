@@ -1,6 +1,6 @@
 """What a check identity finds, and the one comparison and the tolerances every identity uses.
 
-A check (:data:`verl_ext.inspect.identities.IDENTITIES`) returns a :class:`Finding`: what it found on
+A check (:data:`verl_ext.check.identities.IDENTITIES`) returns a :class:`Finding`: what it found on
 one step, usually through :func:`compare`. The check names it with the identity and the step
 (:class:`StepResult`) and aggregates the steps (:class:`IdentityResult`).
 
@@ -44,7 +44,7 @@ class Tolerance:
 
 EXACT = Tolerance("exact")
 #: An identity between operands whose magnitudes add up to ``scale``: one or two roundings, ``eps``
-#: their dtype's (float32's unless a bf16 run's loss computed it, verl_ext.inspect.update).
+#: their dtype's (float32's unless a bf16 run's loss computed it, verl_ext.check.update_checks).
 ELEMENTWISE = Tolerance(f"{ATOL:g} + 4ε·Σ|operand|", lambda scale, eps=EPS32: ATOL + 4 * eps * scale)
 
 

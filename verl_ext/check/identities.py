@@ -2,8 +2,8 @@
 
 An :class:`Identity` is everything about one identity: its name, its item of §8, the table it reads,
 what it says and its tolerance (both may depend on the run), and its check. The checks of the token
-table are in :mod:`~verl_ext.inspect.tokens`, those of the update tables in
-:mod:`~verl_ext.inspect.update`; :func:`verl_ext.inspect.check.check_trace` runs them all, and the
+table are in :mod:`~verl_ext.check.token_checks`, those of the update tables in
+:mod:`~verl_ext.check.update_checks`; :func:`verl_ext.check.run.check_trace` runs them all, and the
 report, its JSON and the browser view take names, sections and titles from here.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from verl_ext.inspect import update
-from verl_ext.inspect.results import ELEMENTWISE, EXACT, Tolerance
-from verl_ext.inspect.stepdata import RecordedAlgorithm
-from verl_ext.inspect.tokens import ACCUMULATED, STATISTICS, WHITENING, TokenStep, steps_on_disk
+from verl_ext.check import update_checks
+from verl_ext.check.results import ELEMENTWISE, EXACT, Tolerance
+from verl_ext.check.stepdata import RecordedAlgorithm
+from verl_ext.check.token_checks import ACCUMULATED, STATISTICS, WHITENING, TokenStep, steps_on_disk
 
 __all__ = ["IDENTITIES", "Identity"]
 
@@ -80,8 +80,8 @@ def _accumulated(a: RecordedAlgorithm) -> bool:
 
 #: Every identity, in report order: the token table's on each step, the run record's once, then the
 #: update tables' on each step (only for a trace that has update tables). To add one: write its check
-#: (a method of :class:`~verl_ext.inspect.tokens.TokenStep` for the token table, a function of an
-#: :class:`~verl_ext.inspect.update.UpdateStep` in :mod:`~verl_ext.inspect.update`) and add its record
+#: (a method of :class:`~verl_ext.check.token_checks.TokenStep` for the token table, a function of an
+#: :class:`~verl_ext.check.update_checks.UpdateStep` in :mod:`~verl_ext.check.update_checks`) and add its record
 #: here; it is checked, reported and rendered from the record alone.
 IDENTITIES = (
     Identity(
@@ -127,11 +127,11 @@ IDENTITIES = (
         "stop_reason", "8.7", TOKEN, "truncated = the rollout engine stopped at the length limit (its stop reason)", EXACT,
         TokenStep.stop_reason, counts="response", applies=lambda a: a.rollout in STOP_REASON_ROLLOUTS,
     ),
-    Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update.update_rows),
-    Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", update.RATIO, update.ratio),
-    Identity("ratio_first", "8.6", UPDATE, "ratio = 1 in epoch 0, mini-batch 0", update.RATIO_FIRST, update.ratio_first),
-    Identity("pg_loss", "8.6", UPDATE, "pg_loss = vanilla PPO term with dual clip", update.PG_TERM, update.pg_loss),
-    Identity("clip", "8.6", UPDATE, "clip code agrees with verl's loss term", update.PG_TERM, update.clip),
-    Identity("vf_loss", "8.6", UPDATE, "vf_loss = max((v̂−R)², (clip(v̂)−R)²)", update.VF_TERM, update.vf_loss),
-    Identity("update_metrics", "8.6", UPDATE, "aggregated terms = verl's logged update metrics", update.AGGREGATE, update.update_metrics, counts="metric"),
+    Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update_checks.update_rows),
+    Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", update_checks.RATIO, update_checks.ratio),
+    Identity("ratio_first", "8.6", UPDATE, "ratio = 1 in epoch 0, mini-batch 0", update_checks.RATIO_FIRST, update_checks.ratio_first),
+    Identity("pg_loss", "8.6", UPDATE, "pg_loss = vanilla PPO term with dual clip", update_checks.PG_TERM, update_checks.pg_loss),
+    Identity("clip", "8.6", UPDATE, "clip code agrees with verl's loss term", update_checks.PG_TERM, update_checks.clip),
+    Identity("vf_loss", "8.6", UPDATE, "vf_loss = max((v̂−R)², (clip(v̂)−R)²)", update_checks.VF_TERM, update_checks.vf_loss),
+    Identity("update_metrics", "8.6", UPDATE, "aggregated terms = verl's logged update metrics", update_checks.AGGREGATE, update_checks.update_metrics, counts="metric"),
 )  # fmt: skip

@@ -1,9 +1,9 @@
-"""``verl-ext check``: every identity of :data:`verl_ext.inspect.identities.IDENTITIES` on every traced
+"""``verl-ext check``: every identity of :data:`verl_ext.check.identities.IDENTITIES` on every traced
 step, and the report as data (text: :func:`verl_ext.inspect.render.format_report`).
 
 Recomputation runs the registered estimator itself in float64 on the trace's float32 inputs; the
 trace is read one step at a time, so memory is bounded by one step. What each identity says and its
-tolerance: :mod:`verl_ext.inspect.tokens`, :mod:`verl_ext.inspect.update`.
+tolerance: :mod:`verl_ext.check.token_checks`, :mod:`verl_ext.check.update_checks`.
 
 The verdict (:attr:`CheckReport.verdict`) is ``fail`` when an identity is violated, else
 ``incomplete`` when one that applies to the run could not be evaluated here (status ``unchecked``:
@@ -12,7 +12,7 @@ that does not apply (no critic, whitening off, ...) is ``skipped`` and leaves th
 
 A step whose file does not read (cut short, moved, another write's) is not checked; the identity
 ``steps_on_disk`` fails it, naming the file, and every other step is checked. Whether the run
-finished is the run record's (:class:`~verl_ext.inspect.stepdata.RecordedRun`): a run that did not
+finished is the run record's (:class:`~verl_ext.check.stepdata.RecordedRun`): a run that did not
 finish can pass, and its report says how far it got.
 """
 
@@ -25,12 +25,12 @@ from typing import Any, Iterable
 import pyarrow as pa
 
 from verl_ext.errors import StepFileError
-from verl_ext.inspect import update
-from verl_ext.inspect.cuts import StepCuts
-from verl_ext.inspect.identities import IDENTITIES, RUN, TOKEN, UPDATE, Identity
-from verl_ext.inspect.results import NOT_CHECKED, IdentityResult, StepResult, aggregate
-from verl_ext.inspect.stepdata import Progress, RecordedAlgorithm, RecordedRun, StepData, as_trace
-from verl_ext.inspect.tokens import QUANTITIES, RunScope, TokenStep
+from verl_ext.check import update_checks
+from verl_ext.check.cuts import StepCuts
+from verl_ext.check.identities import IDENTITIES, RUN, TOKEN, UPDATE, Identity
+from verl_ext.check.results import NOT_CHECKED, IdentityResult, StepResult, aggregate
+from verl_ext.check.stepdata import Progress, RecordedAlgorithm, RecordedRun, StepData, as_trace
+from verl_ext.check.token_checks import QUANTITIES, RunScope, TokenStep
 
 __all__ = ["check_trace", "CheckReport"]
 
@@ -54,7 +54,7 @@ def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | 
             cuts = StepCuts.of(trace.prompts(step), data.layout)  # every file of the step must read
             contexts = {TOKEN: TokenStep(algorithm, trace.step_record(step), data, cuts)}
             if with_updates:
-                contexts[UPDATE] = update.UpdateStep(trace, step, data)
+                contexts[UPDATE] = update_checks.UpdateStep(trace, step, data)
             findings = [(i, i.check(contexts[i.table])) for i in checked if i.table != RUN]
         except StepFileError as error:  # the step is not checked; steps_on_disk fails it, the others go on
             unreadable[step] = error

@@ -2,7 +2,7 @@
 needs it: its columns (floats NaN where null), its rows by (epoch, sample), and per row whether PPO
 clipped the token and whether one of its numbers is not finite.
 
-The update identities (:mod:`verl_ext.inspect.update`), ``show --epoch`` (:mod:`verl_ext.inspect.table`),
+The update identities (:mod:`verl_ext.check.update_checks`), ``show --epoch`` (:mod:`verl_ext.inspect.table`),
 the plots' most clipped step and the browser view (:mod:`verl_ext.view.payload`) read the update
 tables through :class:`UpdateRows`, so a row's epoch, its clip and its flags mean one thing in all of them.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from verl_ext.inspect.stepdata import floats
+from verl_ext.check.stepdata import floats
 from verl_ext.trace.schema import CLIP_CODES, CLIP_NONE
 
 #: The columns that place a row: which token it trained, and in which PPO epoch.

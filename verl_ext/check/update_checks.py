@@ -1,6 +1,6 @@
 """The update tables against docs/definitions.md §8.6: what PPO did with each token, checked per step.
 
-The identities (their records: :data:`verl_ext.inspect.identities.IDENTITIES`), on every row of a
+The identities (their records: :data:`verl_ext.check.identities.IDENTITIES`), on every row of a
 step's update tables:
 
 * ``update_rows``: every valid token of the token table is trained exactly once per epoch, and the
@@ -42,7 +42,7 @@ from typing import Callable
 
 import numpy as np
 
-from verl_ext.inspect.results import (
+from verl_ext.check.results import (
     ATOL,
     DTYPE_EPS,
     ELEMENTWISE,
@@ -55,8 +55,8 @@ from verl_ext.inspect.results import (
     compare,
     skipped,
 )
-from verl_ext.inspect.stepdata import StepData, floats, join_keys, locate
-from verl_ext.inspect.update_rows import UpdateRows
+from verl_ext.check.stepdata import StepData, floats, join_keys, locate
+from verl_ext.check.update_rows import UpdateRows
 from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 #: How far the first mini-batch's ratio may be from 1: the recomputation noise of the log-probs
