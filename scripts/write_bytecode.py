@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 import time
+import warnings
 
 PARTS = {
     "libraries": (
@@ -44,6 +45,7 @@ def main(part: str) -> int:
     # what the imports say (optional backends missing) is no news here
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARN")
+    warnings.filterwarnings("ignore", message=r".* engine is not available")  # verl's optional engines
     if part == "verl":
         os.environ["VERL_EXT_CPU"] = "1"
     started = time.perf_counter()

@@ -9,7 +9,8 @@ step is this story (:func:`advantage_step`), one :class:`AdvantageStep` object p
 2. estimate: verl-ext's estimator with the critic's values, or verl's own; the responses cut at the
    length limit treated as ``algorithm.truncation`` says;
 3. capture the step into the trace (``verl_ext.trace``; on V1 once verl has stored it);
-4. compute the live metrics (``verl_ext.metrics``), held until the trainer takes them;
+4. compute the live metrics (``verl_ext.step_metrics``; the option ``verl_ext.metrics`` turns them off), held until
+   the trainer takes them;
 5. check for non-finite values (``verl_ext.nonfinite``), after the capture, so that a traced step is
    kept when the check raises.
 
