@@ -4,7 +4,7 @@ Everything that computes is verl's own: ``RayPPOTrainer.fit()``, ``ActorRolloutR
 reference, rollout adapter), ``TrainingWorker`` (critic), ``AgentLoopWorker``, ``RewardLoopWorker``
 with the ``naive`` reward manager, the dataset and the dataloader. Only the plumbing that Ray
 provides is replaced, by :class:`InProcessPPOTrainer.init_workers` (the counterpart of
-``RayPPOTrainer.init_workers``, ray_trainer.py:772-981):
+``RayPPOTrainer.init_workers``):
 
 * a one-rank gloo process group on an in-memory store, instead of one per Ray worker;
 * :class:`InProcessWorkerGroup` for ``RayWorkerGroup`` (world size 1: dispatch and collect are the
@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 import verl_ext.cpu
 
-# The backend must be active before any verl import: verl resolves its device (transformer_impl.py:89)
-# and binds the names the CPU backend patches (engine_workers.py imports
+# The backend must be active before any verl import: verl resolves its device (when its FSDP engine
+# module is imported) and binds the names the CPU backend patches (engine_workers.py imports
 # initialize_global_process_group_ray) at import time. Importing this module never activates it.
 if not verl_ext.cpu.is_active():
     raise ImportError(
@@ -180,7 +180,7 @@ class InProcessAgentLoopWorker(AgentLoopWorker):
     """verl's agent-loop worker, building a single-turn agent loop once instead of once per sample.
 
     verl instantiates the agent loop of every sample through ``hydra.utils.instantiate``
-    (agent_loop.py:683), which merges its arguments into an OmegaConf node: ~3 ms a sample, 0.4 s of
+    (in ``AgentLoopWorker._run_agent_loop``), which merges its arguments into an OmegaConf node: ~3 ms a sample, 0.4 s of
     each 128-response step on a CPU. ``SingleTurnAgentLoop`` keeps nothing of a sample between runs
     (its state is the config, the server client and a stateless token builder), so one instance
     serves them all; any other agent loop is still built per sample, as verl does.
@@ -191,7 +191,7 @@ class InProcessAgentLoopWorker(AgentLoopWorker):
         self._reusable_agent_loops: dict[str, SingleTurnAgentLoop] = {}
 
     async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
-        # verl's method (agent_loop.py:661-695) with the agent loop from _agent_loop
+        # verl's ``AgentLoopWorker._run_agent_loop`` with the agent loop from _agent_loop
         with rollout_trace_attr(
             step=trajectory["step"],
             sample_index=trajectory["sample_index"],

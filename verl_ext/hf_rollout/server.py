@@ -322,7 +322,7 @@ class HFReplica(RolloutReplica):
 
     async def _beside_first_worker(self) -> dict[str, Any]:
         """Ray options that put the server on its replica's first GPU, as verl's vLLM replica puts its
-        servers (vllm_async_server.py:1342-1383): on that worker's node, with that worker's device
+        servers (``vLLMReplica.launch_servers``): on that worker's node, with that worker's device
         visible and Ray told not to hide it (an actor that reserves no GPU sees none). On a CPU
         platform, or without workers (a standalone replica), none: the server runs where Ray puts it."""
         from verl.utils.device import get_device_name, get_resource_name

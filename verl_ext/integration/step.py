@@ -374,7 +374,7 @@ def record_kl(data: Any, beta: float, kl_penalty: str) -> None:
 
 def take_metrics() -> dict[str, float]:
     """The legacy trainer's step metrics are a local of its ``fit()``: they take the live metrics
-    through the dict ``compute_data_metrics`` returns there (ray_trainer.py:1772), once per step."""
+    through the dict ``compute_data_metrics`` returns there (in ``RayPPOTrainer.fit``), once per step."""
     return current_run().take_metrics()
 
 

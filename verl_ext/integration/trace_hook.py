@@ -348,7 +348,7 @@ _PRECISION_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16
 def loss_dtype(strategy: Any, fsdp: Any, megatron: Any) -> str | None:
     """The dtype a model's loss computes in (its log-probs, values, ratio), which the update checks'
     tolerances follow: for FSDP the mixed precision's param_dtype, bf16 where it is unset (verl's
-    default, workers/engine/fsdp/transformer_impl.py:393-403); for Megatron the engine's dtype;
+    default, in its FSDP engine); for Megatron the engine's dtype;
     None for an engine verl-ext does not know."""
     if strategy in ("fsdp", "fsdp2"):
         mixed = (fsdp or {}).get("mixed_precision")

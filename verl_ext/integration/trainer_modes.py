@@ -51,7 +51,7 @@ def sub_step_problem(mode: str, sub_steps: int, config: Mapping[str, Any]) -> st
     """Why a traced V1 run in ``mode`` with ``sub_steps`` updates per step would lose most of its trace; None if it would not."""
     if sub_steps <= 1 or not TraceOptions.from_config(config).enabled:
         return None
-    # separate_async asserts train_batch_size == parameter_sync_step * ppo_mini_batch_size (trainer_separate_async.py:59)
+    # separate_async asserts train_batch_size == parameter_sync_step * ppo_mini_batch_size (verl's trainer_separate_async.py)
     also = " (with actor_rollout_ref.actor.ppo_mini_batch_size=data.train_batch_size)" if mode == "separate_async" else ""
     return (
         f"verl-ext: trainer.v1.trainer_mode={mode} runs {sub_steps} updates per step under one step number "

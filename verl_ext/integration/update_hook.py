@@ -11,9 +11,9 @@ that :func:`tagged_make_iterator` adds to each mini-batch, so that they join the
 whatever shuffling, micro-batching and data parallelism did to them.
 
 One copy of each row reaches the trainer, whatever the number of data-parallel ranks. verl
-all-gathers every loss metric to every rank (``engine_workers.py:209``), the driver fetches the
-output of every collecting rank (``single_controller/ray/base.py:55-57``) and keeps only the first
-(``tensordict_utils.py:241-244``): a report in the loss metrics would cross the wire once per rank.
+all-gathers every loss metric to every rank (``TrainingWorker``), the driver fetches the
+output of every collecting rank (verl's Ray single controller) and keeps only the first
+(verl's tensordict_utils): a report in the loss metrics would cross the wire once per rank.
 So, inside verl's ``TrainingWorker.train_mini_batch`` (:func:`traced_train_mini_batch`), the reports
 stay in this process until the update ends, are gathered once to rank 0 of the data-parallel group
 (the lowest global rank among the collecting ranks, whose output the driver keeps) and travel back
@@ -141,7 +141,7 @@ def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=Non
     inputs = seen["policy_inputs"]
     log_prob, old_log_prob = inputs["log_prob"].detach(), inputs["old_log_prob"]
     advantages, mask = inputs["advantages"], inputs["response_mask"].bool()
-    # compute_policy_loss_vanilla's own expressions (core_algos.py:1327-1364)
+    # compute_policy_loss_vanilla's own expressions (verl's core_algos)
     ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
     low, high = clip_bounds(config)
     pg_losses1 = -advantages * ratio
@@ -188,7 +188,7 @@ def traced_value_loss(original: Callable, config, model_output, data, dp_group=N
     vpreds = no_padding_2_padding(model_output["values"], data).detach()
     padded = data.select("values", "returns", "response_mask").to_padded_tensor()  # as value_loss does
     values, returns, mask = padded["values"], padded["returns"], padded["response_mask"].bool()
-    # compute_value_loss's own expressions (core_algos.py:2171-2184)
+    # compute_value_loss's own expressions (verl's core_algos)
     clipped = verl_F.clip_by_value(vpreds, values - config.cliprange_value, values + config.cliprange_value)
     columns = {
         "vpred": vpreds,
