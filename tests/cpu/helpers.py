@@ -18,6 +18,18 @@ RAY_GROUP = "ray"
 #: after the Ray group, on its worker (why: tests/conftest.py, ``pytest_collection_modifyitems``).
 BOTH_CORES_GROUP = "both-cores"
 
+#: The token table's columns and the keys of verl's batch each is taken from, written here by hand (not
+#: read from verl_ext's column registry, which is what the tests hold to them). The score's key differs
+#: by trainer: ``token_level_scores`` on the legacy trainer, ``rm_scores`` on V1.
+VERL_BATCH_KEYS = {
+    "reward": "token_level_rewards",
+    "value": "values",
+    "return": "returns",
+    "advantage": "advantages",
+    "old_log_prob": "old_log_probs",
+    "ref_log_prob": "ref_log_prob",
+}
+
 
 def run(command: list[str], env: dict[str, str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     """Run ``command`` (its output is kept in ``cwd/output.log``); on failure show the end of it."""

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import tests.reference as ref
-from tests.cpu.helpers import SCENARIOS, read_batches, run
+from tests.cpu.helpers import SCENARIOS, VERL_BATCH_KEYS, read_batches, run
 from tests.shared_runs import shared_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -267,15 +267,7 @@ def test_trace_equals_what_the_trainer_used(finished_run):
     estimator, out, batches = finished_run
     trace = open_trace(str(out / "trace"))
     assert trace.steps == [1, 2]
-    columns = {
-        "score": "token_level_scores",
-        "reward": "token_level_rewards",
-        "value": "values",
-        "return": "returns",
-        "advantage": "advantages",
-        "old_log_prob": "old_log_probs",
-        "ref_log_prob": "ref_log_prob",
-    }
+    columns = {"score": "token_level_scores", **VERL_BATCH_KEYS}
     for step, batch in batches["steps"].items():
         table = trace.read_step(step).to_pandas()
         mask = batch["response_mask"].numpy()

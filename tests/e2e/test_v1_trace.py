@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cpu.helpers import RAY_GROUP
+from tests.cpu.helpers import RAY_GROUP, VERL_BATCH_KEYS
 
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 
@@ -102,15 +102,7 @@ def test_v1_trace_equals_what_the_actor_update_read(v1_run):
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(v1_run / "trace"))
-    columns = {
-        "score": "rm_scores",
-        "reward": "token_level_rewards",
-        "value": "values",
-        "return": "returns",
-        "advantage": "advantages",
-        "old_log_prob": "old_log_probs",
-        "ref_log_prob": "ref_log_prob",
-    }
+    columns = {"score": "rm_scores", **VERL_BATCH_KEYS}
     for step in trace.steps:
         used = torch.load(v1_run / "captured" / f"step{step}.pt")
         table = trace.read_step(step).to_pandas()

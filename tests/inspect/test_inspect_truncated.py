@@ -20,7 +20,7 @@ import torch
 
 from tests.inspect.inspect_helpers import algorithm
 from verl_ext.inspect import compare, summarize
-from verl_ext.check.cuts import StepCuts, estimate_under
+from verl_ext.check.cuts import StepCuts, reestimate
 from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout
 
 GAMMA, LAM, EOS, LIMIT = 0.9, 0.5, 3, 3
@@ -95,14 +95,16 @@ def test_each_treatment_against_the_hand_calculation(tmp_path):
                         "bootstrap_value": pa.array([0.8, None, None], pa.float32())})  # fmt: skip
     cuts = StepCuts.of(prompts, data.layout)
     assert cuts.cut.tolist() == [True, False, False] and cuts.why_not("bootstrap") is None
-    terminal = estimate_under(data, run.estimator, run.settings, cuts, "terminal")
+    terminal = reestimate(data, run.estimator, run.settings, cuts, "terminal")
     np.testing.assert_allclose(terminal.advantage_raw, TERMINAL, atol=TOL)
+    without_cuts = reestimate(data, run.estimator, run.settings, None, "mask")  # no cuts known: every response ended
+    np.testing.assert_allclose(without_cuts.advantages, TERMINAL, atol=TOL)
     np.testing.assert_allclose(terminal.returns[CUT], TERMINAL_RETURNS_CUT, atol=TOL)
-    bootstrap = estimate_under(data, run.estimator, run.settings, cuts, "bootstrap")
+    bootstrap = reestimate(data, run.estimator, run.settings, cuts, "bootstrap")
     np.testing.assert_allclose(bootstrap.advantages[CUT], BOOTSTRAP_CUT, atol=TOL)
     np.testing.assert_allclose(bootstrap.returns[CUT], BOOTSTRAP_RETURNS_CUT, atol=TOL)
     np.testing.assert_allclose(bootstrap.advantages[~CUT], TERMINAL[3:], atol=TOL)  # only the cut response moves
-    masked = estimate_under(data, run.estimator, run.settings, cuts, "mask")
+    masked = reestimate(data, run.estimator, run.settings, cuts, "mask")
     np.testing.assert_allclose(masked.advantages, [0, 0, 0, *TERMINAL[3:]], atol=TOL)
     np.testing.assert_allclose(masked.returns[CUT], TERMINAL_RETURNS_CUT, atol=TOL)  # the critic's target is terminal's
 
@@ -112,7 +114,7 @@ def test_a_trace_without_the_recorded_value_cannot_bootstrap(tmp_path):
     cuts = StepCuts.of(pa.table({"sample": pa.array([0, 1, 2], pa.int32()), "truncated": [True, False, False]}), data.layout)
     assert "bootstrap_value" in cuts.why_not("bootstrap") and cuts.why_not("mask") is None
     with pytest.raises(ValueError, match="truncation=bootstrap cannot be recomputed"):
-        estimate_under(data, run.estimator, run.settings, cuts, "bootstrap")
+        reestimate(data, run.estimator, run.settings, cuts, "bootstrap")
     no_flags = StepCuts.of(pa.table({"sample": pa.array([0, 1, 2], pa.int32()), "truncated": pa.nulls(3, pa.bool_())}), data.layout)
     assert not no_flags.recorded and "no truncated flags" in no_flags.why_not("mask")
 

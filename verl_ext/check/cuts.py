@@ -6,8 +6,9 @@ The prompt table says which responses were cut (``truncated``), for a run that b
 critic's value after each cut response's last token (``bootstrap_value``, null elsewhere), and, where
 the rollout engine said it (verl's vLLM rollout), why the engine ended each response (``stop_reason``).
 :class:`StepCuts` aligns both with a step's :class:`~verl_ext.check.stepdata.StepLayout`;
-:func:`estimate_under` recomputes an estimator under one treatment (:meth:`StepData.estimate`,
-through :func:`verl_ext.registry.run`, the code path of training).
+:func:`reestimate` recomputes an estimator under one treatment (:meth:`StepData.estimate`, through
+:func:`verl_ext.registry.run`, the code path of training): the one re-estimation of a step that the
+checker, the comparison and the view share (each asks for the treatment it shows).
 """
 
 from __future__ import annotations
@@ -114,9 +115,13 @@ class Treated:
     advantages: np.ndarray
 
 
-def estimate_under(data: StepData, estimator, settings: Mapping[str, Any], cuts: StepCuts, mode: str) -> Treated:
-    """``estimator`` recomputed from ``data``'s reward and value with cut responses treated as ``mode``
-    (ValueError, with :meth:`StepCuts.why_not`'s reason, when the step cannot say)."""
+def reestimate(data: StepData, estimator, settings: Mapping[str, Any], cuts: StepCuts | None = None, mode: str = "terminal") -> Treated:
+    """``estimator`` recomputed from ``data``'s reward and value with cut responses treated as ``mode``;
+    ``terminal``, or no ``cuts``: every response as if it ended (ValueError, with
+    :meth:`StepCuts.why_not`'s reason, when ``cuts`` cannot say what ``mode`` needs)."""
+    if cuts is None or mode == "terminal":
+        returns, raw = data.estimate(estimator, settings)
+        return Treated(returns, raw, raw)
     problem = cuts.why_not(mode)
     if problem:
         raise ValueError(f"truncation={mode} cannot be recomputed: {problem}")

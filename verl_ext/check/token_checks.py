@@ -55,7 +55,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from verl_ext.check.cuts import SECTION as TRUNCATION_SECTION
-from verl_ext.check.cuts import STOPPED_AT_LENGTH, StepCuts
+from verl_ext.check.cuts import STOPPED_AT_LENGTH, StepCuts, reestimate
 from verl_ext.check.results import ATOL, DTYPE_EPS, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
 from verl_ext.check.stepdata import RecordedAlgorithm, StepData, floats, step_beta
 from verl_ext.torch_threads import one_torch_thread
@@ -107,8 +107,11 @@ def recompute(algorithm: RecordedAlgorithm, data: StepData, cuts: StepCuts | Non
 def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData, cuts: StepCuts | None) -> Recomputed:
     layout = data.layout
     reward, value = data.columns["reward"], data.columns["value"]
-    truncation = None if cuts is None else (lambda samples: cuts.truncation(algorithm.truncation, samples))
-    returns, raw = data.estimate(algorithm.estimator, algorithm.settings, truncation)
+    # the run's treatment where the step says what it needs (a bootstrap that cannot is never recomputed:
+    # TokenStep; a mask without cut flags has the terminal returns and raw advantages)
+    usable = cuts if cuts is not None and cuts.why_not(algorithm.truncation) is None else None
+    treated = reestimate(data, algorithm.estimator, algorithm.settings, usable, algorithm.truncation)
+    returns, raw = treated.returns, treated.advantage_raw
     # tolerances: the largest magnitude in each row (inputs and outputs) and the terms summed per row
     magnitude = np.maximum(np.abs(returns), np.abs(raw))
     for column in (reward, value):

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import UsageError
-from verl_ext.check.cuts import SECTION, StepCuts, estimate_under, whitened
+from verl_ext.check.cuts import SECTION, StepCuts, reestimate, whitened
 from verl_ext.check.stepdata import RecordedAlgorithm, StepData, as_trace
 from verl_ext.step_metrics import prompt_groups
 from verl_ext.truncation import TRUNCATION_MODES
@@ -187,7 +187,7 @@ def treatment_comparison(data: StepData, algorithm: RecordedAlgorithm, cuts: Ste
         if problem:
             notes.append(f"truncation={mode} is not compared: {problem}")
             continue
-        treated = estimate_under(data, algorithm.estimator, algorithm.settings, cuts, mode)
+        treated = reestimate(data, algorithm.estimator, algorithm.settings, cuts, mode)
         advantages = treated.advantages
         total = np.abs(advantages).sum()
         row = {
@@ -231,10 +231,8 @@ def step_estimates(
         if unknown:
             raise ValueError(f"no estimator column {', '.join(unknown)} at λ = {lambdas}; columns: {', '.join(columns)}")
         columns = {label: columns[label] for label in labels}
-    if cuts is None or mode == "terminal":
-        return {label: data.estimate(estimator, settings)[1] for label, (estimator, settings) in columns.items()}, notes
     # the advantage before whitening: under ``mask`` a cut response's is 0, not its raw advantage
-    return {label: estimate_under(data, estimator, settings, cuts, mode).advantages for label, (estimator, settings) in columns.items()}, notes
+    return {label: reestimate(data, estimator, settings, cuts, mode).advantages for label, (estimator, settings) in columns.items()}, notes
 
 
 def estimator_statistics(raw: dict[str, np.ndarray], uid: np.ndarray, sample_ids: np.ndarray) -> tuple[pa.Table, list[str]]:

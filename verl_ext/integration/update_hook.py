@@ -10,15 +10,13 @@ named by :data:`ROW_KEY` (the sample's row in the trainer's batch) and by the ep
 that :func:`tagged_make_iterator` adds to each mini-batch, so that they join the token table
 whatever shuffling, micro-batching and data parallelism did to them.
 
-One copy of each row reaches the trainer, whatever the number of data-parallel ranks. verl
-all-gathers every loss metric to every rank (``TrainingWorker``), the driver fetches the
-output of every collecting rank (verl's Ray single controller) and keeps only the first
-(verl's tensordict_utils): a report in the loss metrics would cross the wire once per rank.
-So, inside verl's ``TrainingWorker.train_mini_batch`` (:func:`traced_train_mini_batch`), the reports
-stay in this process until the update ends, are gathered once to rank 0 of the data-parallel group
-(the lowest global rank among the collecting ranks, whose output the driver keeps) and travel back
-in that rank's output alone, under :data:`PAYLOAD_KEY` of its metrics; the trace takes them out
-there before verl reduces its metrics. A rank whose output verl discards (a Ulysses rank other than
+One copy of each row reaches the trainer, whatever the number of data-parallel ranks (why verl's
+loss metrics cannot carry them: the touch record of ``TrainingWorker.train_mini_batch``,
+:mod:`verl_ext.touches`). Inside that method (:func:`traced_train_mini_batch`) the reports stay in
+this process until the update ends, are gathered once to rank 0 of the data-parallel group (the
+lowest global rank among the collecting ranks, whose output the driver keeps) and travel back in
+that rank's output alone, under :data:`PAYLOAD_KEY` of its metrics; the trace takes them out there
+before verl reduces its metrics. A rank whose output verl discards (a Ulysses rank other than
 0, a tensor-parallel rank other than 0, a pipeline stage other than the last) builds no report. A loss
 called outside that method (no update in progress) puts its report in its own metrics, as verl
 returns them. Rows the trace does not keep (past ``max_samples_per_step``) carry -1 in :data:`ROW_KEY`
