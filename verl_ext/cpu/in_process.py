@@ -293,8 +293,8 @@ class InProcessPPOTrainer(RayPPOTrainer):
         self.async_rollout_mode = True
         self.teacher_model_manager = None
         self.distillation_config = None
-        managers = {VLLM: InProcessVLLMServerManager}
-        manager = managers.get(self.config.actor_rollout_ref.rollout.name, InProcessLLMServerManager)
+        vllm = self.config.actor_rollout_ref.rollout.name == VLLM
+        manager = InProcessVLLMServerManager if vllm else InProcessLLMServerManager
         self.llm_server_manager = manager.create(config=self.config, worker_group=self.actor_rollout_wg)
         self.async_rollout_manager = InProcessAgentLoopManager.create(
             config=self.config,
