@@ -24,7 +24,12 @@ from pathlib import Path
 
 import pytest
 
-STEPS = 5
+#: The steps a run plans, far more than it reaches before it is interrupted: on a fast machine a run of
+#: 5 small steps had finished all of them while the second run was being refused (its last step came
+#: before the signal). Every run is interrupted, so the steps it never reaches cost nothing.
+STEPS = 30
+#: The interruptions come after one of the first INTERRUPT_WITHIN steps (drawn), or before the first.
+INTERRUPT_WITHIN = 3
 #: The draw of the interruption points: the same every run of the suite (issue 43: "at random points").
 SEED = 43
 #: Small steps (4 prompts, 1 response each) and no validation: what is tested is where a run stops.
@@ -108,8 +113,8 @@ def assert_stopped_whole(out: Path, runner: subprocess.Popen, signum: int, pids:
 def test_interrupted_at_drawn_points_every_finished_step_is_kept_whole_and_a_second_run_is_refused(tmp_path, cpu_env, assets):
     draw = random.Random(SEED)
     interruptions = [
-        (signal.SIGINT, draw.randint(1, STEPS - 2)),  # after a step: during the next one
-        (signal.SIGTERM, draw.randint(1, STEPS - 2)),
+        (signal.SIGINT, draw.randint(1, INTERRUPT_WITHIN)),  # after a step: during the next one
+        (signal.SIGTERM, draw.randint(1, INTERRUPT_WITHIN)),
         (signal.SIGINT, 0),  # before the first step: no step is written
     ]
     for index, (signum, after_step) in enumerate(interruptions):
