@@ -32,6 +32,7 @@ import fsspec
 import numpy as np
 import torch
 
+from verl_ext import registry
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RunRecord
@@ -98,6 +99,7 @@ def synthetic_capture(batch: int, length: int, dtype: torch.dtype, seed: int = 0
         prompts=torch.randint(0, 150_000, (batch, prompt_length), generator=generator) * prompt_mask,
         prompt_mask=prompt_mask.long(),
         kl_coef=0.001,
+        whitening=registry.whitening_statistics(tensors["advantage_raw"], mask),
     )
 
 

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.view.chromium import Browser  # noqa: E402
 from verl_ext import registry  # noqa: E402
 from verl_ext.options import TraceOptions  # noqa: E402
-from verl_ext.trace.capture import StepCapture, UpdateCapture  # noqa: E402
+from verl_ext.trace.capture import StepCapture  # noqa: E402
+from verl_ext.trace.update_files import UpdateCapture  # noqa: E402
 from verl_ext.trace.schema import RunRecord  # noqa: E402
 from verl_ext.trace.writer import TraceWriter  # noqa: E402
 
@@ -64,7 +65,7 @@ def synthetic_step(step: int, samples: int, min_len: int, max_len: int, vocab: i
     capture = StepCapture(
         step=step, mask=mask, token_id=torch.randint(4, vocab, (samples, width), generator=g),
         uid=[f"s{step}-g{i // 4}" for i in range(samples)], floats=floats, prompts=prompts,
-        eos_token_ids=[3], max_response_length=width,
+        eos_token_ids=[3], max_response_length=width, whitening=result.whitening,
     )  # fmt: skip
     sample, position = (x.numpy().astype(np.int32) for x in torch.nonzero(mask, as_tuple=True))
     n = len(sample)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 from bench_estimators import make_batch  # noqa: E402
 
-from tests.reduced_precision import scan_by_float32_product  # noqa: E402  (the scan before issue 18)
+from tests.support.reduced_precision import scan_by_float32_product  # noqa: E402  (the scan before issue 18)
 
 GAMMA, LAM, N_STEP = 0.99, 0.95, 8
 CASES = {  # name: (registry name, options)

@@ -5,7 +5,7 @@
 #   scripts/check_verl_versions.sh [VERSION ...]     default: the verl setup.cfg pins
 #
 # A release outside setup.cfg's verl requirement (0.6.1, 0.7.1 and 0.8.0 were tried this way) is
-# checked by naming it; see the README's "Supported verl versions" for how one is accepted.
+# checked by naming it; see docs/gpu.md#supported-verl-versions for how one is accepted.
 # Each venv gets torch ($TORCH_SPEC, default the Makefile's), verl==VERSION with what its PPO path
 # imports (TransferQueue as setup.cfg's verl-runtime extra pins it), and this
 # package without dependencies; then the estimator and seam tests run against that verl.

@@ -17,7 +17,7 @@ from verl_ext.cpu import CPU_PROCESS_ENV  # noqa: E402 (imports neither numpy no
 
 # The CPU backend's Ray settings also for the clusters the tests start themselves (test_multinode),
 # and its offline switches for every process: the suite never reaches for a hub, and every interpreter
-# it starts imports the Hugging Face libraries in the same mode as the fork server (tests/forkserver.py).
+# it starts imports the Hugging Face libraries in the same mode as the fork server (tests/support/forkserver.py).
 os.environ.update({name: value for name, value in CPU_PROCESS_ENV.items() if name.startswith(("RAY_", "HF_", "TRANSFORMERS_"))})
 # vLLM's log level, as verl's runtime environment sets it for every Ray worker of a run
 # (verl/trainer/constants_ppo.py): the fork server preloads vLLM, which reads it when imported, and a
@@ -30,9 +30,9 @@ from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests import config_cache, forkserver  # noqa: E402
+from tests.support import config_cache, forkserver  # noqa: E402
 
-# The interpreters the tests start are children of the suite's fork server (tests/forkserver.py,
+# The interpreters the tests start are children of the suite's fork server (tests/support/forkserver.py,
 # started by pytest_sessionstart below): on a pytest-xdist worker, the controller has started it.
 if os.environ.get(forkserver.LAUNCHER_VARIABLE):
     sys.executable = os.environ[forkserver.LAUNCHER_VARIABLE]
@@ -162,7 +162,7 @@ def tool_assets(assets_dir):
 
 
 def pytest_sessionstart(session):
-    """Every run of the suite starts its fork server (tests/forkserver.py; the pytest-xdist workers,
+    """Every run of the suite starts its fork server (tests/support/forkserver.py; the pytest-xdist workers,
     started next, are its first children), unless ``VERL_EXT_TEST_FORKSERVER=0``.
 
     A run of the whole suite also starts building every task's assets at once, one process per task,
@@ -173,7 +173,7 @@ def pytest_sessionstart(session):
     check of the cache that takes a few seconds."""
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
-        config_cache.install()  # where tests run: Hydra's YAML files parsed once (tests/config_cache.py)
+        config_cache.install()  # where tests run: Hydra's YAML files parsed once (tests/support/config_cache.py)
     if hasattr(config, "workerinput") or config.option.collectonly:
         return  # a worker: the controller started the server and the builds
     if os.environ.get(forkserver.SWITCH_VARIABLE, "1") != "0":
@@ -200,7 +200,7 @@ def pytest_sessionfinish(session):
 
 def pytest_terminal_summary(terminalreporter, config):
     if hasattr(config, "_forkserver_stats"):
-        terminalreporter.write_line(f"fork server (tests/forkserver.py): {config._forkserver_stats}")
+        terminalreporter.write_line(f"fork server (tests/support/forkserver.py): {config._forkserver_stats}")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
-"""Hydra's YAML files read once per test process (tests/config_cache.py, installed by tests/conftest.py):
+"""Hydra's YAML files read once per test process (tests/support/config_cache.py, installed by tests/conftest.py):
 a composition through it is the composition Hydra makes without it (a fresh interpreter's, which
 does not install it), each composition gets its own objects, and a file changed on disk is read again.
 
-Covers: tests/config_cache.py."""
+Covers: tests/support/config_cache.py."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import tests.reference as reference
+import tests.support.reference as reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "definitions.md"
@@ -31,7 +31,7 @@ VALUES = [0.20, 0.25, 0.30, 0.35, 0.45, 0.60]
 REWARDS = [s - BETA * k for s, k in zip(SCORES, KL)]
 
 
-# ------------------------------------------------------------------ the definitions, as direct sums (tests/reference.py), γ = 1
+# ------------------------------------------------------------------ the definitions, as direct sums (tests/support/reference.py), γ = 1
 
 
 def td_residuals(r, v):
@@ -303,6 +303,7 @@ def example_trace(directory: Path) -> str:
     from verl.trainer.ppo.core_algos import compute_gae_advantage_return
 
     from verl_ext.options import TraceOptions
+    from verl_ext import registry
     from verl_ext.trace.capture import StepCapture
     from verl_ext.trace.schema import RunRecord
     from verl_ext.trace.writer import TraceWriter
@@ -346,6 +347,7 @@ def example_trace(directory: Path) -> str:
                 },
                 prompts=prompt,
                 kl_coef=BETA,
+                whitening=registry.whitening_statistics(returns - values, mask),
             )  # fmt: skip
         )
     return str(directory / "trace")
@@ -421,10 +423,10 @@ def test_update_columns():
 
 
 def test_the_verl_versions_table_is_what_setup_cfg_accepts_and_ci_installs():
-    """Issue 18: the accepted range is the tested range. The README's table lists the verl
-    releases setup.cfg accepts among those ever tried, and they are the one setup.cfg pins exactly
-    (what `make test` installs in CI; constraints.txt leaves verl to it rather than pin it a second
-    time); each touch's range lies inside the accepted one."""
+    """Issue 18: the accepted range is the tested range. The table of docs/gpu.md's "Supported verl
+    versions" lists the verl releases setup.cfg accepts among those ever tried, and they are the one
+    setup.cfg pins exactly (what `make test` installs in CI; constraints.txt leaves verl to it rather
+    than pin it a second time); each touch's range lies inside the accepted one."""
     import configparser
 
     from packaging.requirements import Requirement
@@ -440,8 +442,8 @@ def test_the_verl_versions_table_is_what_setup_cfg_accepts_and_ci_installs():
     constraints = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert "verl" not in {Requirement(line).name for line in constraints}  # setup.cfg's pin is the only one
     (pinned,) = [spec.version for spec in accepted if spec.operator == "=="]  # one exact version: what CI installs
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("<!-- verl-versions -->")[1].split("<!-- /verl-versions -->")[0]
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    table = page.split("<!-- verl-versions -->")[1].split("<!-- /verl-versions -->")[0]
     rows = [line.split("|")[1].strip() for line in table.strip().splitlines()[2:]]
     tried = ["0.6.1", "0.7.1", "0.8.0", "0.9.0", "0.9.1", "0.9.2", "0.10.0"]
     assert rows == [v for v in tried if accepted.contains(v)] == [pinned]
@@ -455,8 +457,8 @@ def test_the_verl_versions_table_is_what_setup_cfg_accepts_and_ci_installs():
 
 def test_every_section_and_anchor_reference_resolves():
     """Every ``§N``, ``….md#anchor`` and ``[…, section N](…#anchor)`` in the code, the README and the
-    docs lands on a heading (tests/doc_references.py says how each is read)."""
-    from tests.doc_references import scanned_files, unresolved
+    docs lands on a heading (tests/support/doc_references.py says how each is read)."""
+    from tests.support.doc_references import scanned_files, unresolved
 
     assert {"README.md", "docs/definitions.md", "verl_ext/check/identities.py", "verl_ext/view/static/viewer.js"} <= {
         path.relative_to(ROOT).as_posix() for path in scanned_files(ROOT)
@@ -466,7 +468,7 @@ def test_every_section_and_anchor_reference_resolves():
 
 
 def test_a_reference_that_lands_nowhere_is_named_by_file_and_line(tmp_path):
-    from tests.doc_references import unresolved
+    from tests.support.doc_references import unresolved
 
     section = "\u00a7"  # written apart, so that this file holds no reference of its own
     (tmp_path / "docs").mkdir()

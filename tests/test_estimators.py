@@ -10,9 +10,11 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import tests.reference as ref
+import tests.support.reference as ref
 from verl_ext import estimators as E
 from verl_ext import kernels, registry
+from verl_ext.inspect.comparison import compared_settings
+from verl_ext.options import LAM_CRITIC
 
 settings.register_profile("verl_ext", max_examples=60, deadline=None)
 settings.load_profile("verl_ext")
@@ -408,10 +410,10 @@ def test_widening_holes_and_padding_changes_no_turn_gae_output(batch, gamma, lam
 def test_turn_gae_entry_tells_the_checker_and_compare_what_it_is():
     entry = registry.get("turn_gae")
     settings = entry.settings({"gamma": 0.9, "lam": 0.95, "lam_critic": 0.5})
-    assert entry.needs_critic and entry.options == (registry.LAM_CRITIC,)
+    assert entry.needs_critic and entry.options == (LAM_CRITIC,)
     assert not entry.is_returns_minus_values(settings)  # A_k per turn, returns per token
     assert entry.horizons(settings) == (pytest.approx(1 / (1 - 0.45)), math.inf)
-    assert entry.compared_settings(3, (0.5, 0.95)) == ({"lam": 1.0},)  # one column, whatever compare's λ
+    assert compared_settings(entry, 3, (0.5, 0.95)) == ({"lam": 1.0},)  # one column, whatever compare's λ
     with pytest.warns(UserWarning, match="adv_estimator=turn_gae ignores algorithm.lam_actor"):
         registry.check_algorithm({"adv_estimator": "turn_gae", "lam_actor": 0.5})
 

@@ -1,10 +1,10 @@
-"""The suite's fork server (tests/forkserver.py) against the real interpreter: a command run through
+"""The suite's fork server (tests/support/forkserver.py) against the real interpreter: a command run through
 the launcher sees what it sees when the real interpreter runs it (arguments, ``__main__``, working
 directory, environment, ``sys.path``, standard streams, inherited file descriptors, umask, signal
 handlers, hash seed, warnings options), ends the same way (exit codes, tracebacks, signals), and dies
 with its launcher. The expected values are the real interpreter's own, run beside it.
 
-Covers: tests/forkserver.py (the launcher, the server, the servers per hash seed, the refusals)."""
+Covers: tests/support/forkserver.py (the launcher, the server, the servers per hash seed, the refusals)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import forkserver
-from tests.forkserver import real_python
+from tests.support import forkserver
+from tests.support.forkserver import real_python
 
 LAUNCHER = os.environ.get(forkserver.LAUNCHER_VARIABLE)
 pytestmark = pytest.mark.skipif(not LAUNCHER, reason=f"the suite runs without its fork server ({forkserver.SWITCH_VARIABLE}=0)")

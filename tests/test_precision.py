@@ -2,9 +2,9 @@
 
 ``torch.set_float32_matmul_precision("high")`` makes a GPU's float32 matrix products round their
 operands to a 10-bit mantissa (TF32), "medium" possibly to bfloat16's 7 bits. A CPU ignores the
-setting, so :mod:`tests.reduced_precision` emulates it; the first tests show that the emulation
+setting, so :mod:`tests.support.reduced_precision` emulates it; the first tests show that the emulation
 rounds what a GPU rounds and that a float32 matrix product in the scan (verl-ext before issue 18)
-loses digits under it. Expected values are the float64 direct sums of :mod:`tests.reference`.
+loses digits under it. Expected values are the float64 direct sums of :mod:`tests.support.reference`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-import tests.reference as ref
-from tests.reduced_precision import EmulatedReducedPrecision, round_mantissa, scan_by_float32_product
+import tests.support.reference as ref
+from tests.support.reduced_precision import EmulatedReducedPrecision, round_mantissa, scan_by_float32_product
 from verl_ext import kernels, registry
 
 GAMMA, LAM = 0.99, 0.95
@@ -62,7 +62,7 @@ def batch():
 
 @pytest.fixture(scope="module")
 def expected(batch):
-    """{case: (returns, raw advantage, whitened advantage)}, float64, from tests/reference.py."""
+    """{case: (returns, raw advantage, whitened advantage)}, float64, from tests/support/reference.py."""
     rewards, values, mask = batch
     out = {}
     for name, (_, returns_fn, raw_fn) in CASES.items():

@@ -11,8 +11,9 @@ import re
 import pytest
 import torch
 
-from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
-from verl_ext import estimators, registry
+from tests.support.registry_helpers import isolated_registry  # noqa: F401 - a fixture
+from verl_ext import builtin_estimators, estimators, registry
+from verl_ext.inspect.comparison import column_label, compared_settings
 from verl_ext.options import TRUNCATION
 
 # --------------------------------------------------------------------------- registering
@@ -39,12 +40,12 @@ def test_a_second_function_under_a_taken_name_is_refused_naming_both(isolated_re
         return rewards, rewards
 
     message = (
-        "estimator 'mc' is already registered by verl_ext.registry.mc; cannot register "
+        "estimator 'mc' is already registered by verl_ext.builtin_estimators.mc; cannot register "
         f"{__name__}.test_a_second_function_under_a_taken_name_is_refused_naming_both.<locals>.mc under the same name"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         isolated_registry.register_estimator("mc")(mc)
-    assert isolated_registry.get("mc").fn is registry.mc  # the built-in stays
+    assert isolated_registry.get("mc").fn is builtin_estimators.mc  # the built-in stays
 
 
 def test_only_a_function_can_be_registered(isolated_registry):
@@ -75,7 +76,7 @@ def test_the_name_of_an_enum_member_is_its_value():
 
 
 def test_registry_rejects_a_second_function_under_a_taken_name_and_lists_names():
-    with pytest.raises(ValueError, match="'mc' is already registered by verl_ext.registry.mc"):
+    with pytest.raises(ValueError, match="'mc' is already registered by verl_ext.builtin_estimators.mc"):
         registry.register_estimator("mc")(lambda *a, **k: None)
     registry.register_estimator("mc")(registry.get("mc").fn)  # the same function again: a no-op
     with pytest.raises(ValueError, match="'nope' is not an estimator verl-ext knows; known: mc, td0, nstep, gae_ext, turn_gae, gae, grpo"):
@@ -125,7 +126,7 @@ def test_a_name_of_verl_means_verls_estimator_even_where_a_function_took_it(isol
 def test_a_compare_label_names_the_numbers(name, settings, label):
     """Two settings with the same label give the same raw advantage: gae_ext with one λ is GAE(λ)."""
     entry = registry.get(name)
-    assert entry.column_label(entry.settings({"gamma": 0.9, **settings})) == label
+    assert column_label(entry, entry.settings({"gamma": 0.9, **settings})) == label
 
 
 @pytest.mark.parametrize(
@@ -194,9 +195,9 @@ def test_an_estimator_with_its_own_lambda_is_not_described_with_the_runs(isolate
 
 
 def test_compare_gives_nstep_its_n_gae_ext_each_lambda_and_the_others_their_defaults():
-    assert registry.get("nstep").compared_settings(3, (0.9, 1.0)) == ({"n_step": 3},)
-    assert registry.get("gae_ext").compared_settings(3, (0.9, 1.0)) == ({"lam": 0.9}, {"lam": 1.0})
-    assert registry.get("mc").compared_settings(3, (0.9, 1.0)) == ({},)
+    assert compared_settings(registry.get("nstep"), 3, (0.9, 1.0)) == ({"n_step": 3},)
+    assert compared_settings(registry.get("gae_ext"), 3, (0.9, 1.0)) == ({"lam": 0.9}, {"lam": 1.0})
+    assert compared_settings(registry.get("mc"), 3, (0.9, 1.0)) == ({},)
 
 
 # --------------------------------------------------------------------------- running an estimator

@@ -1,12 +1,12 @@
 """The live metrics' formulas (verl_ext.step_metrics) against docs/definitions.md §9 written as
-direct sums (tests/reference.py), and by hand."""
+direct sums (tests/support/reference.py), and by hand."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-import tests.reference as ref
+import tests.support.reference as ref
 from verl_ext.step_metrics import Responses, critic_by_group, credit_shares, prefixed, step_metrics
 from verl_ext.turns import turn_starts
 

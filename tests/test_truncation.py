@@ -1,5 +1,5 @@
 """algorithm.truncation (docs/definitions.md #truncated-responses), pure: which responses are cut, and the
-three treatments of every estimator against tests/reference.py's direct sums with V_L (the value after
+three treatments of every estimator against tests/support/reference.py's direct sums with V_L (the value after
 the last valid token) written into the sum, on rows with and without holes, cut and not cut, γ < 1."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import tests.reference as ref
+import tests.support.reference as ref
 from verl_ext import registry
 from verl_ext.options import TRUNCATION
 from verl_ext.truncation import Truncation, cut_responses

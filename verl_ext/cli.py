@@ -280,27 +280,12 @@ def summary(args: argparse.Namespace) -> int:
 
 def _critic_summary(trace, args: argparse.Namespace, unread) -> int:
     """``summary --critic``: steps × position buckets, EV then mean |V − G| (CSV: the long table)."""
-    from verl_ext.inspect.critic import critic_diagnostics, few_tokens_note, steps_by_bucket
-    from verl_ext.inspect.render import render
+    from verl_ext.inspect.critic import critic_diagnostics, critic_report
     from verl_ext.check.stepdata import RecordedAlgorithm
 
     diagnostics = critic_diagnostics(trace, progress=_progress(args, "summary --critic"), unread=unread)
-    if args.format == "csv":
-        _emit(render(diagnostics, "csv"))
-        return _left_out(unread)
     gamma = RecordedAlgorithm.from_record(trace.record).gamma
-    note = few_tokens_note(diagnostics)
-    sections = [
-        f"explained variance 1 − Var(G − V)/Var(G) of the values V against the Monte-Carlo return G (γ = {gamma:g}),\n"
-        "by position: d0 … d9 the deciles of each response's valid tokens, last its last valid token, all every one:",
-        render(steps_by_bucket(diagnostics, "explained_var"), args.format, args.digits),
-        *([f"note: {note}"] if note else []),
-        "tokens by position:",
-        render(steps_by_bucket(diagnostics, "tokens"), args.format, args.digits),
-        "mean |V − G| by position:",
-        render(steps_by_bucket(diagnostics, "mean_abs_error"), args.format, args.digits),
-    ]
-    _emit(_run_header(trace, args.format) + "\n\n".join(sections))
+    _emit(_run_header(trace, args.format) + critic_report(diagnostics, gamma, args.format, args.digits))
     return _left_out(unread)
 
 
@@ -395,9 +380,8 @@ def _truncation_mode(text: str) -> str:
 
 def compare(args: argparse.Namespace) -> int:
     """Re-estimate one traced step with every estimator (no retraining) and show them side by side."""
-    from verl_ext.inspect.comparison import compare as compare_step
+    from verl_ext.inspect.comparison import compare as compare_step, comparison_report
     from verl_ext.check.cuts import last_step_with_cuts
-    from verl_ext.inspect.render import render
 
     trace = _open_run(args.run)
     about_truncation = hasattr(args, "truncation")  # --truncation given, with or without a mode
@@ -416,43 +400,8 @@ def compare(args: argparse.Namespace) -> int:
             comparison.figure().savefig(args.plot, dpi=130)
         except OSError as error:
             raise UsageError(f"cannot write {args.plot}: {error.strerror or error}") from None
-    if args.format == "csv":
-        _emit(render(comparison.table.drop_columns(["reward", "value"]), "csv"))
-        return 0
-    treated = "" if comparison.truncation == "terminal" else f", cut responses treated as truncation={comparison.truncation}"
-    sections = [
-        f"step {comparison.step}, sample {comparison.sample}: raw advantages (before whitening) by estimator{treated}",
-        render(comparison.table, args.format, args.digits),
-        "per estimator, over the step's valid tokens:",
-        render(comparison.statistics, args.format, args.digits),
-        "share of the step's Σ|A| per position:",
-        render(comparison.shares, args.format, args.digits),
-        "correlation between estimators:",
-        render(comparison.correlation, args.format, 2),
-        *_treatment_sections(comparison, args),
-        *(f"note: {note}" for note in comparison.notes),
-    ]
-    _emit("\n\n".join(sections))
+    _emit(comparison_report(comparison, args.format, args.digits))
     return 0
-
-
-def _treatment_sections(comparison, args: argparse.Namespace) -> list[str]:
-    """The run's estimator under each treatment of cut responses, when the step has some."""
-    from verl_ext.inspect.render import render
-    from verl_ext.trace.reader import listing
-
-    if comparison.treatments is None:
-        return []
-    cut = comparison.cut
-    which = f"sample{'s' * (len(cut) != 1)} {listing(list(cut))}"
-    sample = "cut" if comparison.sample in cut else "not cut"
-    return [
-        f"responses cut at the length limit: {len(cut)} ({which}; docs/definitions.md#truncated-responses); the run's "
-        "estimator under each truncation, over the step's valid tokens (adv: before whitening, 0 under mask):",
-        render(comparison.treatments, args.format, args.digits),
-        f"sample {comparison.sample} ({sample}): advantages before whitening under each truncation",
-        render(comparison.by_treatment, args.format, args.digits),
-    ]
 
 
 # --------------------------------------------------------------------------- view

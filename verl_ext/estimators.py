@@ -13,7 +13,7 @@ Conventions (docs/definitions.md §1, §3, §7), for every function here:
 * Each estimator returns ``(returns, advantage)``: the critic's target and the raw (unwhitened)
   advantage; :func:`masked_whiten` makes the advantage the actor trains on.
 * The first paragraph of each estimator's docstring is its formula, the one place it is written:
-  the registry's entry shows it (:func:`verl_ext.registry.docstring_formula`, ``verl-ext doctor``).
+  the registry's entry shows it (:func:`verl_ext.builtin_estimators.docstring_formula`, ``verl-ext doctor``).
 
 The formulas inside each function are written on compacted rows; :func:`verl_ext.kernels.on_valid_tokens`
 does the compaction and the row grouping, :func:`verl_ext.kernels.discounted_sum` the scan,

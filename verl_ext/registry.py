@@ -17,12 +17,12 @@ recomputation, ``compare``'s columns, the study's runs, the CLI's descriptions. 
 dict: the run's ``algorithm`` settings, ``gamma`` and ``lam`` as verl passed them, and the
 estimator's declared options parsed and defaulted.
 
-The built-in estimators are registered at the bottom of this module, the same way. Below them,
-the verl estimators verl-ext understands (``gae``, ``grpo``) are described by entries of the same
-kind (:func:`describe_verl_estimator`): verl computes them and owns their names, so they are never
-put into verl's registry; the entry says what verl-ext knows of them (how to recompute them from a
-trace, whether they need the critic, whether verl whitens them). Ask the entry
-(:func:`lookup`), never the name.
+The built-in estimators are registered the same way, from :mod:`verl_ext.builtin_estimators`, when
+this module is imported. There too, the verl estimators verl-ext understands (``gae``, ``grpo``) are
+described by entries of the same kind (:func:`describe_verl_estimator`): verl computes them and owns
+their names, so they are never put into verl's registry; the entry says what verl-ext knows of them
+(how to recompute them from a trace, whether they need the critic, whether verl whitens them). Ask
+the entry (:func:`lookup`), never the name.
 """
 
 from __future__ import annotations
@@ -37,13 +37,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from verl_ext import estimators
+from verl_ext import builtin_estimators, estimators
+from verl_ext.builtin_estimators import docstring_formula
 from verl_ext.options import (
     ALGORITHM_OPTIONS,
-    LAM_ACTOR,
-    LAM_CRITIC,
-    LAM_LENGTH_ALPHA,
-    N_STEP,
     TRUNCATION,
     WHITEN_ADVANTAGES,
     Option,
@@ -66,14 +63,9 @@ class Estimator:
       (inf: the whole response), which sizes the checker's float32 tolerance;
     * ``returns_minus_values(settings)``: True when advantage_raw = returns − values exactly, which
       the checker then verifies elementwise (otherwise it recomputes the advantage with ``fn``);
-    * ``uses_lam``: whether ``algorithm.lam`` matters (shown in descriptions); by default, whether
-      ``fn`` reads it at all (:func:`reads_lam`), so that an estimator with its own fixed λ is not
-      described with the run's;
-    * ``compared_at(n, lambdas) -> settings``: the columns ``verl-ext compare`` gives it, one per
-      dict of ``algorithm`` settings (the run's γ is added), from compare's n (of the n-step
-      estimator) and λs; by default one column at its options' defaults;
-    * ``label(settings)``: the name of its column at those settings (two settings that give different
-      numbers get different labels); by default its name;
+    * ``uses_lam``: whether ``algorithm.lam`` matters, for descriptions (by default :func:`reads_lam`);
+    * ``compared_at`` and ``label``: its columns in ``verl-ext compare``
+      (:func:`verl_ext.inspect.comparison.estimator_columns` says how they are read);
     * ``computed_by_verl``: one of verl's own estimators, which verl computes and verl-ext only
       describes (``fn`` None: verl-ext cannot recompute it from a trace); ``verl_whitens`` says
       whether verl whitens its advantages (None: verl-ext cannot tell), where verl-ext's own
@@ -137,11 +129,9 @@ class Estimator:
     def is_returns_minus_values(self, settings: Settings) -> bool:
         return bool(self.returns_minus_values and self.returns_minus_values(settings))
 
-    def column_label(self, settings: Settings) -> str:
-        return self.label(settings) if self.label else self.name
 
-    def compared_settings(self, n: int, lambdas: tuple[float, ...]) -> tuple[dict[str, Any], ...]:
-        return self.compared_at(n, lambdas) if self.compared_at else ({},)
+class MissingCriticValues(ValueError):
+    """An estimator that needs the critic's values (``needs_critic``) was run without them."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +142,9 @@ class Estimate:
     returns: torch.Tensor
     advantage_raw: torch.Tensor
     advantages: torch.Tensor
+    #: {"mean", "var"} of ``advantage_raw`` over the tokens whitening uses (:func:`whitening_statistics`),
+    #: whether or not it whitened; the trace records them
+    whitening: dict[str, float] | None = None
 
 
 _ESTIMATORS: dict[str, Estimator] = {}
@@ -286,12 +279,6 @@ def reads_lam(fn: Callable) -> bool:
     return False
 
 
-def docstring_formula(fn: Callable) -> str:
-    """The first paragraph of ``fn``'s docstring on one line: an estimator's formula where it is
-    written once, beside its code (the built-ins' are in :mod:`verl_ext.estimators`)."""
-    return " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
-
-
 def on_register(listener: Callable[[Estimator], None]) -> None:
     """Call ``listener(estimator)`` for every estimator registered from now on."""
     _LISTENERS.append(listener)
@@ -310,7 +297,7 @@ def run(
     responses treated as ``truncation`` says (None: terminal): the one code path of training,
     checking and comparing."""
     if estimator.needs_critic and values is None:
-        raise ValueError(f"estimator {estimator.name!r} needs the critic's values, and there are none")
+        raise MissingCriticValues(f"estimator {estimator.name!r} needs the critic's values, and there are none")
     if truncation is not None:
         rewards = truncation.rewards(rewards, response_mask, settings["gamma"])
     returns, raw = estimator.fn(
@@ -321,11 +308,26 @@ def run(
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"estimator {estimator.name!r} returned {label} of shape {shape}, expected {tuple(rewards.shape)}")
     whitened = settings["whiten_advantages"] if whiten is None else whiten
+    statistics = whitening_statistics(raw, response_mask, truncation)
     if truncation is None:
-        return Estimate(returns, raw, estimators.masked_whiten(raw, response_mask) if whitened else raw)
-    if whitened:
-        return Estimate(returns, raw, truncation.whiten(raw, response_mask, estimators.masked_whiten))
-    return Estimate(returns, raw, truncation.advantages(raw))
+        advantages = estimators.masked_whiten(raw, response_mask) if whitened else raw
+    elif whitened:
+        advantages = truncation.whiten(raw, response_mask, estimators.masked_whiten)
+    else:
+        advantages = truncation.advantages(raw)
+    return Estimate(returns, raw, advantages, statistics)
+
+
+def whitening_statistics(raw: torch.Tensor | None, response_mask: torch.Tensor, truncation: Truncation | None = None) -> dict[str, float] | None:
+    """{"mean": μ, "var": σ²} of ``raw`` as ``masked_whiten`` computes them (sums in float64, σ²
+    unbiased: :func:`verl_ext.estimators.whitening_moments`), over the tokens whitening uses: the
+    response mask, less the cut responses under ``algorithm.truncation=mask``. raw, response_mask:
+    (B, T). None without ``raw`` or with fewer than 2 such tokens (where ``masked_whiten`` raises)."""
+    if raw is None:
+        return None
+    mask = response_mask if truncation is None else truncation.whitened_mask(response_mask)
+    count, mean, var = estimators.whitening_moments(raw, mask)
+    return {"mean": mean, "var": var} if count >= 2 else None
 
 
 def check_algorithm(algorithm: Any) -> dict[str, Any] | None:
@@ -353,124 +355,9 @@ def _short(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _discount_horizon(decay: float) -> float:
-    """Terms a discounted sum with this decay effectively adds up: 1/(1 − decay), inf at 1."""
-    return math.inf if decay >= 1.0 else 1.0 / (1.0 - decay)
+# --------------------------------------------------------------------------- the built-ins, registered
 
-
-# --------------------------------------------------------------------------- the built-in estimators
-
-
-@register_estimator(
-    "mc",
-    formula=docstring_formula(estimators.mc),
-    horizon=lambda s: (_discount_horizon(s["gamma"]),) * 2,
-    returns_minus_values=lambda s: True,
-    uses_lam=False,
-)
-def mc(rewards, values, response_mask, *, gamma, lam, config):
-    return estimators.mc(rewards, values, response_mask, gamma)
-
-
-@register_estimator(
-    "td0",
-    formula=docstring_formula(estimators.td0),
-    horizon=lambda s: (1.0, 1.0),
-    returns_minus_values=lambda s: True,
-    uses_lam=False,
-)
-def td0(rewards, values, response_mask, *, gamma, lam, config):
-    return estimators.td0(rewards, values, response_mask, gamma)
-
-
-@register_estimator(
-    "nstep",
-    options=(N_STEP,),
-    formula=docstring_formula(estimators.nstep),
-    horizon=lambda s: (float(s["n_step"]),) * 2,
-    returns_minus_values=lambda s: True,
-    uses_lam=False,
-    compared_at=lambda n, lambdas: ({"n_step": n},),
-    label=lambda s: f"nstep{s['n_step']}",
-)
-def nstep(rewards, values, response_mask, *, gamma, lam, config):
-    return estimators.nstep(rewards, values, response_mask, gamma, config["n_step"])
-
-
-def _lam_critic(settings: Settings) -> float:
-    """λ of the returns: ``lam_critic``, else ``lam``."""
-    return settings["lam"] if settings.get("lam_critic") is None else settings["lam_critic"]
-
-
-def _gae_lambdas(settings: Settings) -> tuple[float, float | None]:
-    """(λ_critic, λ_actor), λ_actor None when length-adaptive."""
-    lam = settings["lam"]
-    critic = _lam_critic(settings)
-    if settings.get("lam_length_alpha") is not None:
-        return critic, None
-    return critic, lam if settings.get("lam_actor") is None else settings["lam_actor"]
-
-
-def _gae_ext_horizon(settings: Settings) -> tuple[float, float]:
-    critic, actor = _gae_lambdas(settings)
-    gamma = settings["gamma"]
-    # a length-adaptive λ_actor has a horizon below L; L itself is the safe bound
-    return _discount_horizon(gamma * critic), math.inf if actor is None else _discount_horizon(gamma * actor)
-
-
-@register_estimator(
-    "gae_ext",
-    options=(LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA),
-    formula=f"{docstring_formula(estimators.gae_decoupled)} Length-adaptive λ_actor: {docstring_formula(estimators.length_adaptive_lam)}",
-    horizon=_gae_ext_horizon,
-    returns_minus_values=lambda s: _gae_lambdas(s)[0] == _gae_lambdas(s)[1],
-    compared_at=lambda n, lambdas: tuple({"lam": lam} for lam in lambdas),
-    # one λ is plain GAE(λ), the column of that λ; decoupled or length-adaptive λs are gae_ext's own
-    label=lambda s: f"gae{_gae_lambdas(s)[1]:g}" if _gae_lambdas(s)[0] == _gae_lambdas(s)[1] else "gae_ext",
-)
-def gae_ext(rewards, values, response_mask, *, gamma, lam, config):
-    lam_critic, lam_actor = _gae_lambdas({**config, "lam": lam})
-    if lam_actor is None:
-        lam_actor = estimators.length_adaptive_lam(response_mask, config["lam_length_alpha"]).to(rewards.device)
-    elif lam_actor == lam_critic:
-        return estimators.gae(rewards, values, response_mask, gamma, lam_actor)
-    return estimators.gae_decoupled(rewards, values, response_mask, gamma, lam_critic, lam_actor)
-
-
-@register_estimator(
-    "turn_gae",
-    options=(LAM_CRITIC,),
-    formula=docstring_formula(estimators.turn_gae),
-    # the advantage sums whole turns of rewards: up to the row's length whatever γλ
-    horizon=lambda s: (_discount_horizon(s["gamma"] * _lam_critic(s)), math.inf),
-    # the actor's A_k is per turn, the critic's target per token: never returns − values
-    returns_minus_values=lambda s: False,
-    # one column, λ = 1 (λ weighs turns against each other: on single-turn responses every λ gives Σr − V_0)
-    compared_at=lambda n, lambdas: ({"lam": 1.0},),
-    label=lambda s: "turn_gae" if s["lam"] == 1.0 else f"turn_gae{s['lam']:g}",
-)
-def turn_gae(rewards, values, response_mask, *, gamma, lam, config):
-    return estimators.turn_gae(rewards, values, response_mask, gamma, lam, _lam_critic({**config, "lam": lam}))
-
-
-# --------------------------------------------------------------------------- verl's estimators, described
-
-
-def _verl_gae(rewards, values, response_mask, *, gamma, lam, config):
-    return estimators.gae(rewards, values, response_mask, gamma, lam)
-
-
-describe_verl_estimator(
-    "gae",
-    _verl_gae,
-    needs_critic=True,
-    verl_whitens=True,  # verl's GAE always whitens
-    formula=docstring_formula(estimators.gae),
-    horizon=lambda s: (_discount_horizon(s["gamma"] * s["lam"]),) * 2,
-    returns_minus_values=lambda s: True,
-    label=lambda s: f"gae{s['lam']:g}",
-)
-# not recomputable: its advantages come from group statistics the trace does not hold
-describe_verl_estimator(
-    "grpo", needs_critic=False, formula="advantage = (score − its prompt group's mean) / (the group's std + ε), on every token"
-)
+for _name, _fn, _entry in builtin_estimators.BUILTINS:
+    register_estimator(_name, **_entry)(_fn)
+for _name, _fn, _entry in builtin_estimators.VERL_DESCRIBED:
+    describe_verl_estimator(_name, _fn, **_entry)

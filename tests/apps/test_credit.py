@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.apps.conftest import LEARNING_STEPS as STEPS
 from tests.apps.conftest import dense, valid_tokens
 from tests.cpu.helpers import BOTH_CORES_GROUP

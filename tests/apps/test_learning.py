@@ -1,6 +1,6 @@
 """The policy learns: verl's real trainer (in process) on the CPU task, ``mc``, a fixed seed, run twice
 at once (tests/apps/conftest.py). Held-out accuracy is verl's own validation. The same run's trace
-then serves the checks of ``compare`` (against tests/reference.py, on groups of four responses) and
+then serves the checks of ``compare`` (against tests/support/reference.py, on groups of four responses) and
 of the pretrained critic; tests/apps/test_credit.py checks the demo's credit lines on it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.cpu.helpers import BOTH_CORES_GROUP
 from tests.apps.conftest import LEARNING_STEPS, REPRODUCED_STEPS, dense, valid_tokens
 from verl_ext.apps.learning import read_metrics

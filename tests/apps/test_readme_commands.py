@@ -1,5 +1,5 @@
-"""Every ``verl-ext`` inspection line of the README's command blocks runs as written on the traces of
-the two demos (issue 34): a newcomer types them first.
+"""Every ``verl-ext`` inspection line of the command blocks of the README and of every Markdown page
+under docs/ runs as written on the traces of the two demos (issue 34): a newcomer types them first.
 
 No run of its own: each test reads a run the suite already makes, on that run's xdist worker.
 ``make demo``'s trace is the learning run of tests/apps/conftest.py (the demo's own recipe, ``mc``,
@@ -22,7 +22,10 @@ import pytest
 from tests.apps.conftest import TOOL_DEMO_GROUP
 from tests.cpu.helpers import BOTH_CORES_GROUP
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+#: The pages whose lines run as the README's do: every Markdown file under docs/.
+DOCS = ROOT / "docs"
 #: The subcommands that read a trace and change nothing (the others train or set up).
 INSPECTION = {"check", "show", "summary", "table", "compare", "plot", "export", "view"}
 DEMO_TRACE, TOOL_DEMO_TRACE, ANY_TRACE = "outputs/demo/trace", "outputs/demo_tool/trace", "PATH"
@@ -30,10 +33,10 @@ DEMO_TRACE, TOOL_DEMO_TRACE, ANY_TRACE = "outputs/demo/trace", "outputs/demo_too
 NEEDS_A_CRITIC = "a run with a critic"
 
 
-def readme_lines() -> list[str]:
-    """The README's inspection lines: each fenced block's lines that start ``verl-ext <inspection>``."""
+def inspection_lines(document: Path) -> list[str]:
+    """A document's inspection lines: each fenced block's lines that start ``verl-ext <inspection>``."""
     lines, fenced = [], False
-    for line in README.read_text(encoding="utf-8").splitlines():
+    for line in document.read_text(encoding="utf-8").splitlines():
         if line.startswith("```"):
             fenced = not fenced
         elif fenced and (command := re.match(r"verl-ext (\w+)", line)) and command.group(1) in INSPECTION:
@@ -41,8 +44,18 @@ def readme_lines() -> list[str]:
     return lines
 
 
+def readme_lines() -> list[str]:
+    """The README's inspection lines."""
+    return inspection_lines(README)
+
+
+def documented_lines() -> list[str]:
+    """The inspection lines of the README and of every page under docs/, by the same rules."""
+    return [line for document in [README, *sorted(DOCS.rglob("*.md"))] for line in inspection_lines(document)]
+
+
 def lines_for(trace_name: str) -> list[str]:
-    return [line for line in readme_lines() if {trace_name, ANY_TRACE} & set(shlex.split(line, comments=True))]
+    return [line for line in documented_lines() if {trace_name, ANY_TRACE} & set(shlex.split(line, comments=True))]
 
 
 def run_readme_lines(lines: list[str], trace: str, scratch: Path, run_cli, *, has_critic: bool) -> None:
@@ -51,7 +64,7 @@ def run_readme_lines(lines: list[str], trace: str, scratch: Path, run_cli, *, ha
         words = [trace if word in (DEMO_TRACE, TOOL_DEMO_TRACE, ANY_TRACE) else word for word in shlex.split(line, comments=True)[1:]]
         if words[0] == "view" and "--out" not in words:
             words += ["--out", str(scratch / "served.html"), "--quiet"]
-        if tuple(words) in ran:  # the first hour's lines and the sections' can be one command
+        if tuple(words) in ran:  # the first hour's lines, the sections' and the docs pages' can be one command
             continue
         ran.add(tuple(words))
         code, out, err = run_cli(*words)
@@ -61,7 +74,7 @@ def run_readme_lines(lines: list[str], trace: str, scratch: Path, run_cli, *, ha
                 failures.append(f"{line}\n  on a run without a critic: exit {code} (2 expected), stderr: {err.strip()[-500:]}")
         elif code != 0 or not (out or words[0] in ("plot", "view")):
             failures.append(f"{line}\n  exit {code}; stderr: {err.strip()[-500:]}")
-    assert not failures, "README lines that do not run as written:\n" + "\n".join(failures)
+    assert not failures, "README and docs/ lines that do not run as written:\n" + "\n".join(failures)
 
 
 def test_the_readme_shows_the_first_hour_and_every_inspection_command():

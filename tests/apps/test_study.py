@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
+from tests.support.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 from verl_ext.apps.study import COLUMNS
 from verl_ext.errors import UsageError
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests import reference
+from tests.support import reference
 from tests.cpu.helpers import read_batches
 from tests.e2e.test_fit_with_trace import GAMMA, LAM, TRUNCATION, cut_rows, fit_group, fit_run
 from verl_ext.apps.learning import read_metrics
 
 
-#: The runs are test_fit_with_trace's (made once per session, tests/shared_runs.py); each test here
+#: The runs are test_fit_with_trace's (made once per session, tests/support/shared_runs.py); each test here
 #: is in its run's xdist group, so the worker that makes the run reads it.
 GAE_RUN, GRPO_RUN = "gae+dynamic_bsz", "grpo"
 

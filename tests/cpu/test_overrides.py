@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -18,10 +19,38 @@ def test_merge_keeps_the_last_setting_of_a_key():
     assert override_key("+x.y=z=w") == "x.y"
 
 
+def parsed(overrides: list[str]) -> dict:
+    """key -> value, as Hydra's own parser reads ``overrides``; fails on a key named twice."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    settings = OverridesParser.create().parse_overrides(overrides)
+    keys = [setting.key_or_group for setting in settings]
+    assert len(keys) == len(set(keys)), sorted({key for key in keys if keys.count(key) > 1})
+    return {setting.key_or_group: setting.value() for setting in settings}
+
+
 def test_overrides_name_each_key_once(assets, tmp_path):
-    for use_v1 in (False, True):
-        keys = [override_key(o) for o in cpu_overrides(assets, tmp_path, use_v1=use_v1)]
-        assert len(keys) == len(set(keys))
+    """Hydra refuses an added key (``+key``) given twice and keeps the last setting of another: where
+    the defaults, vLLM's settings and a task's own overrides set the same key, the list names it once,
+    with the later setting; the caller's arguments land where they say."""
+    from verl_ext.tasks.tool.assets import TOOLS_FILE, ToolAssets
+
+    tool = ToolAssets(
+        root=tmp_path, model_dir=tmp_path / "model", train_file=tmp_path / "train.parquet", val_file=tmp_path / "val.parquet",
+        reward_file=tmp_path / "reward.py", tools_file=TOOLS_FILE, warm_start_report=tmp_path / "warm_start.json",
+    )  # fmt: skip
+    for task_assets, rollout, use_v1, use_ray in itertools.product((assets, tool), ("hf_generate", "vllm"), (False, True), (False, True)):
+        settings = parsed(
+            cpu_overrides(task_assets, tmp_path, estimator="grpo", rollout_n=4, use_v1=use_v1, use_ray=use_ray, rollout=rollout)
+        )
+        assert (settings["algorithm.adv_estimator"], settings["actor_rollout_ref.rollout.n"]) == ("grpo", 4)
+        assert settings["trainer.use_v1"] is use_v1 and settings["actor_rollout_ref.rollout.name"] == rollout
+        # verl's vLLM rollout on vLLM's CPU build turns full determinism off (its kernels are Triton's)
+        assert settings["actor_rollout_ref.rollout.full_determinism"] is (rollout == "hf_generate")
+        # the tool task's own response length (32 tokens, ToolAssets' max_response_length) wins over the default 16
+        assert settings["data.max_response_length"] == (32 if task_assets is tool else 16)
+        assert settings.get("actor_rollout_ref.rollout.multi_turn.enable", False) is (task_assets is tool)
+        assert any(key.startswith("ray_kwargs.") for key in settings) is use_ray
 
 
 VALIDATE = """

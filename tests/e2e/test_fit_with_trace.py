@@ -10,7 +10,7 @@ scenario (the platform, registries and patches are process-global).
 
 What each run is checked against, independently of verl-ext's own code:
 * the batch the trainer actually used at each step, copied by the runner's ``on_batch`` hook;
-* returns and advantages recomputed from that batch with tests/reference.py (direct sums);
+* returns and advantages recomputed from that batch with tests/support/reference.py (direct sums);
 * rewards = scores − β·kl with kl from verl's own ``core_algos.kl_penalty``;
 * the trace read back from disk equals that batch; the run record matches the config;
 * ``verl-ext check`` passes on the trace;
@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.cpu.helpers import SCENARIOS, VERL_BATCH_KEYS, read_batches, run
-from tests.shared_runs import shared_run
+from tests.support.shared_runs import shared_run
 
 ROOT = Path(__file__).resolve().parents[2]
 GAMMA, LAM = 0.99, 0.9
@@ -102,7 +102,7 @@ def user_module_env(out: Path) -> dict[str, str]:
 
 def scenario(tmp_path_factory, estimator: str, extra: list[str], rollout_n: int = 1, steps: int = 2) -> Path:
     """The in-process run of ``estimator`` with these settings, made once per test session
-    (tests/shared_runs.py): every test that needs the same run reads it."""
+    (tests/support/shared_runs.py): every test that needs the same run reads it."""
     overrides = [
         "algorithm.use_kl_in_reward=True",
         "algorithm.kl_ctrl.kl_coef=0.05",

@@ -76,7 +76,7 @@ def test_warn_names_the_nan_value_and_training_goes_on(tmp_path):
 def assert_live_metrics_without_the_trace(out: Path) -> None:
     """The trace is off in this run: verl's metrics of step 1 (finite) still hold the live metrics,
     equal to docs/definitions.md §9 summed directly on the batch the step used."""
-    import tests.reference as ref
+    import tests.support.reference as ref
     from verl_ext.apps.learning import read_metrics
 
     batches = read_batches(out)

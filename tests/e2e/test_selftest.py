@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.cpu.helpers import RAY_GROUP
-from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
+from tests.support.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 

@@ -1,6 +1,6 @@
 """recipes/cpu_demo.sh with verl 0.9's default V1 trainer (``V1=1``), verl's own ppo_trainer.yaml and the
 README's example of a user's estimator (loaded in every process through VERL_USE_EXTERNAL_MODULES, as
-the README runs it: the module in the directory the recipe is started from), on a local Ray cluster: the recipe reports progress and trains, the plugin
+docs/estimators.md runs it: the module in the directory the recipe is started from), on a local Ray cluster: the recipe reports progress and trains, the plugin
 switches the critic on; the trace equals what the actor update read from TransferQueue (captured by
 tests/e2e/v1_capture.py), its update tables cover every trained token once per epoch and reproduce
 verl's logged metrics, the live metrics verl logged equal the trace's numbers, and it passes the checker. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)
@@ -59,7 +59,7 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
         **os.environ, **user, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
         "V1": "1", "PRECISION": "bf16", "ESTIMATOR": "td_half", "STEPS": str(STEPS), "RAY_ADDRESS": ray_cluster.address,
     }  # fmt: skip
-    # issue 43: the user's module sits in the directory the recipe is started from, as the README has it; only
+    # issue 43: the user's module sits in the directory the recipe is started from, as docs/estimators.md has it; only
     # the suite's own capture module is on PYTHONPATH (the recipe puts that directory first, for every process)
     env["PYTHONPATH"] = str(ROOT)
     completed = run(["bash", str(RECIPE), *overrides], env, out / "user", timeout=600)
@@ -121,7 +121,7 @@ def test_v1_trace_equals_what_the_actor_update_read(v1_run):
 def test_v1_cut_responses_bootstrap_from_the_value_after_their_last_token(v1_run):
     """td_half is GAE(γ, λ = 0.5): its returns against the direct sums with V_L = the recorded
     bootstrap_value on exactly the cut responses (docs/definitions.md #truncated-responses)."""
-    import tests.reference as ref
+    import tests.support.reference as ref
     from verl_ext.trace.reader import open_trace
 
     from tests.e2e.test_fit_with_trace import cut_at_the_limit_rows

@@ -12,13 +12,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from tests.reference import gae_row, mc_row, nstep_row, td0_row, turn_gae_row
+from tests.support.reference import gae_row, mc_row, nstep_row, td0_row, turn_gae_row
+from verl_ext import registry
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.schema import STEP_RECORD_METADATA_KEY, RunRecord, token_file
 from verl_ext.trace.writer import TraceWriter
 
-# ---------------------------------------------------------------- definitions (direct sums: tests/reference.py)
+# ---------------------------------------------------------------- definitions (direct sums: tests/support/reference.py)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -259,6 +260,7 @@ def write_trace(
                     max_response_length=None if ends is None else ends[1],
                     truncation=(truncations or {}).get(step),
                     stop_reasons=(stop_reasons or {}).get(step),
+                    whitening=registry.whitening_statistics(b.advantage_raw, b.mask, (truncations or {}).get(step)),
                 )
             )
             for update in (updates or {}).get(step, []):

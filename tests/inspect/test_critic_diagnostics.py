@@ -279,8 +279,8 @@ def test_a_run_without_a_critic_is_a_clear_error(tmp_path, run_cli):
 
 def test_the_traced_metrics_of_a_multi_turn_step_follow_the_definitions(tmp_path):
     """Up to four turns a response: the post-hoc live metrics (turn{k}, after_hole, the turn shares
-    among them) against tests/reference.py's direct sums on the tensors written."""
-    import tests.reference as ref
+    among them) against tests/support/reference.py's direct sums on the tensors written."""
+    import tests.support.reference as ref
     from verl_ext.inspect.critic import traced_step_metrics
 
     batch = by_definition(random_batch(1, B=24, T=30, holes=3), "mc", GAMMA)  # turn1 in 8 responses or more

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.inspect.inspect_helpers import (
     algorithm,
     by_definition,

@@ -1,5 +1,5 @@
 """``verl-ext compare`` / ``verl_ext.inspect.compare`` (module ``comparison``) on a synthetic trace with holes (interior masked
-tokens), against the direct sums of tests/reference.py. The same on a real trace of verl's trainer,
+tokens), against the direct sums of tests/support/reference.py. The same on a real trace of verl's trainer,
 with groups of four responses per prompt: tests/apps/test_learning.py."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, write_trace
-from tests.registry_helpers import isolated_registry  # noqa: F401 - a fixture
+from tests.support.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 from verl_ext.errors import UsageError
 from verl_ext.inspect import compare
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.inspect.inspect_helpers import algorithm
+from verl_ext import registry
 from verl_ext.inspect import compare, summarize
 from verl_ext.check.cuts import StepCuts, reestimate
 from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout
@@ -65,6 +66,7 @@ def write(directory, advantages=None, flags: bool = True, bootstrap: bool = Fals
             step=1, mask=mask, token_id=torch.tensor(TOKENS), uid=["a", "a", "b"],
             floats={"score": rewards, "reward": rewards, "value": torch.tensor(VALUES), "advantage": adv, "advantage_raw": adv},
             prompts=torch.ones(3, 2, dtype=torch.long), **ends,
+            whitening=registry.whitening_statistics(adv, mask, ends.get("truncation")),
         ))  # fmt: skip
         if uncut_step is not None:
             ended = torch.tensor(TOKENS)
@@ -73,6 +75,7 @@ def write(directory, advantages=None, flags: bool = True, bootstrap: bool = Fals
                 step=uncut_step, mask=mask, token_id=ended, uid=["a", "a", "b"],
                 floats={"score": rewards, "reward": rewards, "value": torch.tensor(VALUES), "advantage": adv, "advantage_raw": adv},
                 prompts=torch.ones(3, 2, dtype=torch.long), **{key: value for key, value in ends.items() if key != "truncation"},
+                whitening=registry.whitening_statistics(adv, mask),
             ))  # fmt: skip
     return str(directory)
 

@@ -31,7 +31,7 @@ from tests.inspect.inspect_helpers import algorithm, random_batch, write_trace
 
 from verl_ext.check.run import check_trace
 from verl_ext.inspect.summary import summarize
-from verl_ext.trace.capture import UpdateCapture
+from verl_ext.trace.update_files import UpdateCapture
 from verl_ext.trace.reader import open_trace
 
 ADVANTAGES = [[1.0, -1.0, 0.5], [-0.5, 2.0, -2.0]]

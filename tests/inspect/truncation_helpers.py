@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.inspect.inspect_helpers import EOS, Batch, whiten, write_trace
 from verl_ext.truncation import Truncation
 
@@ -49,7 +49,7 @@ def cut_batch(seed: int, kl_coef: float | None = None) -> tuple[Batch, torch.Ten
 
 def row_sums(name: str, r: list[float], v: list[float], v_l: float, gamma: float, lam: float = 1.0, n: int | None = None):
     """(returns, raw advantage) of one row's valid tokens, V after the last one = ``v_l``, from
-    tests/reference.py's direct sums (``gae``: GAE(γ, λ); every other name by its own sum)."""
+    tests/support/reference.py's direct sums (``gae``: GAE(γ, λ); every other name by its own sum)."""
     if name in ("mc", "td0", "nstep"):
         g = {"mc": lambda: ref.mc_row(r, gamma, v_l), "td0": lambda: ref.td0_row(r, v, gamma, v_l),
              "nstep": lambda: ref.nstep_row(r, v, gamma, n, v_l)}[name]()  # fmt: skip

@@ -4,7 +4,7 @@ As in test_nonfinite_seam.py, the plugin's real fit() wrapper of each trainer ru
 for verl's fit that makes the calls verl's trainer makes in a step: the legacy trainer's
 compute_advantage (ray_trainer.py:1667) and compute_data_metrics (ray_trainer.py:1772), the V1
 trainer's _compute_advantage (trainer_base.py:600). What the step's metrics receive is held to
-tests/reference.py's direct sums on the batch verl-ext's estimator (or verl's) left."""
+tests/support/reference.py's direct sums on the batch verl-ext's estimator (or verl's) left."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.integration.test_nonfinite_seam import ROWS, STEP, TRAINERS, data_proto, make_step
 from verl_ext.integration import patches
 

@@ -87,7 +87,7 @@ def test_a_bf16_step_is_traced_as_the_trainer_used_it(compose, tmp_path):
     ],
 )  # fmt: skip
 def test_the_run_record_names_the_dtype_each_loss_computes_in(compose, overrides, actor, critic):
-    from verl_ext.integration.trace_hook import update_settings
+    from verl_ext.integration.run_record import update_settings
 
     settings = update_settings(compose("algorithm.adv_estimator=gae", *overrides))
     assert (settings["actor"]["dtype"], settings["critic"]["dtype"]) == (actor, critic)
@@ -104,7 +104,7 @@ def test_the_run_record_names_the_dtype_each_loss_computes_in(compose, overrides
 )  # fmt: skip
 def test_the_run_record_says_what_the_estimate_did_at_the_cut(compose, estimator, overrides, expected):
     """algorithm.truncation reaches the run record, where `verl-ext check` reads it (docs/definitions.md#truncated-responses)."""
-    from verl_ext.integration.trace_hook import run_record
+    from verl_ext.integration.run_record import run_record
     from verl_ext.options import TraceOptions
 
     record = run_record(compose(f"algorithm.adv_estimator={estimator}", *overrides), "legacy", TraceOptions(dir="unused"))
@@ -164,7 +164,7 @@ def test_the_planned_steps_when_the_trainer_does_not_say(compose):
     of an epoch; None where neither can be told."""
     from types import SimpleNamespace
 
-    from verl_ext.integration.trace_hook import planned_steps
+    from verl_ext.integration.run_record import planned_steps
 
     assert planned_steps(compose("trainer.total_training_steps=7")) == 7
     assert planned_steps(compose("trainer.total_epochs=3"), SimpleNamespace(train_dataloader=range(5))) == 15
@@ -182,7 +182,7 @@ def test_the_rollout_engine_is_named_with_its_packages_version(name, distributio
     import sys
     from importlib.metadata import PackageNotFoundError, version
 
-    from verl_ext.integration.trace_hook import rollout_engine
+    from verl_ext.integration.run_record import rollout_engine
 
     expected = None
     for distribution, suffix in distributions:

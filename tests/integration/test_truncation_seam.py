@@ -1,6 +1,6 @@
 """algorithm.truncation at verl's advantage step, in-process: verl's own compute_advantage through the plugin's
 seam, inside the plugin's real fit() wrapper of each trainer (the stand-ins of test_nonfinite_seam.py), for
-verl's gae, a verl-ext estimator and verl's grpo, against tests/reference.py's direct sums with V_L written
+verl's gae, a verl-ext estimator and verl's grpo, against tests/support/reference.py's direct sums with V_L written
 into the sum; terminal is bit-for-bit the run without the option; the driver's one-line errors."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.integration.conftest import requires_verl
 from tests.integration.test_nonfinite_seam import STEP
 from verl_ext.integration import patches
@@ -59,7 +59,7 @@ def config_of(compose, estimator, truncation, *overrides):
 
 
 def legacy_run(compose, estimator, truncation, tensors=None, *overrides):
-    """One legacy advantage step; returns (the batch after, the AdvantageStep)."""
+    """One legacy advantage step; returns (the batch after, the Step)."""
     from verl.trainer.ppo import ray_trainer
 
     from verl_ext.integration import step
@@ -68,7 +68,7 @@ def legacy_run(compose, estimator, truncation, tensors=None, *overrides):
     tensors = make_batch() if tensors is None else tensors
     trainer = SimpleNamespace(config=config, global_steps=STEP, batch=data_proto(tensors), tokenizer=SimpleNamespace(eos_token_id=EOS))
     seen = {}
-    begin = step.Run.begin_step
+    advantage = step.Step.advantage
 
     def legacy_fit(self):
         algorithm = self.config.algorithm
@@ -77,12 +77,12 @@ def legacy_run(compose, estimator, truncation, tensors=None, *overrides):
             num_repeat=2, norm_adv_by_std_in_grpo=True, config=algorithm,
         )  # fmt: skip
 
-    def keep(run, arguments):
-        seen["step"] = begin(run, arguments)
-        return seen["step"]
+    def keep(self, arguments, verl_compute_advantage):
+        seen["step"] = self
+        return advantage(self, arguments, verl_compute_advantage)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step.Run, "begin_step", keep)
+        patch.setattr(step.Step, "advantage", keep)
         patches.wrap_legacy_fit(legacy_fit)(trainer)
     return trainer.batch, seen["step"]
 

@@ -1,7 +1,7 @@
 """Per-turn rewards (verl_ext.turn_rewards, docs/definitions.md §7): the seam at verl's own
 compute_advantage, in-process, with the legacy trainer's fit() stand-in of test_nonfinite_seam.py
 (the pure placement: tests/test_turn_rewards.py). Every expected reward is placed by hand below;
-the estimators' outputs are held to tests/reference.py's direct sums and to verl's own grpo on those
+the estimators' outputs are held to tests/support/reference.py's direct sums and to verl's own grpo on those
 rewards."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.integration.test_nonfinite_seam import ROWS, STEP, data_proto, legacy_step, make_step
 from verl_ext.integration import patches
 from verl_ext.integration.agent_turns import TURNS_KEY

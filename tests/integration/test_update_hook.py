@@ -31,7 +31,7 @@ def micro_batch(samples=6, dtype=torch.bfloat16, max_samples=None):
     from verl.utils import tensordict_utils as tu
 
     from verl_ext.integration import trace_hook
-    from verl_ext.integration.update_hook import ROW_KEY
+    from verl_ext.trace.batch_keys import ROW_KEY
 
     data = trainer_batch(samples, PROMPT, RESPONSE, seed=3, dtype=dtype)
     data[ROW_KEY] = trace_hook.rows(samples, max_samples)
@@ -69,7 +69,7 @@ def padded(data, tensor):
 
 
 def report_of(metrics) -> dict:
-    from verl_ext.integration.update_hook import PAYLOAD_KEY
+    from verl_ext.trace.batch_keys import PAYLOAD_KEY
 
     (report,) = metrics[PAYLOAD_KEY]
     return report
@@ -184,6 +184,7 @@ def test_only_the_ulysses_rank_whose_output_verl_keeps_builds_a_report(sp_rank, 
 
     from tests.integration.update_workers import StandInEngine
     from verl_ext.integration import update_hook
+    from verl_ext.trace import batch_keys
 
     built = []
     monkeypatch.setattr(update_hook, "_report", lambda *args, **kwargs: built.append(args[0]) or {"columns": {}})
@@ -198,7 +199,7 @@ def test_only_the_ulysses_rank_whose_output_verl_keeps_builds_a_report(sp_rank, 
 
     output = update_hook.traced_train_mini_batch(verls_update, SimpleNamespace(engine=engine), data)
     if sp_rank == 0:
-        assert built == ["actor"] and len(tu.get(output, "metrics")[update_hook.PAYLOAD_KEY]) == 1
+        assert built == ["actor"] and len(tu.get(output, "metrics")[batch_keys.PAYLOAD_KEY]) == 1
     else:
         assert built == [] and output is None
 
@@ -209,7 +210,7 @@ def test_one_copy_of_each_row_reaches_the_driver_from_two_data_parallel_ranks():
     model outputs; rows past max_samples_per_step are not made."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_ext.integration.update_hook import PAYLOAD_KEY
+    from verl_ext.trace.batch_keys import PAYLOAD_KEY
 
     job = UpdateJob(max_samples=12)
     outputs = run_ranks([2], job)[2]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import run_python
+from tests.support.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -43,7 +44,7 @@ def verl_ext_command(argv: list[str], cwd: Path, env_extra: dict | None = None) 
     script = Path(sysconfig.get_path("scripts"), "verl-ext")
     assert script.is_file(), f"{script}: the console script of the installed package"
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VERL_USE_EXTERNAL_MODULES")}
-    # what its #! line does, with the suite's interpreter (tests/forkserver.py)
+    # what its #! line does, with the suite's interpreter (tests/support/forkserver.py)
     return subprocess.run([sys.executable, str(script), *argv], cwd=cwd, env={**env, **(env_extra or {})}, capture_output=True, text=True, timeout=300)
 
 
@@ -55,9 +56,25 @@ def example_module(tmp_path_factory) -> Path:
     return directory
 
 
-def test_the_readme_example_is_ten_lines_or_so():
+def test_the_readme_example_is_ten_lines_or_so(isolated_registry):
+    """"With one decorator": about ten lines of code that, run as the module they say they are,
+    register td_half (with a critic, the default) and nothing else, and compute TD(λ = 0.5)."""
+    import torch
+
     code = [line for line in readme_example().splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    assert len(code) <= 10
+    assert sum(line.startswith("@") for line in code) == 1 and len(code) <= 10
+    before = set(isolated_registry.names())
+    module = {"__name__": "my_estimators"}
+    exec(compile(readme_example(), "my_estimators.py", "exec"), module)
+    assert set(isolated_registry.names()) - before == {"td_half"}
+    assert isolated_registry.get("td_half").needs_critic and isolated_registry.get("td_half").fn is module["td_half"]
+    # by hand, γ = 0.5: δ = [0 + 0.5·0.4 − 0.2, 0 + 0.5·0.6 − 0.4, 1 − 0.6] = [0, −0.1, 0.4];
+    # A_t = δ_t + γ·0.5·A_{t+1} = [0 + 0.25·0, −0.1 + 0.25·0.4, 0.4] = [0, 0, 0.4] whatever lam says; returns A + V
+    rewards, values, mask = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.2, 0.4, 0.6]]), torch.ones(1, 3)
+    for lam in (0.0, 1.0):
+        returns, advantage = module["td_half"](rewards, values, mask, gamma=0.5, lam=lam, config={"lam": lam})
+        torch.testing.assert_close(advantage, torch.tensor([[0.0, 0.0, 0.4]]))
+        torch.testing.assert_close(returns, torch.tensor([[0.2, 0.4, 1.0]]))
 
 
 PROBE = """
@@ -70,7 +87,7 @@ from omegaconf import OmegaConf
 import torch, numpy as np
 from verl import DataProto
 sys.path.insert(0, {tests!r})
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.integration.conftest import make_batch
 
 rewards, values, mask = make_batch(seed=11)
@@ -136,7 +153,7 @@ def test_the_cli_recomputes_the_users_estimator_named_in_verl_use_external_modul
     equal to GAE(γ, 0.5) by the direct sums; `check` of the same trace passes with the module loaded."""
     import numpy as np
 
-    import tests.reference as ref
+    import tests.support.reference as ref
 
     path, batch = gae_ext_trace
     env = {"PYTHONPATH": str(example_module), "VERL_USE_EXTERNAL_MODULES": "my_estimators"}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import tests.reference as ref
+import tests.support.reference as ref
 from tests.integration.conftest import CONFIG_DIR, make_batch, requires_verl, run_python
 from verl_ext.integration.patches import REGISTERED_IN_VERL
 from verl_ext.options import ALGORITHM_KEYS

@@ -34,7 +34,7 @@ def trainer_batch(samples: int, prompt_length: int, response_length: int, seed: 
     from tensordict import TensorDict
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from verl_ext.integration.update_hook import ROW_KEY
+    from verl_ext.trace.batch_keys import ROW_KEY
 
     generator = torch.Generator().manual_seed(seed)
     prompt_lengths = torch.randint(1, prompt_length + 1, (samples,), generator=generator)
@@ -192,7 +192,7 @@ class UpdateJob:
         from verl.workers.engine_workers import TrainingWorker
 
         from verl_ext.integration import trace_hook
-        from verl_ext.integration.update_hook import ROW_KEY
+        from verl_ext.trace.batch_keys import ROW_KEY
         from verl_ext.patching import ORIGINAL_ATTR
 
         batch = trainer_batch(self.samples, self.prompt_length, self.response_length)

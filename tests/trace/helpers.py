@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
+from verl_ext import registry
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.schema import FLOAT_COLUMN_NAMES, RunRecord
 
@@ -61,7 +62,9 @@ def make_capture(
     )
     fields.update({name: None for name in missing if name in fields})
     floats.update({name: None for name in missing if name in floats})
-    return StepCapture(floats=floats, **fields)
+    # the estimate's statistics, as the integration hands them over
+    whitening = registry.whitening_statistics(floats["advantage_raw"], response_mask)
+    return StepCapture(floats=floats, whitening=whitening, **fields)
 
 
 def reference_rows(capture, max_samples=None) -> list[dict]:

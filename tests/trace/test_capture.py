@@ -11,8 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.trace.helpers import MASK, make_capture, reference_rows
+from verl_ext import registry
 from verl_ext.estimators import masked_whiten
-from verl_ext.trace.capture import SnapshotMemory, prompt_table, take_snapshot, token_table, whiten_stats
+from verl_ext.trace.capture import take_snapshot
+from verl_ext.trace.snapshot_memory import SnapshotMemory
+from verl_ext.trace.step_files import prompt_table, token_table
 from verl_ext.trace.schema import PROMPT_SCHEMA, TOKEN_SCHEMA
 
 
@@ -193,7 +196,7 @@ def test_whiten_stats_follow_masked_whiten():
     generator = torch.Generator().manual_seed(3)
     raw = 2.0 + 3.0 * torch.randn(64, 50, generator=generator)
     mask = (torch.rand(64, 50, generator=generator) > 0.4).long()
-    stats = whiten_stats(raw, mask)
+    stats = registry.whitening_statistics(raw, mask)
     mean, var = numpy_whiten_stats(raw.numpy(), mask.numpy().astype(bool))
     assert stats["mean"] == pytest.approx(mean, rel=1e-9) and stats["var"] == pytest.approx(var, rel=1e-6)
     values = raw.numpy()[mask.numpy().astype(bool)]
@@ -206,6 +209,7 @@ def test_whiten_stats_follow_masked_whiten():
 
 
 def test_whiten_stats_cover_the_full_batch_when_samples_are_dropped():
+    """The snapshot keeps the estimate's statistics (over all B rows) when it keeps fewer samples."""
     capture = make_capture()
     snapshot = take_snapshot(capture, 2)
     full = numpy_whiten_stats(capture.floats["advantage_raw"].numpy(), capture.mask.numpy().astype(bool))
@@ -215,8 +219,8 @@ def test_whiten_stats_cover_the_full_batch_when_samples_are_dropped():
 
 
 def test_whiten_stats_undefined_cases():
-    assert whiten_stats(None, torch.ones(2, 3)) is None
-    assert whiten_stats(torch.ones(2, 3), torch.tensor([[0, 1, 0], [0, 0, 0]])) is None
+    assert registry.whitening_statistics(None, torch.ones(2, 3)) is None
+    assert registry.whitening_statistics(torch.ones(2, 3), torch.tensor([[0, 1, 0], [0, 0, 0]])) is None
     assert take_snapshot(make_capture(missing=("advantage_raw",)), None).whiten is None
 
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from tests.trace.helpers import make_capture
-from verl_ext.trace.capture import StepFiles, prompt_table, take_snapshot
+from verl_ext import registry
+from verl_ext.trace.capture import take_snapshot
+from verl_ext.trace.step_files import StepFiles, prompt_table
 from verl_ext.truncation import Truncation, cut_responses
 
 EOS = 9
@@ -70,11 +72,14 @@ def moments(values: list[float]) -> dict[str, float]:
 @pytest.mark.parametrize("mode", ["terminal", "bootstrap", "mask"])
 @pytest.mark.parametrize("max_samples", [None, 2])
 def test_the_whitening_statistics_are_over_the_tokens_the_estimate_whitened(mode, max_samples):
+    """The estimate's statistics (registry.whitening_statistics) are over the full batch less the cut
+    responses under mask; the step's entry keeps them, whatever samples the trace keeps."""
     truncation = None if mode == "terminal" else Truncation(mode, torch.tensor(CUT), torch.tensor(V_L))
     captured = capture(truncation)
     raw = captured.floats["advantage_raw"]
     rows = [b for b in range(len(MASK)) if not (mode == "mask" and CUT[b])]
     expected = moments([float(raw[b, t]) for b in rows for t in range(6) if MASK[b][t]])
+    captured.whitening = registry.whitening_statistics(raw, captured.mask, truncation)
     whiten = StepFiles.build(take_snapshot(captured, max_samples)).entry.whiten
     assert whiten["mean"] == pytest.approx(expected["mean"], rel=1e-6, abs=1e-9)
     assert whiten["var"] == pytest.approx(expected["var"], rel=1e-6)
@@ -82,7 +87,8 @@ def test_the_whitening_statistics_are_over_the_tokens_the_estimate_whitened(mode
 
 def test_every_response_masked_records_no_statistics():
     captured = capture(Truncation("mask", torch.tensor([True, True, True, True, False])))
-    assert StepFiles.build(take_snapshot(captured, None)).entry.whiten is None
+    captured.whitening = registry.whitening_statistics(captured.floats["advantage_raw"], captured.mask, captured.truncation)
+    assert captured.whitening is None and StepFiles.build(take_snapshot(captured, None)).entry.whiten is None
 
 
 @pytest.mark.parametrize("field", ["cut", "bootstrap_value"])

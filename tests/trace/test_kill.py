@@ -21,7 +21,7 @@ import pandas
 import polars
 import pyarrow.dataset as ds
 
-from tests.forkserver import real_python
+from tests.support.forkserver import real_python
 from tests.trace.helpers import make_capture, reference_rows, run_record
 from verl_ext.options import TraceOptions
 from verl_ext.trace.reader import open_trace
@@ -79,7 +79,7 @@ print("DONE", flush=True)
 
 def run_child(directory: Path, stall_at: str, occurrence: int, close: bool) -> str:
     """Start the child; kill it at its first line if that says MID-WRITE. Returns that line."""
-    with subprocess.Popen(  # a real interpreter: killed at once (tests/forkserver.py, real_python)
+    with subprocess.Popen(  # a real interpreter: killed at once (tests/support/forkserver.py, real_python)
         [real_python(), "-c", CHILD, str(directory), stall_at, str(occurrence), "close" if close else "no-close"],
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -25,7 +25,7 @@ from tests.inspect.inspect_helpers import write_trace as write_batches
 from tests.trace.helpers import make_capture, rewrite_in_the_old_layout, run_record
 from verl_ext.errors import TraceError
 from verl_ext.options import TraceOptions
-from verl_ext.trace.capture import UpdateCapture
+from verl_ext.trace.update_files import UpdateCapture
 from verl_ext.trace.reader import open_trace
 from verl_ext.trace.schema import PROMPT_SCHEMA, SCHEMA_VERSION, TOKEN_SCHEMA, UPDATE_SCHEMAS
 from verl_ext.trace.writer import TraceWriter

@@ -334,22 +334,34 @@ def test_recycled_memory_does_not_change_a_step_being_written(hooked_url):
     gate = Gate("step-1/part-0.parquet")  # step 1's tables are built, its memory given back
     HookedMemoryFileSystem.on_write = gate
     first, second = make_capture(1, seed=1), make_capture(2, mask=[[1] * 6] * 5, seed=2)
+    expected = {1: reference_rows(first), 2: reference_rows(second)}  # before the writer holds them
     writer = TraceWriter(TraceOptions(dir=hooked_url), RUN_RECORD)
     writer.submit(first)
     assert gate.reached.wait(10)
     writer.submit(second)  # copies into the block step 1 used
     gate.open()
     writer.close()
-    assert rows_of(hooked_url, 1) == reference_rows(first)
-    assert rows_of(hooked_url, 2) == reference_rows(second)
+    assert expected[1] != expected[2]  # step 2's data in step 1's file would show
+    assert rows_of(hooked_url, 1) == expected[1]
+    assert rows_of(hooked_url, 2) == expected[2]
 
 
 def test_exception_in_the_with_block_is_not_hidden(hooked_url):
-    HookedMemoryFileSystem.on_write = fail_writes_to("step-1/part-0.parquet")
-    with pytest.raises(KeyError), pytest.warns(RuntimeWarning, match="writing step 1 .* failed"):
+    """The trainer's exception leaves the with block as raised, the very object, even with
+    on_error="raise" and a failed step: the failure becomes a warning that names the step, and the
+    other steps are written in full."""
+    HookedMemoryFileSystem.on_write = fail_writes_to("step-2/part-0.parquet")
+    first, error = make_capture(1), KeyError("from the trainer")
+    expected = reference_rows(first)
+    with pytest.raises(KeyError) as raised, pytest.warns(RuntimeWarning) as caught:
         with TraceWriter(TraceOptions(dir=hooked_url, on_error="raise"), RUN_RECORD) as writer:
-            writer.submit(make_capture(1))
-            raise KeyError("from the trainer")
+            writer.submit(first)
+            writer.submit(make_capture(2, seed=2))
+            raise error
+    assert raised.value is error and raised.value.__context__ is None  # not chained to the writer's failure
+    failures = [str(w.message) for w in caught if "failed" in str(w.message)]
+    assert len(failures) == 1 and "writing step 2" in failures[0] and "disk full (injected)" in failures[0]
+    assert open_trace(hooked_url).steps == [1] and rows_of(hooked_url, 1) == expected
 
 
 def test_a_failed_step_leaves_no_prompt_table_behind(hooked_url):
@@ -382,7 +394,7 @@ def test_stale_temporaries_are_cleared(tmp_path):
 
 
 def test_update_tables_from_several_ranks_are_sorted_and_truncated_like_the_token_table(tmp_path):
-    from verl_ext.trace.capture import UpdateCapture
+    from verl_ext.trace.update_files import UpdateCapture
 
     def report(rank, samples, epoch):
         count = len(samples)

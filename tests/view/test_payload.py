@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests import reference
+from tests.support import reference
 from tests.view.view_helpers import GAMMA, NAN_AT, parquet_prompts, parquet_tokens, parquet_updates
 from verl_ext.errors import UsageError
 from verl_ext.inspect.table import TokenDecoder
@@ -161,7 +161,7 @@ def test_a_chunk_holds_the_trace_numbers_and_each_epoch_joined_by_token(source, 
 
 def test_a_response_alone_has_the_estimates_of_the_whole_step(view_trace):
     """The served path estimates one response before the step's are computed: the same numbers, and
-    the direct sums of tests/reference.py (td0's raw advantage is δ)."""
+    the direct sums of tests/support/reference.py (td0's raw advantage is δ)."""
     step, sample = 3, 1
     alone = payload.StepSource(open_trace(view_trace), step, TokenDecoder()).chunk([sample])
     whole = payload.StepSource(open_trace(view_trace), step, TokenDecoder())

@@ -1,6 +1,6 @@
 """The self-contained page (``verl-ext view TRACE --out FILE``) in a real headless chromium.
 
-Expected values come from the trace's Parquet files read with pyarrow, from tests/reference.py's
+Expected values come from the trace's Parquet files read with pyarrow, from tests/support/reference.py's
 direct sums, or from what was planted; never from the code under test.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests import reference
+from tests.support import reference
 from tests.view import chromium
 from tests.view.conftest import START
 from tests.view.view_helpers import (
@@ -24,9 +24,10 @@ from tests.view.view_helpers import (
     numbers_of, tokens_in_dom, write_view_trace,
 )  # fmt: skip
 from verl_ext.trace.schema import token_file, update_file
+from verl_ext.view.page import SCRIPTS, viewer_script
 
 pytestmark = pytest.mark.filterwarnings("ignore:One of rtol or atol is not valid:RuntimeWarning")  # the check of a NaN
-VIEWER_JS = Path(__file__).resolve().parents[2] / "verl_ext" / "view" / "static" / "viewer.js"
+STATIC = Path(__file__).resolve().parents[2] / "verl_ext" / "view" / "static"
 
 
 def url(path: str, **state) -> str:
@@ -61,7 +62,7 @@ def test_every_token_of_the_first_response_equals_the_trace(view_page, view_trac
 
 def test_the_estimates_in_the_page_are_the_direct_sums(view_page, view_trace, page, long_samples):
     """δ_t and the re-estimated raw advantages of a response with an interior masked span, against
-    tests/reference.py on the recorded rewards and values (float32 as shown)."""
+    tests/support/reference.py on the recorded rewards and values (float32 as shown)."""
     step, sample = 2, next(s for s in long_samples if s % 2 == 1)  # odd samples have an interior masked span
     show(page, view_page, step, sample)
     tokens = page.evaluate(TOKENS_JS)
@@ -330,7 +331,7 @@ def test_summary_line_and_comparison_of_a_step(view_page, view_trace, page):
 
 def test_a_new_summary_field_and_comparison_statistic_reach_the_page_by_their_records(tmp_path, view_trace, page, monkeypatch):
     """A field added to the summary's schema (with the function that fills it) and a statistic added
-    to the comparison's table are shown with their values, by their names; viewer.js names neither."""
+    to the comparison's table are shown with their values, by their names; the viewer's script names neither."""
     import pyarrow as pa
 
     from verl_ext.inspect import comparison, summary
@@ -364,7 +365,7 @@ def test_a_new_summary_field_and_comparison_statistic_reach_the_page_by_their_re
         v = [float(np.float32(x["value"])) for x in valid]
         mc += [g - x for g, x in zip(reference.mc_row(r, GAMMA), v)]
     assert shown == pytest.approx(max(abs(x) for x in mc), rel=1e-9)
-    source = VIEWER_JS.read_text()
+    source = viewer_script()
     assert "tokens_per_sample" not in source and "max_abs" not in source
 
 
@@ -487,8 +488,18 @@ def test_inline_data_cannot_close_its_element():
     assert json.loads(text) == data
 
 
+def test_the_page_runs_every_script_under_static_once(tmp_path, view_trace):
+    """A script file added to static/ and not to page.SCRIPTS would never run: each is in the page."""
+    from verl_ext.view import write_page
+
+    assert sorted(SCRIPTS) == sorted(path.name for path in STATIC.glob("*.js")) and SCRIPTS[-1] == "viewer.js"
+    page = write_page(view_trace, tmp_path / "page.html", step=1, steps=[1]).read_text()
+    for name in SCRIPTS:
+        assert page.count((STATIC / name).read_text()) == 1, name
+
+
 def test_the_viewer_script_never_writes_markup():
-    source = VIEWER_JS.read_text()
+    source = viewer_script()
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
         assert sink not in source, sink
 

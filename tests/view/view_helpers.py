@@ -18,8 +18,10 @@ import pyarrow.parquet as pq
 import torch
 
 from tests.inspect.inspect_helpers import algorithm, by_definition, nudge, random_batch
+from verl_ext import registry
 from verl_ext.options import TraceOptions
-from verl_ext.trace.capture import StepCapture, UpdateCapture
+from verl_ext.trace.capture import StepCapture
+from verl_ext.trace.update_files import UpdateCapture
 from verl_ext.trace.schema import RunRecord, prompt_file, token_file, update_file
 from verl_ext.trace.writer import TraceWriter
 
@@ -141,6 +143,7 @@ def write_view_trace(directory: Path, tokenizer: str, steps=(1, 2, 3), updates: 
                 step=step, mask=batch.mask, token_id=batch.responses, uid=[f"s{step}-g{i // 2}" for i in range(B)],
                 floats=floats, prompts=batch.prompts, prompt_mask=torch.ones_like(batch.prompts, dtype=torch.bool),
                 kl_coef=BETA, eos_token_ids=[EOS], max_response_length=T,
+                whitening=registry.whitening_statistics(batch.advantage_raw, batch.mask),
             ))  # fmt: skip
             if updates:
                 for update in _updates(step, batch, extra):

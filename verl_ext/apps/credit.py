@@ -36,8 +36,9 @@ SIDE_BY_SIDE_LAMBDA = 0.95
 def side_by_side() -> tuple[str, ...]:
     """The compare labels of mc, GAE(SIDE_BY_SIDE_LAMBDA) and td0 (λ = 1, in between, 0)."""
     from verl_ext import registry
+    from verl_ext.inspect.comparison import column_label
 
-    return ("mc", registry.get("gae").column_label({"lam": SIDE_BY_SIDE_LAMBDA}), "td0")
+    return ("mc", column_label(registry.get("gae"), {"lam": SIDE_BY_SIDE_LAMBDA}), "td0")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ VAL_SAMPLES = 8
 #: seed 0, 40 steps) 3e-4 let the explained variance after the verdict sink to 0.53 over the last
 #: 10 steps as the actor's wrong verdicts became rare, 1e-4 kept 0.59.
 CRITIC_LR = 1e-4
-#: The options each estimator runs with (documented in the README's study section).
+#: The options each estimator runs with (documented in docs/study.md#in-training-verl-ext-study).
 ESTIMATOR_OPTIONS: dict[str, list[str]] = {
     "mc": [],
     "td0": [],

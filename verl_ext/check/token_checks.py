@@ -1,48 +1,10 @@
-"""The token table's identities of docs/definitions.md §8 (items 1–5), and the run record's index
-against the files: the checks their records in :mod:`verl_ext.check.identities` name.
-
-For each step, on valid tokens, within the tolerances below:
-
-1. ``advantage_raw``: returns − values = raw advantage where the estimator says so (one λ); else the
-   raw advantage recomputed with the run's estimator.
-2. ``whitening``: advantages = masked_whiten(raw advantage) over the step's batch (or = raw
-   advantage when whitening is off); ``whitening_stats``: the recorded batch μ, σ² = recomputed.
-3. ``returns``: returns recomputed from (rewards, values, mask) with the run's estimator.
-4. ``rewards``: rewards = scores − β·kl with the step's β when KL is in the reward, else = scores.
-5. ``mask_layout``: each sample's rows run 0…n−1 and end on a valid token (so no valid token
-   follows a trailing pad); ``finite``: the run's quantities are present and finite on valid tokens.
-7. Truncated responses (docs/definitions.md#truncated-responses), for a run whose
-   ``algorithm.truncation`` is not terminal: ``bootstrap_value`` is on exactly the cut responses
-   (bootstrap), ``cut_advantage``: a cut response's advantages are 0 (mask). Identities 1–3 recompute
-   under the recorded option: the returns of a cut response from its recorded V(s_L) (bootstrap), the
-   whitening over the responses not cut (mask).
+"""The token table's identities of docs/definitions.md §8 (items 1–5 and 7), and the run record's
+index against the files: the checks their records in :mod:`verl_ext.check.identities` name, within
+the tolerances of docs/definitions.md#tolerances (:mod:`verl_ext.check.results` computes them).
 
 Recomputation runs the registered estimator itself (:func:`verl_ext.registry.run`, the code path of
 training) in float64 on the trace's float32 inputs, one dense row group of the step at a time; the
 trace is read one step at a time, so memory is bounded by one step.
-
-Tolerances. How far a traced number may be from its recomputation and still count as equal.
-
-Traces store float32; the checker recomputes in float64 from those float32 inputs, so the
-difference is the producer's own float32 rounding. Every tolerance here is
-
-    ATOL + (a multiple of float32's ε) × (the magnitude of the numbers the producer combined),
-
-so it scales with the data, and it is far below a real discrepancy: a single token changed by
-1e-2 relative is caught (tests plant exactly that). The multiples, and why:
-
-* elementwise identities (r = s − β·kl, raw = R − V): one or two float32 roundings of the operands,
-  so 4ε·(|a| + |b|).
-* recomputed returns and GAE advantages: the producer sums up to n terms in float32 (verl's
-  Python loop over T, verl-ext's blocked scan). Rounding errors can pile up linearly: measured at
-  up to 0.1·ε·n·m with n the terms summed and m the largest magnitude in the row (constant
-  rewards, rows of 1k to 16k tokens), so the bound is ε·n·m (10x that worst case) plus 4ε·|expected|.
-  n is the row's length L, or the estimator's horizon when shorter: 1 for td0, n for nstep,
-  1/(1 − γλ) for GAE and 1/(1 − γ) for mc.
-* whitening: the producer's batch mean and variance are float32 too; their error scales the
-  whole token by 1/σ. Measured at up to 1.3e-7 × (|A| + (|x| + |μ|)/σ) for verl's and verl-ext's
-  masked_whiten on 1M tokens; the bound is 16ε (≈ 1.9e-6) × (|A| + (|x| + |μ| + |R| + |V|)/σ),
-  where |R| + |V| covers traces whose raw advantage was rebuilt as returns − values (verl's gae).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class UpdateStep:
 
     def eps(self, kind: str) -> float:
         """The unit of ``kind``'s tolerances: ε of the dtype its loss computed in, the run record's
-        ``update.<kind>.dtype`` (verl_ext.integration.trace_hook.loss_dtype); float32's where there is
+        ``update.<kind>.dtype`` (verl_ext.integration.run_record.loss_dtype); float32's where there is
         none (an engine verl-ext does not know, a trace before the field), as every fp32 run is checked."""
         return DTYPE_EPS.get(self.settings.get(kind, {}).get("dtype"), EPS32)
 

@@ -8,7 +8,9 @@
     sample_view(trace, 3, 0).table.to_pandas()     # the per-token table with decoded tokens
     summarize(trace).to_pandas()                   # one row per step
     compare(trace, step=3).statistics.to_pandas()  # every estimator re-estimated on step 3
+    print(comparison_report(compare(trace, 3)))    # the text `verl-ext compare --step 3` prints
     critic_diagnostics(trace).to_pandas()          # the critic against the MC return, per step and position
+    print(critic_report(critic_diagnostics(trace), gamma=0.99))  # `summary --critic`'s text (γ: the run's)
     plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
 
 Every function takes an open trace or a path. The checker (``check_trace`` and its report, exported
@@ -40,7 +42,9 @@ _EXPORTS = {
     "render": "verl_ext.inspect.render",
     "compare": "verl_ext.inspect.comparison",
     "Comparison": "verl_ext.inspect.comparison",
+    "comparison_report": "verl_ext.inspect.comparison",
     "critic_diagnostics": "verl_ext.inspect.critic",
+    "critic_report": "verl_ext.inspect.critic",
     "steps_by_bucket": "verl_ext.inspect.critic",
 }
 _names, _exported = lazy_exports(__name__, _EXPORTS)

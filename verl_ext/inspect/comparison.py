@@ -35,8 +35,10 @@ import pyarrow as pa
 
 from verl_ext.errors import UsageError
 from verl_ext.check.cuts import SECTION, StepCuts, reestimate, whitened
-from verl_ext.check.stepdata import RecordedAlgorithm, StepData, as_trace
+from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout, as_trace
+from verl_ext.inspect.render import render
 from verl_ext.step_metrics import prompt_groups
+from verl_ext.trace.reader import listing
 from verl_ext.truncation import TRUNCATION_MODES
 
 #: The λ of the GAE columns by default (0 is td0, 1 is mc: the two ends of the family).
@@ -70,24 +72,37 @@ class Comparison:
 
 def estimator_columns(algorithm: RecordedAlgorithm, n: int, lambdas: tuple[float, ...]) -> tuple[dict, list[str]]:
     """label -> (registered estimator, settings), every estimator of the registry at the settings its
-    entry asks for (``compared_at``, at the run's γ), then the run's own estimator at the run's
-    settings (in place of the column of the same label); and notes on what could not be compared."""
+    entry asks for (:func:`compared_settings`, at the run's γ), then the run's own estimator at the
+    run's settings (in place of the column of the same label); and notes on what could not be compared."""
     from verl_ext import registry
 
     columns, notes = {}, []
     for estimator in registry.all_estimators():
-        for asked in estimator.compared_settings(n, lambdas):
+        for asked in compared_settings(estimator, n, lambdas):
             try:
                 settings = estimator.settings({**asked, "gamma": algorithm.gamma})
             except ValueError as exc:  # an option without a default, which compare cannot choose
                 notes.append(f"{estimator.name} is not compared: {exc}")
                 continue
-            columns[estimator.column_label(settings)] = (estimator, settings)
+            columns[column_label(estimator, settings)] = (estimator, settings)
     if algorithm.recomputable:
-        columns[algorithm.estimator.column_label(algorithm.settings)] = (algorithm.estimator, algorithm.settings)
+        columns[column_label(algorithm.estimator, algorithm.settings)] = (algorithm.estimator, algorithm.settings)
     else:
         notes.append(f"the run's own estimator is not compared: {algorithm.why_not}")
     return columns, notes
+
+
+def compared_settings(estimator, n: int, lambdas: tuple[float, ...]) -> tuple[dict, ...]:
+    """The ``algorithm`` settings of an estimator's columns (the run's γ is added), from compare's n
+    (of the n-step estimator) and λs: its entry's ``compared_at(n, lambdas)``; by default one column
+    at its options' defaults."""
+    return estimator.compared_at(n, lambdas) if estimator.compared_at else ({},)
+
+
+def column_label(estimator, settings) -> str:
+    """The name of an estimator's column at ``settings``: its entry's ``label(settings)`` (two settings
+    that give different numbers get different labels); by default its name."""
+    return estimator.label(settings) if estimator.label else estimator.name
 
 
 def compare(
@@ -158,6 +173,46 @@ def compare(
         step, sample, labels, table, statistics, pa.table(shares), correlation, tuple(notes),
         mode, treated.statistics, treated.by_token, treated.cut,
     )  # fmt: skip
+
+
+def comparison_report(comparison: Comparison, fmt: str = "text", digits: int = 4) -> str:
+    """``comparison`` as ``verl-ext compare`` prints it, in ``fmt`` (``render``'s formats) with floats
+    to ``digits`` decimals (the correlations to 2). CSV: the per-token table alone, without its
+    ``reward`` and ``value`` columns. Text and Markdown: a heading then a table, for the per-token
+    table, ``statistics``, ``shares``, ``correlation``, and on a step with cut responses
+    ``treatments`` and ``by_treatment``; then one ``note:`` line per note; blank lines between."""
+    if fmt == "csv":
+        return render(comparison.table.drop_columns(["reward", "value"]), "csv")
+    treated = "" if comparison.truncation == "terminal" else f", cut responses treated as truncation={comparison.truncation}"
+    sections = [
+        f"step {comparison.step}, sample {comparison.sample}: raw advantages (before whitening) by estimator{treated}",
+        render(comparison.table, fmt, digits),
+        "per estimator, over the step's valid tokens:",
+        render(comparison.statistics, fmt, digits),
+        "share of the step's Σ|A| per position:",
+        render(comparison.shares, fmt, digits),
+        "correlation between estimators:",
+        render(comparison.correlation, fmt, 2),
+        *_treatment_sections(comparison, fmt, digits),
+        *(f"note: {note}" for note in comparison.notes),
+    ]
+    return "\n\n".join(sections)
+
+
+def _treatment_sections(comparison: Comparison, fmt: str, digits: int) -> list[str]:
+    """The run's estimator under each treatment of cut responses, when the step has some."""
+    if comparison.treatments is None:
+        return []
+    cut = comparison.cut
+    which = f"sample{'s' * (len(cut) != 1)} {listing(list(cut))}"
+    sample = "cut" if comparison.sample in cut else "not cut"
+    return [
+        f"responses cut at the length limit: {len(cut)} ({which}; docs/definitions.md#truncated-responses); the run's "
+        "estimator under each truncation, over the step's valid tokens (adv: before whitening, 0 under mask):",
+        render(comparison.treatments, fmt, digits),
+        f"sample {comparison.sample} ({sample}): advantages before whitening under each truncation",
+        render(comparison.by_treatment, fmt, digits),
+    ]
 
 
 @dataclass(frozen=True)
@@ -235,6 +290,21 @@ def step_estimates(
     return {label: reestimate(data, estimator, settings, cuts, mode).advantages for label, (estimator, settings) in columns.items()}, notes
 
 
+def estimates_as_run(data: StepData, algorithm: RecordedAlgorithm, prompts: pa.Table) -> tuple[dict[str, np.ndarray], list[str]]:
+    """:func:`step_estimates` with the step's cut responses treated as the run treated them when it
+    made its raw advantages: a bootstrap run's from their recorded V(s_L) (as terminal, with a note,
+    where the trace cannot say it), any other run's as terminal, since ``mask`` changes what the actor
+    trains on, not the raw advantage. ``prompts``: the step's prompt table."""
+    if algorithm.truncation != "bootstrap":
+        return step_estimates(data, algorithm)
+    cuts = StepCuts.of(prompts, data.layout)
+    problem = cuts.why_not("bootstrap")
+    if problem:
+        raw, notes = step_estimates(data, algorithm)
+        return raw, [*notes, f"re-estimated as terminal: {problem}"]
+    return step_estimates(data, algorithm, cuts=cuts, mode="bootstrap")
+
+
 def estimator_statistics(raw: dict[str, np.ndarray], uid: np.ndarray, sample_ids: np.ndarray) -> tuple[pa.Table, list[str]]:
     """The ``statistics`` table of a step (module docstring) from its re-estimated ``raw`` advantages,
     with the ``uid`` (any hashable, or integer group codes) and sample of every valid token (a
@@ -251,6 +321,15 @@ def estimator_statistics(raw: dict[str, np.ndarray], uid: np.ndarray, sample_ids
     if statistics.column("var_within_group").null_count == len(labels):
         notes.append("no prompt has two responses at this step: var_within_group is empty")
     return statistics, notes
+
+
+def step_estimator_statistics(raw: dict[str, np.ndarray], layout: StepLayout, prompts: pa.Table) -> tuple[pa.Table, list[str]]:
+    """:func:`estimator_statistics` of a step's re-estimated ``raw`` advantages (at ``layout``'s valid
+    tokens), each response in the group of its uid in the step's prompt table ``prompts``."""
+    uids = dict(zip(prompts.column("sample").to_pylist(), prompts.column("uid").to_pylist()))
+    token_sample = layout.valid_sample_index()
+    uid = np.array([uids.get(sample) for sample in layout.sample_ids.tolist()], dtype=object)[token_sample]
+    return estimator_statistics(raw, uid, layout.sample_ids[token_sample])
 
 
 def _group_codes(groups: np.ndarray, samples: np.ndarray) -> np.ndarray | None:

@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from verl_ext.errors import UsageError
 from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
+from verl_ext.inspect.render import render
 from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.step_metrics import (
     BUCKETS,
@@ -47,8 +48,8 @@ from verl_ext.step_metrics import (
 )
 
 __all__ = [
-    "BUCKETS", "DECILES", "MIN_EV_TOKENS", "critic_diagnostics", "explained_variance", "few_tokens_note", "step_diagnostics",
-    "steps_by_bucket", "traced_step_metrics",
+    "BUCKETS", "DECILES", "MIN_EV_TOKENS", "critic_diagnostics", "critic_report", "explained_variance", "few_tokens_note",
+    "step_diagnostics", "steps_by_bucket", "traced_step_metrics",
 ]  # fmt: skip
 
 #: One row per (step, bucket), every bucket of BUCKETS of every step (a bucket without tokens has
@@ -188,3 +189,25 @@ def steps_by_bucket(diagnostics: pa.Table, metric: str = "explained_var") -> pa.
     columns = {"step": pa.array(steps, pa.int64())}
     columns |= {bucket: pa.array([cell.get((step, bucket)) for step in steps], kind) for bucket in buckets}
     return pa.table(columns)
+
+
+def critic_report(diagnostics: pa.Table, gamma: float, fmt: str = "text", digits: int = 4) -> str:
+    """:func:`critic_diagnostics` (of a run with discount ``gamma``) as ``verl-ext summary --critic``
+    prints it below the run's header, in ``fmt`` (``render``'s formats) with floats to ``digits``
+    decimals. CSV: the long table as it is. Text and Markdown: a heading then a table, one row per
+    step and one column per bucket (:func:`steps_by_bucket`), for the explained variance (then the
+    :func:`few_tokens_note`, if any), the tokens and the mean |V − G|; blank lines between."""
+    if fmt == "csv":
+        return render(diagnostics, "csv")
+    note = few_tokens_note(diagnostics)
+    sections = [
+        f"explained variance 1 − Var(G − V)/Var(G) of the values V against the Monte-Carlo return G (γ = {gamma:g}),\n"
+        "by position: d0 … d9 the deciles of each response's valid tokens, last its last valid token, all every one:",
+        render(steps_by_bucket(diagnostics, "explained_var"), fmt, digits),
+        *([f"note: {note}"] if note else []),
+        "tokens by position:",
+        render(steps_by_bucket(diagnostics, "tokens"), fmt, digits),
+        "mean |V − G| by position:",
+        render(steps_by_bucket(diagnostics, "mean_abs_error"), fmt, digits),
+    ]
+    return "\n\n".join(sections)

@@ -30,7 +30,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Iterable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +41,7 @@ from verl_ext.check.cuts import SECTION, StepCuts
 from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
 from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.check.update_checks import update_statistics, why_no_correlation
+from verl_ext.check.update_rows import UpdateRows
 from verl_ext.step_metrics import critic_by_position, turn_shares
 
 SUMMARY_SCHEMA = pa.schema(
@@ -217,3 +219,34 @@ def monte_carlo_explained_variance(data: StepData, gamma: float) -> dict:
     by_position = critic_by_position(values, monte_carlo_returns(data, gamma), responses(data.layout))
     return {"ev_mc": by_position["all"]["explained_var"], "ev_mc_last": by_position["last"]["explained_var"]}
 
+
+def sample_flags(data: StepData, updates: Iterable[UpdateRows] = ()) -> dict[str, np.ndarray | None]:
+    """Per sample of ``data``'s layout, in its order: ``score``, its tokens' scores summed (None
+    without a ``score`` column in ``data``); ``wrong``, a finite score below the step's best finite
+    one; ``nonfinite``, a column of ``data`` null or not finite at one of its valid tokens, or a float
+    of one of its rows in ``updates`` (the step's update tables); ``clipped``, PPO clipped one of its
+    tokens in ``updates``."""
+    layout = data.layout
+    values = data.columns.get("score")
+    score = None if values is None else layout.sample_sums(values)
+    wrong = np.zeros(layout.samples, bool)
+    if score is not None and np.isfinite(score).any():
+        finite = np.isfinite(score)
+        wrong = finite & (score < score[finite].max())
+    nonfinite = layout.samples_among(np.concatenate([np.zeros(0, np.int64), *data.nonfinite(list(data.columns)).values()]))
+    clipped = np.zeros(layout.samples, bool)
+    for rows in updates:
+        where = layout.index_of(rows.sample)
+        known = where >= 0
+        nonfinite[where[rows.nonfinite() & known]] = True
+        clipped[where[rows.clipped() & known]] = True
+    return {"score": score, "wrong": wrong, "nonfinite": nonfinite, "clipped": clipped}
+
+
+def whitening(recorded: Mapping | None, summary_row: Mapping | None = None) -> dict[str, float | None] | None:
+    """The μ and σ a step's advantages were whitened with, as {"mean", "sigma"}: the step record's
+    whitening statistics (``recorded``: {"mean", "var"}); else, given the step's :func:`summarize`
+    row, its raw advantage's mean and std; else None."""
+    if not recorded or recorded.get("mean") is None or recorded.get("var") is None or recorded["var"] < 0:
+        return None if summary_row is None else {"mean": summary_row.get("adv_raw_mean"), "sigma": summary_row.get("adv_raw_std")}
+    return {"mean": recorded["mean"], "sigma": math.sqrt(recorded["var"])}

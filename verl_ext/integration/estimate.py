@@ -18,13 +18,14 @@ def compute_registered_advantage(data: Any, name: str, gamma: float, lam: float,
     estimator = registry.get(name)
     batch = data.batch
     values = batch["values"] if "values" in batch.keys() else None
-    if estimator.needs_critic and values is None:
+    settings = estimator.settings(config, gamma=gamma, lam=lam)
+    try:
+        result = registry.run(estimator, batch["token_level_rewards"], values, batch["response_mask"], settings, truncation=truncation)
+    except registry.MissingCriticValues as error:
         raise RuntimeError(
             f"algorithm.adv_estimator={name} needs the critic's values, but the batch has none: "
             "the critic is off (check critic.enable) or this trainer did not compute values before advantages"
-        )
-    settings = estimator.settings(config, gamma=gamma, lam=lam)
-    result = registry.run(estimator, batch["token_level_rewards"], values, batch["response_mask"], settings, truncation=truncation)
+        ) from error
     batch["advantages"] = result.advantages
     batch["returns"] = result.returns
     return result

@@ -5,7 +5,7 @@ the Monte-Carlo return (overall, at each response's last token, by decile and, o
 at the start of each assistant turn), the advantage's spread and whitening, the spread of the
 scores within prompt groups, and where the credit lands (on multi-turn steps also per turn); named
 ``verl_ext/…`` in verl's metrics, so every logger of ``trainer.logger`` shows them
-(docs/definitions.md §9). :meth:`verl_ext.integration.step.AdvantageStep.compute_metrics` calls
+(docs/definitions.md §9). :meth:`verl_ext.integration.step.Step.compute_metrics` calls
 :func:`live_metrics` with the raw advantage of the step's estimator (for verl's ``gae``, returns −
 values); where there is none (``grpo``, whose normalization is its own) the advantage itself stands
 for it. The step holds them until the trainer takes them (:mod:`verl_ext.integration.step`).

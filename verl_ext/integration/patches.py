@@ -259,14 +259,10 @@ def wrap_make_iterator(original: Callable) -> Callable:
 
 
 def wrap_reduce_metrics(original: Callable) -> Callable:
-    from verl_ext.integration import step, trace_hook
+    from verl_ext.integration import step
 
     @functools.wraps(original)
     def reduce_metrics(metrics: dict, *args, **kwargs):
-        reports = trace_hook.take_update_reports(metrics)  # before verl averages them as numbers
-        reduced = original(metrics, *args, **kwargs)
-        if reports:
-            step.record_update(reports, reduced)
-        return reduced
+        return step.reduce_update_metrics(metrics, lambda: original(metrics, *args, **kwargs))
 
     return reduce_metrics

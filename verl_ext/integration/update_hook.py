@@ -1,32 +1,18 @@
 """The update side of the trace, in the process that trains: a Ray worker, or the in-process runner.
 
-verl computes each micro-batch's loss in its workers' loss functions (``verl.workers.utils.losses``
-``ppo_loss`` and ``value_loss``), on padded (b, T) response tensors. When the batch carries
-:data:`ROW_KEY` (the trainer's side adds it to the steps it traces, :mod:`step`), the wrappers
-here run verl's own loss function unchanged and report, for every valid token of the micro-batch,
-what the update did with it: the actor's log-prob, ratio, advantage, per-token loss term, clip and
-entropy; the critic's prediction, its clipped value, return and per-token loss term. The rows are
-named by :data:`ROW_KEY` (the sample's row in the trainer's batch) and by the epoch and mini-batch
-that :func:`tagged_make_iterator` adds to each mini-batch, so that they join the token table
-whatever shuffling, micro-batching and data parallelism did to them.
-
-One copy of each row reaches the trainer, whatever the number of data-parallel ranks (why verl's
-loss metrics cannot carry them: the touch record of ``TrainingWorker.train_mini_batch``,
-:mod:`verl_ext.touches`). Inside that method (:func:`traced_train_mini_batch`) the reports stay in
-this process until the update ends, are gathered once to rank 0 of the data-parallel group (the
-lowest global rank among the collecting ranks, whose output the driver keeps) and travel back in
-that rank's output alone, under :data:`PAYLOAD_KEY` of its metrics; the trace takes them out there
-before verl reduces its metrics. A rank whose output verl discards (a Ulysses rank other than
-0, a tensor-parallel rank other than 0, a pipeline stage other than the last) builds no report. A loss
-called outside that method (no update in progress) puts its report in its own metrics, as verl
-returns them. Rows the trace does not keep (past ``max_samples_per_step``) carry -1 in :data:`ROW_KEY`
-and are never reported. Without :data:`ROW_KEY` every wrapper is a dictionary lookup and a call of
-the original.
-
-The per-token loss terms are verl's own: while the loss runs, the first matrix it hands to
-``core_algos.agg_loss`` (the per-token policy-loss term of any registered loss mode, or the
-critic's ``max((v̂−R)², (clip(v̂)−R)²)``) and the exact inputs of the configured policy-loss function
-are recorded. Ratio and clip use verl's vanilla expressions on those inputs.
+On a batch that carries :data:`~verl_ext.trace.batch_keys.ROW_KEY` (the steps the trace keeps, marked
+by :mod:`verl_ext.integration.step`), the wrappers here run verl's own loss functions (``ppo_loss``,
+``value_loss``) unchanged and report, for every valid token of each micro-batch, what the update did
+with it: the actor's log-prob, ratio, advantage, loss term, clip and entropy; the critic's
+prediction, clipped value, return and loss term. Rows are named by the sample's row in the trainer's
+batch and by the epoch and mini-batch :func:`tagged_make_iterator` puts on each mini-batch, so they
+join the token table whatever shuffling, micro-batching and data parallelism did. The reports of one
+update are gathered once into the output of the rank the driver keeps (why, and what verl's metrics
+could not carry: the touch record of ``TrainingWorker.train_mini_batch`` in :mod:`verl_ext.touches`).
+The loss terms are verl's own (the first matrix its loss hands ``core_algos.agg_loss``); ratio and
+clip use verl's vanilla expressions on the inputs its policy-loss function received. Without the row
+key every wrapper is a dictionary lookup and a call of the original. What this process keeps
+between the calls of one update is one object, :data:`_worker`.
 """
 
 from __future__ import annotations
@@ -38,22 +24,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from verl_ext.trace.batch_keys import EPOCH_KEY, MINIBATCH_KEY, PAYLOAD_KEY, ROW_KEY
 from verl_ext.trace.schema import CLIP_CODES, CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 #: code -> name, to index with a column of codes
 _CLIP_NAMES = np.array(CLIP_CODES, dtype=object)
-
-#: (B,) int64 tensor in the batch: the sample's row in the trainer's batch (the token table's ``sample``),
-#: -1 for a row the trace does not keep.
-ROW_KEY = "verl_ext_row"
-#: Non-tensor values :func:`tagged_make_iterator` puts on each mini-batch.
-EPOCH_KEY, MINIBATCH_KEY = "verl_ext_epoch", "verl_ext_minibatch"
-#: Key of the reports in an update's metrics (verl's trainer prefixes it with "actor/" or "critic/").
-PAYLOAD_KEY = "verl_ext/update"
-
-#: The micro-batch counter of this process, per kind: ((epoch, minibatch), index of its last micro-batch).
-_microbatches: dict[str, tuple[tuple[int, int], int]] = {}
-
 
 @dataclass
 class _Update:
@@ -67,21 +42,28 @@ class _Update:
     reports: list[dict[str, Any]] = field(default_factory=list)
 
 
-#: The update in progress in this process, or None.
-_update: _Update | None = None
+@dataclass
+class _WorkerState:
+    """What this process keeps between the calls of one update: the update in progress (None outside
+    verl's update method) and, per kind, ((epoch, minibatch), index of its last micro-batch)."""
+
+    update: _Update | None = None
+    microbatches: dict[str, tuple[tuple[int, int], int]] = field(default_factory=dict)
+
+
+_worker = _WorkerState()
 
 
 def traced_train_mini_batch(original: Callable, worker, data):
     """verl's ``TrainingWorker.train_mini_batch``; on a traced batch, the reports of every data-parallel
     rank gathered once into the output of the rank the driver keeps (rank 0 of the group)."""
-    global _update
     engine = worker.engine
     update = _Update(collects=bool(engine.is_mp_src_rank_with_outputs()))
-    outer, _update = _update, update
+    outer, _worker.update = _worker.update, update
     try:
         output = original(worker, data)
     finally:
-        _update = outer
+        _worker.update = outer
     if not (update.traced and update.collects):
         return output
     gathered = gather_to_group_rank_0(update.reports, engine.get_data_parallel_group())
@@ -110,10 +92,10 @@ def tagged_make_iterator(original: Callable, tensordict, mini_batch_size, epochs
     iterator = original(tensordict, mini_batch_size, epochs, seed=seed, dataloader_kwargs=dataloader_kwargs)
     if ROW_KEY not in tensordict.keys():
         return iterator
-    if _update is not None:
-        _update.traced = True
+    if _worker.update is not None:
+        _worker.update.traced = True
     per_epoch = tensordict.batch_size[0] // mini_batch_size
-    _microbatches.clear()  # a new update of one model begins
+    _worker.microbatches.clear()  # a new update of one model begins
 
     def tagged() -> Iterator:
         from verl.utils import tensordict_utils as tu
@@ -202,13 +184,13 @@ def traced_value_loss(original: Callable, config, model_output, data, dp_group=N
 
 def _reports_here(data) -> bool:
     """A traced batch, on a rank whose output reaches the driver (or outside verl's update method)."""
-    return ROW_KEY in data.keys() and (_update is None or _update.collects)
+    return ROW_KEY in data.keys() and (_worker.update is None or _worker.update.collects)
 
 
 def _deliver(metrics: dict, report: dict[str, Any]) -> None:
     """Into the update in progress, gathered when it ends; outside one, into the loss metrics."""
-    if _update is not None:
-        _update.reports.append(report)
+    if _worker.update is not None:
+        _worker.update.reports.append(report)
     else:
         metrics[PAYLOAD_KEY] = [report]
 
@@ -239,9 +221,9 @@ def _report(kind: str, data, mask: torch.Tensor, columns: dict[str, torch.Tensor
         else:  # read in float32 whatever the engine computed in (bf16 under verl's GPU defaults)
             report_columns[name] = values.float().numpy()
     epoch, minibatch = int(tu.get(data, EPOCH_KEY, 0)), int(tu.get(data, MINIBATCH_KEY, 0))
-    previous = _microbatches.get(kind)
+    previous = _worker.microbatches.get(kind)
     microbatch = previous[1] + 1 if previous is not None and previous[0] == (epoch, minibatch) else 0
-    _microbatches[kind] = ((epoch, minibatch), microbatch)
+    _worker.microbatches[kind] = ((epoch, minibatch), microbatch)
     rank = torch.distributed.get_rank(group=dp_group) if torch.distributed.is_initialized() else 0
     return {
         "epoch": epoch,

@@ -1,58 +1,32 @@
-"""From the trainer's batch tensors to the trace's Arrow tables, in two halves.
+"""What the trainer hands the trace for one step (:class:`StepCapture`), and the training thread's copy
+of it (:func:`take_snapshot`).
 
 :func:`take_snapshot` runs on the training thread when a step is submitted. It does the least work
 that makes the trace independent of the trainer's tensors, which the trainer may reuse or modify
-in place once the hook returns:
-
-* checks shapes (B, T) and reduces the mask to each sample's row count L_i (last valid position + 1);
-* computes the whitening statistics of ``advantage_raw`` over the FULL batch (they need all B rows,
-  while only the first N may be kept), over the tokens the estimate whitened (without the truncated
-  responses under ``algorithm.truncation=mask``);
-* copies rows 0 … N − 1 and columns 0 … max L_i − 1 of every tensor into CPU memory recycled from
-  written steps (:class:`SnapshotMemory`), converting to the schema's dtypes in the same pass
-  (float32, int32, bool).
-
-:class:`StepFiles` runs on the writer thread: :func:`token_table` gathers the positions ``t < L_i``
-into the long format of ``TOKEN_SCHEMA``, :func:`prompt_table` builds ``PROMPT_SCHEMA``, and the
-step's run-record entry goes into the token file's footer. Both tables have ``step``; the trace's
-:class:`~verl_ext.trace.schema.Layout` says how they are stored and named.
+in place once the hook returns: it checks shapes (B, T), reduces the mask to each sample's row count
+L_i (last valid position + 1), and copies rows 0 … N − 1 and columns 0 … max L_i − 1 of every tensor
+into CPU memory recycled from written steps (:mod:`verl_ext.trace.snapshot_memory`), converting to the
+schema's dtypes in the same pass (float32, int32, bool). It computes nothing: the whitening statistics
+come with the capture, from the estimate. The writer thread makes the files
+(:mod:`verl_ext.trace.step_files`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import numbers
-import threading
-import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-from verl_ext.estimators import whitening_moments
 from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.agent_record import ASSISTANT_CODE, AgentRecord
-from verl_ext.trace.schema import (
-    FLOAT_COLUMN_NAMES,
-    LAYOUT,
-    PROMPT_SCHEMA,
-    ROLE_CODES,
-    STEP_RECORD_METADATA_KEY,
-    TOKEN_SCHEMA,
-    UPDATE_RECORD_METADATA_KEY,
-    UPDATE_SCHEMAS,
-    WRITE_ID_METADATA_KEY,
-    Layout,
-    StepEntry,
-    UpdateEntry,
-)
+from verl_ext.trace.schema import FLOAT_COLUMN_NAMES
+from verl_ext.trace.snapshot_memory import Block, SnapshotMemory, block_bytes
 from verl_ext.truncation import Truncation
-from verl_ext.turns import turn_index, turn_starts
+from verl_ext.turns import turn_starts
 
 
 @dataclass
@@ -80,9 +54,11 @@ class StepCapture:
     #: B stop reasons of the rollout engine (vLLM's finish_reason, None where it said none); None: none said
     stop_reasons: Sequence[str | None] | None = None
     #: what the estimate did with the truncated responses (None: terminal): its ``cut`` is the
-    #: ``truncated`` flag, its ``bootstrap_value`` the column of that name (bootstrap only), and the
-    #: whitening statistics are over its ``whitened_mask``
+    #: ``truncated`` flag, its ``bootstrap_value`` the column of that name (bootstrap only)
     truncation: Truncation | None = None
+    #: the estimate's {"mean", "var"} of advantage_raw over the full batch
+    #: (:func:`verl_ext.registry.whitening_statistics`); None where there are none
+    whitening: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,8 +121,8 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
     prompt_shape = None if capture.prompts is None else (kept, capture.prompts.shape[1])
     # The block is sized for the full length T, not the longest response, so that in a run with a
     # fixed batch shape every recycled block fits every step.
-    nbytes = _bytes(response_arrays, (kept, length)) + _bytes(prompt_arrays, prompt_shape)
-    block = _Block((memory or SnapshotMemory()).take(nbytes))
+    nbytes = block_bytes(response_arrays, (kept, length)) + block_bytes(prompt_arrays, prompt_shape)
+    block = Block((memory or SnapshotMemory()).take(nbytes))
     with one_torch_thread():
         lengths = _row_counts(capture.mask[:kept])
         shape = (kept, int(lengths.max()))
@@ -163,7 +139,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             prompt_token_ids=copies["prompt_token_ids"],
             prompt_mask=copies["prompt_mask"],
             kl_coef=None if capture.kl_coef is None else float(capture.kl_coef),
-            whiten=whiten_stats(capture.floats.get("advantage_raw"), _whitened_mask(capture)),
+            whiten=None if capture.whitening is None else {key: float(capture.whitening[key]) for key in ("mean", "var")},
             block=block.memory,
             stored_dtypes={
                 name: _LOW_PRECISION[tensor.dtype]
@@ -180,136 +156,9 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
 _LOW_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-class SnapshotMemory:
-    """Recycles the memory of snapshots that were written, for the next ones (thread-safe).
-
-    A snapshot is ~80 MB at 512 × 4096; copying into fresh memory page-faults all of it, which
-    measured 20-50 ms per submit on a busy machine, more than the copies themselves. A block is
-    only created when none is free, so there are never more blocks than the most snapshots alive
-    at once (queue_size + 2 in a writer: queued, being written, being submitted).
-    """
-
-    def __init__(self):
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 block of at least ``nbytes``: a free one, or a new one (free ones too small are dropped)."""
-        with self._lock:
-            while self._free:
-                block = self._free.pop()
-                if block.numel() >= nbytes:
-                    return block
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give_back(self, block: torch.Tensor) -> None:
-        """Return a block; nothing may use the snapshot it held any more."""
-        with self._lock:
-            self._free.append(block)
-
-
-def whiten_stats(values: torch.Tensor | None, mask: torch.Tensor) -> dict[str, float] | None:
-    """{"mean": μ, "var": σ²} as ``masked_whiten`` computes them over the valid entries of (B, T)
-    (:func:`verl_ext.estimators.whitening_moments`: sums in float64, σ² unbiased).
-
-    None without values or with fewer than 2 valid entries (where ``masked_whiten`` raises).
-    """
-    if values is None:
-        return None
-    count, mean, var = whitening_moments(values, mask)
-    return {"mean": mean, "var": var} if count >= 2 else None
-
-
-def token_table(snapshot: StepSnapshot) -> pa.Table:
-    """The long-format token table (TOKEN_SCHEMA), sorted by (sample, token_index)."""
-    rows = snapshot.rows
-    width = snapshot.mask.shape[1]
-    # (N, W) selection of the positions t < L_i; boolean indexing walks it row-major, so every
-    # column comes out in (sample, token_index) order.
-    keep = np.arange(width) < snapshot.lengths[:, None]
-    sample = np.repeat(np.arange(snapshot.samples, dtype=np.int32), snapshot.lengths)
-    first_row = np.cumsum(snapshot.lengths) - snapshot.lengths
-    token_index = (np.arange(rows) - np.repeat(first_row, snapshot.lengths)).astype(np.int32)
-    uid = pa.nulls(rows, pa.string()) if snapshot.uid is None else pa.array(snapshot.uid, pa.string()).take(sample)
-
-    def gather(array: np.ndarray | None, arrow_type: pa.DataType) -> pa.Array:
-        return pa.nulls(rows, arrow_type) if array is None else pa.array(array[keep], arrow_type)
-
-    return pa.Table.from_arrays(
-        [
-            np.full(rows, snapshot.step, np.int64),
-            sample,
-            uid,
-            token_index,
-            gather(snapshot.token_id, pa.int32()),
-            gather(snapshot.mask, pa.bool_()),
-            gather(turns(snapshot.turn_starts), pa.int32()),
-            _codes(None if snapshot.role is None else snapshot.role[keep], ROLE_CODES, rows),
-            *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMN_NAMES),
-        ],
-        schema=TOKEN_SCHEMA,
-    )
-
-
-def turns(starts: np.ndarray) -> np.ndarray:
-    """(N, W) turn starts -> (N, W) int32: the assistant turn of every position (schema.TURN_DOC): the
-    turns begun up to it, less one (:func:`verl_ext.turns.turn_index`); 0 before the first."""
-    return np.maximum(turn_index(starts), 0).astype(np.int32)
-
-
-def prompt_table(snapshot: StepSnapshot) -> pa.Table:
-    """One row per kept sample (PROMPT_SCHEMA): its prompt token ids without the padding."""
-    samples = snapshot.samples
-    if snapshot.prompt_token_ids is None:
-        prompt_ids = pa.nulls(samples, PROMPT_SCHEMA.field("prompt_token_ids").type)
-    else:
-        real = np.ones_like(snapshot.prompt_token_ids, bool) if snapshot.prompt_mask is None else snapshot.prompt_mask
-        offsets = np.concatenate([[0], np.cumsum(real.sum(axis=1))]).astype(np.int32)
-        prompt_ids = pa.ListArray.from_arrays(offsets, snapshot.prompt_token_ids[real])
-    return pa.Table.from_arrays(
-        [
-            np.full(samples, snapshot.step, np.int64),
-            np.arange(samples, dtype=np.int32),
-            pa.nulls(samples, pa.string()) if snapshot.uid is None else pa.array(snapshot.uid, pa.string()),
-            prompt_ids,
-            snapshot.lengths.astype(np.int32),
-            pa.nulls(samples, pa.bool_()) if snapshot.eos is None else pa.array(snapshot.eos),
-            pa.nulls(samples, pa.bool_()) if snapshot.truncated is None else pa.array(snapshot.truncated),
-            snapshot.turn_starts.sum(-1, dtype=np.int32),
-            _known(snapshot.tool_calls, pa.int32(), samples),
-            _known(snapshot.turn_limit, pa.bool_(), samples),
-            _bootstrap_values(snapshot),
-            pa.array(snapshot.stop_reason if snapshot.stop_reason is not None else [None] * samples, pa.string()),
-        ],
-        schema=PROMPT_SCHEMA,
-    )
-
-
 def _reason(value: Any) -> str | None:
     """A stop reason as the table stores it: a string, or None (verl fills a missing one with None or NaN)."""
     return value if isinstance(value, str) else None
-
-
-def _bootstrap_values(snapshot: StepSnapshot) -> pa.Array:
-    """V(s_L) on the truncated responses of a bootstrapped step, null on every other one."""
-    if snapshot.bootstrap_value is None:
-        return pa.nulls(snapshot.samples, pa.float32())
-    return pa.array(snapshot.bootstrap_value, pa.float32(), mask=~snapshot.truncated)
-
-
-def _codes(codes: np.ndarray | None, names: tuple[str, ...], rows: int) -> pa.Array:
-    """Strings from their indices into ``names`` (−1: null)."""
-    if codes is None:
-        return pa.nulls(rows, pa.string())
-    indices = pa.array(codes.astype(np.int32), mask=codes < 0)
-    return pa.DictionaryArray.from_arrays(indices, pa.array(names)).cast(pa.string())
-
-
-def _known(values: np.ndarray | None, arrow_type: pa.DataType, samples: int) -> pa.Array:
-    """``values`` with −1 as null."""
-    if values is None:
-        return pa.nulls(samples, arrow_type)
-    return pa.array(values, mask=values < 0).cast(arrow_type)
 
 
 def _agent_turns(records: Sequence[Mapping[str, Any] | None] | None, mask: np.ndarray, lengths: np.ndarray) -> dict:
@@ -339,11 +188,6 @@ def _agent_turns(records: Sequence[Mapping[str, Any] | None] | None, mask: np.nd
     return {"role": role, "tool_calls": tool_calls, "turn_limit": turn_limit}
 
 
-def _whitened_mask(capture: StepCapture) -> torch.Tensor:
-    """The tokens the estimate whitened over: the recorded statistics must be the ones it used."""
-    return capture.mask if capture.truncation is None else capture.truncation.whitened_mask(capture.mask)
-
-
 def _end_flags(capture: StepCapture, lengths: np.ndarray, token_id: np.ndarray | None) -> dict[str, np.ndarray | None]:
     """How each kept response ended: with an EOS token, cut at max_response_length, or neither; and
     V(s_L) of the cut ones where the estimate bootstrapped from it.
@@ -366,114 +210,6 @@ def _end_flags(capture: StepCapture, lengths: np.ndarray, token_id: np.ndarray |
     if truncation.mode == "bootstrap":
         flags["bootstrap_value"] = truncation.bootstrap_value[:kept].detach().to("cpu", torch.float32).numpy()
     return flags
-
-
-@dataclass(frozen=True)
-class StepFiles:
-    """The two tables of one step as ``layout`` stores them, with its run-record entry in the token
-    table's footer."""
-
-    step: int
-    entry: StepEntry
-    tokens: pa.Table
-    prompts: pa.Table
-
-    @classmethod
-    def build(cls, snapshot: StepSnapshot, layout: Layout = LAYOUT) -> "StepFiles":
-        step = snapshot.step
-        entry = StepEntry(
-            rows=snapshot.rows,
-            samples=snapshot.samples,
-            batch_samples=snapshot.batch_samples,
-            file=layout.token_file(step),
-            prompts_file=layout.prompt_file(step),
-            written_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-            kl_coef=snapshot.kl_coef,
-            whiten=snapshot.whiten,
-            stored_dtypes=snapshot.stored_dtypes,
-        )
-        write_id = {WRITE_ID_METADATA_KEY: uuid.uuid4().hex}
-        tokens, prompts = layout.stored(token_table(snapshot)), layout.stored(prompt_table(snapshot), prompts=True)
-        footer = {STEP_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(entry))}
-        return cls(
-            step=step,
-            entry=entry,
-            tokens=tokens.replace_schema_metadata({**tokens.schema.metadata, **write_id, **footer}),
-            prompts=prompts.replace_schema_metadata({**prompts.schema.metadata, **write_id}),
-        )
-
-
-#: The keys of one part (what one loss call reported) besides its per-token columns.
-UPDATE_PART_SCALARS = ("epoch", "minibatch", "microbatch", "rank", "batch_num_tokens", "global_batch_size", "dp_size")
-
-
-@dataclass
-class UpdateCapture:
-    """One update table of a step: the parts every loss call reported (in any order, from any rank),
-    and verl's logged metrics of that update.
-
-    Each part is ``{"epoch": e, "minibatch": k, "microbatch": m, "rank": r, "batch_num_tokens": N_ek,
-    "global_batch_size": G, "dp_size": D, "columns": {column: (n,) array}}``, the columns named as in
-    the update schema of ``kind`` (at least ``sample`` and ``token_index``); absent columns are null.
-    """
-
-    step: int
-    kind: str  # "actor" | "critic"
-    parts: list[Mapping[str, Any]]
-    logged: dict[str, float]
-
-
-@dataclass(frozen=True)
-class UpdateFiles:
-    step: int
-    kind: str
-    entry: UpdateEntry
-    table: pa.Table
-
-    @classmethod
-    def build(cls, capture: UpdateCapture, max_samples: int | None, layout: Layout = LAYOUT) -> "UpdateFiles":
-        """The table sorted by (epoch, sample, token_index), as ``layout`` stores it; samples past
-        ``max_samples`` are left out, as in the token table. A column some part did not report is null."""
-        schema = UPDATE_SCHEMAS[capture.kind]
-        kept = []
-        for part in capture.parts:
-            sample = np.asarray(part["columns"]["sample"])
-            keep = (sample >= 0) & (sample < (max_samples if max_samples is not None else np.iinfo(np.int64).max))
-            kept.append((part, keep))
-
-        def column(field: pa.Field) -> pa.Array:
-            if field.name == "step":
-                return pa.array(np.full(sum(int(keep.sum()) for _, keep in kept), capture.step, np.int64))
-            if field.name in UPDATE_PART_SCALARS:
-                pieces = [np.full(int(keep.sum()), part[field.name], np.int32) for part, keep in kept]
-            elif all(part["columns"].get(field.name) is not None for part, _ in kept):
-                pieces = [np.asarray(part["columns"][field.name])[keep] for part, keep in kept]
-            else:
-                return pa.nulls(sum(int(keep.sum()) for _, keep in kept), field.type)
-            return pa.array(np.concatenate(pieces) if pieces else [], field.type)
-
-        table = pa.Table.from_arrays([column(field) for field in schema], schema=schema)
-        order = np.lexsort((table["token_index"].to_numpy(), table["sample"].to_numpy(), table["epoch"].to_numpy()))
-        table = table.take(order)
-        minibatches = {
-            (int(part["epoch"]), int(part["minibatch"])): {
-                "epoch": int(part["epoch"]),
-                "minibatch": int(part["minibatch"]),
-                **{name: part.get(name) for name in ("batch_num_tokens", "global_batch_size", "dp_size")},
-            }
-            for part in capture.parts
-        }
-        entry = UpdateEntry(
-            kind=capture.kind,
-            rows=table.num_rows,
-            file=layout.update_file(capture.kind, capture.step),
-            written_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-            logged=dict(capture.logged),
-            minibatches=[minibatches[key] for key in sorted(minibatches)],
-        )
-        footer = {UPDATE_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(entry))}
-        table = layout.stored(table.replace_schema_metadata({**schema.metadata, **footer}))
-        return cls(capture.step, capture.kind, entry, table)
 
 
 def _check(capture: StepCapture) -> None:
@@ -507,33 +243,3 @@ def _row_counts(mask: torch.Tensor) -> torch.Tensor:
     """(N, T) mask -> (N,) int64 on the CPU: last valid position + 1, 0 for a row without one."""
     positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
     return torch.where(mask.bool(), positions, 0).amax(dim=1).cpu()
-
-
-_ALIGNMENT = 64  # bytes; keeps every array of a block aligned for vectorized copies
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGNMENT) * _ALIGNMENT
-
-
-def _bytes(arrays: dict[str, tuple[torch.Tensor | None, torch.dtype]], shape: tuple[int, int] | None) -> int:
-    """Block bytes for the present ``arrays`` at (rows, columns) ``shape``."""
-    return sum(_aligned(shape[0] * shape[1] * dtype.itemsize) for tensor, dtype in arrays.values() if tensor is not None)
-
-
-class _Block:
-    """Carves consecutive arrays out of one uint8 block."""
-
-    def __init__(self, memory: torch.Tensor):
-        self.memory = memory
-        self._used = 0
-
-    def copy(self, tensor: torch.Tensor | None, shape: tuple[int, int] | None, dtype: torch.dtype) -> np.ndarray | None:
-        """``tensor[:rows, :cols]`` converted to ``dtype``, copied into the block, as a numpy array."""
-        if tensor is None:
-            return None
-        rows, cols = shape
-        nbytes = rows * cols * dtype.itemsize
-        array = self.memory[self._used : self._used + nbytes].view(dtype).view(rows, cols)
-        self._used += _aligned(nbytes)
-        return array.copy_(tensor[:rows, :cols]).numpy()

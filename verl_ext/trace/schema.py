@@ -1,59 +1,8 @@
-"""The trace format: layout, columns, the run record. This is a public contract; bump
-:data:`SCHEMA_VERSION` on any change a reader could notice.
-
-Layout of a trace directory (local path or fsspec URL), formats 3 to 8 (4 added the turns; 5 the roles,
-tool calls and turn limits of agent loops; 6 the per-turn rewards; 7 the bootstrap values of cut
-responses and the run's ``algorithm.truncation``, which a run record before it lacks: terminal; 8 in
-the run record only: whether the run finished, the steps it planned and its rollout engine, which a
-run record before it lacks: unknown)::
-
-    TRACE/
-      _run.json                   the run record (:class:`RunRecord`)
-      step-<n>/part-0.parquet     token table of step n (TOKEN_SCHEMA), one row per response
-                                  position up to the sample's last valid token
-      _prompts/step-<n>.parquet   one row per traced sample of step n (PROMPT_SCHEMA): its prompt,
-                                  response length, whether it ended with EOS or was truncated, and
-                                  V(s_L) of a truncated one where the run bootstrapped from it
-      _actor_update/step-<n>/part-0.parquet    the actor's update of step n (ACTOR_UPDATE_SCHEMA): one
-                                  row per trained token per PPO epoch
-      _critic_update/step-<n>/part-0.parquet   the critic's update of step n (CRITIC_UPDATE_SCHEMA)
-      _tmp/                       files being written (invisible to readers; removed by a clean close)
-
-Every file stores ``step`` (int64) as its first column, and ``step-<n>`` is not a ``key=value``
-name, so no reader makes a partition column of it: each reader's plain call (``pd.read_parquet(TRACE)``,
-``pl.read_parquet("TRACE/step-*/*.parquet")``, DuckDB's ``read_parquet('TRACE/step-*/*.parquet')``,
-``ds.dataset(TRACE)``) sees one token table whose ``step`` is an integer. Names beginning with ``_`` or
-``.`` (the run record, the prompt tables, the update tables, files being written) are skipped by
-pyarrow's and pandas' discovery and do not match the ``step-*/*.parquet`` globs; pointed at
-``TRACE/_actor_update``, ``TRACE/_critic_update`` or ``TRACE/_prompts``, the same calls read those
-tables. The writer names step n ``step-<n>`` exactly (no leading zeros); the reader refuses any
-other name for a step (``step-03``), and a file whose stored ``step`` is not its folder's.
-
-Formats 1 and 2 (:data:`HIVE_LAYOUT`) named the same files ``step=<n>/part-0.parquet``,
-``_prompts/step=<n>.parquet``, ``_actor_update/step=<n>/part-0.parquet``: a hive partition, with
-``step`` only in the folder name (not in the token and update files; the prompt files had it), which
-pandas reads as an unordered categorical. The reader reads both layouts and gives the same tables;
-one trace has one layout (the run record's ``schema_version`` says which), so a writer resuming into
-a trace of format 1 or 2 goes on in that layout, writing format 2.
-
-Update tables (since format 2): for every PPO epoch e and mini-batch k of a traced step, one row
-per valid token the mini-batch trains, keyed by (step, sample, token_index) like the token table
-(``sample`` is the row of the trainer's batch, whatever shuffling, mini-batches, micro-batches and
-data-parallel ranks did to it). Each row also says where it was trained: ``epoch``, ``minibatch``
-(within the epoch, per rank), ``microbatch`` (within the mini-batch) and ``rank`` (data-parallel).
-Values are as verl's loss function saw them, before its optimizer step of that mini-batch.
-
-Rows: sample i of a traced step contributes token_index 0 … L_i − 1, where L_i − 1 is its last valid
-response position; masked interior positions are rows with ``mask = false`` (their float values are
-whatever the trainer had there, not part of the contract, docs/definitions.md §7), a sample without
-any valid token has no rows. ``sample`` is the row in the trainer's batch; when
-``max_samples_per_step`` = N is smaller than the batch, samples 0 … N − 1 are kept. Files are
-sorted by (sample, token_index).
-
-Index convention (docs/definitions.md §1): at ``token_index`` t, ``value`` is V(s_t) (state before
-token t, includes r_t), ``score``/``reward``/``kl`` belong to token t, ``return`` is the critic's
-target for V(s_t), ``advantage`` is the actor's signal for token t. Each column's meaning is in
-:data:`TOKEN_COLUMNS`.
+"""The trace format's definition: its columns (one :class:`Column` record each), the run record and
+how a step's files are named. This is a public contract; bump :data:`SCHEMA_VERSION` on any change a
+reader could notice. Not the reader or the writer (trace/reader.py, trace/writer.py), and not where
+the format is described: docs/trace_format.md has the layout, the format history, the tables and how
+to read them; docs/definitions.md §9 what each number means.
 """
 
 from __future__ import annotations

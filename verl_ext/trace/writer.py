@@ -36,7 +36,7 @@ closing releases it and removes the empty ``_tmp/``.
 Memory: at most ``queue_size`` snapshots wait in the queue, one more is being turned into tables
 and one more may be in ``submit`` waiting for room. A snapshot of N samples of length T takes
 N × (41 T + 5 P) bytes (9 float32 columns, int32 ids, bool mask; P prompt positions); this memory
-is recycled from step to step (:class:`capture.SnapshotMemory`), so the writer keeps up to
+is recycled from step to step (:class:`~verl_ext.trace.snapshot_memory.SnapshotMemory`), so the writer keeps up to
 ``queue_size + 2`` such blocks, fewer when steps never pile up. Add one step's Arrow tables and
 Parquet encoding buffers (about 100 MB for 10⁶ rows) while it is written.
 """
@@ -58,15 +58,10 @@ import pyarrow.parquet as pq
 from verl_ext.errors import TraceError, UsageError, one_line
 from verl_ext.options import TraceOptions
 from verl_ext.trace import lease, record, storage
-from verl_ext.trace.capture import (
-    SnapshotMemory,
-    StepCapture,
-    StepFiles,
-    StepSnapshot,
-    UpdateCapture,
-    UpdateFiles,
-    take_snapshot,
-)
+from verl_ext.trace.capture import StepCapture, StepSnapshot, take_snapshot
+from verl_ext.trace.snapshot_memory import SnapshotMemory
+from verl_ext.trace.step_files import StepFiles
+from verl_ext.trace.update_files import UpdateCapture, UpdateFiles
 from verl_ext.trace.schema import (
     FLOAT_COLUMN_NAMES,
     HIVE_LAYOUT,

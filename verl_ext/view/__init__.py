@@ -11,7 +11,7 @@ check's findings.
 Modules: ``payload`` (a trace's steps and samples as the page's data: the numbers come from
 :mod:`verl_ext.check`, :mod:`verl_ext.inspect` and the trace reader), ``page`` (the HTML page: which
 steps go into a file, the data inlined safely), ``server`` (the local read-only server), ``static/``
-(the page's script and style, inlined into every page).
+(the page's style and its script, in modules run in ``page.SCRIPTS``' order, inlined into every page).
 """
 
 from __future__ import annotations

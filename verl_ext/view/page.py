@@ -17,7 +17,8 @@ Data goes into the page as JSON in a ``<script type="application/json">`` elemen
 ``>`` and ``&`` escaped (``\\u003c`` …), so no string of the trace (a token, a prompt, a path) can
 close the element or open another; the script shows every string as text (``textContent``), never
 as markup. The page's Content-Security-Policy allows its own inline script and style only (by a
-per-page nonce), and no network access at all.
+per-page nonce), and no network access at all. The script is the files of :data:`SCRIPTS`
+concatenated in that order into one element, so that the page needs no build step and no request.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from verl_ext.errors import UsageError
 DEFAULT_MAX_TOKENS = 200_000
 #: Element id of the inline data.
 DATA_ID = "verl-ext-data"
+#: The viewer's script files under ``static/``, in the order the page runs them: each adds to one
+#: namespace object (``window.verlExtViewer``) what the later ones use.
+SCRIPTS = ("viewer_state.js", "viewer_dom.js", "viewer_data.js", "viewer_colour.js", "viewer_render.js", "viewer.js")
 _ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
@@ -142,6 +146,11 @@ def _asset(name: str) -> str:
     return resources.files("verl_ext.view").joinpath("static", name).read_text(encoding="utf-8")
 
 
+def viewer_script() -> str:
+    """The viewer's script as the page holds it: :data:`SCRIPTS` concatenated in their order."""
+    return "\n".join(_asset(name) for name in SCRIPTS)
+
+
 def inline_json(data) -> str:
     """``data`` as JSON that is safe inside a ``<script type="application/json">`` element."""
     return json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).translate(_ESCAPES)
@@ -165,7 +174,7 @@ def render_page(data: dict, title: str) -> str:
         f'<style nonce="{nonce}">\n{_asset("viewer.css")}</style>\n</head>\n<body>\n'
         f"{_asset('viewer.html')}"
         f'<script type="application/json" id="{DATA_ID}">{inline_json(data)}</script>\n'
-        f'<script nonce="{nonce}">\n{_asset("viewer.js")}</script>\n</body>\n</html>\n'
+        f'<script nonce="{nonce}">\n{viewer_script()}</script>\n</body>\n</html>\n'
     )
 
 

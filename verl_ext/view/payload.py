@@ -1,7 +1,7 @@
 """The data of the browser view: a trace's run, steps and samples as JSON-ready dicts, one format for
-the self-contained page and for the server (the script in ``static/viewer.js`` reads both). The view
-only chooses what to send and encodes it: every number, flag and join comes from
-:mod:`verl_ext.inspect` (StepData, StepLayout, the update join, the comparison) and the trace reader.
+the self-contained page and for the server (the script in ``static/`` reads both). It reads and
+encodes only: every statistic, flag and re-estimate comes from :mod:`verl_ext.inspect` and
+:mod:`verl_ext.check`; what it adds is how the page shows them (colour scales, prompt keys).
 
 * :func:`page_schema`: what the page's script knows of the data, sent with it (the clip codes and
   their colours, the index of an unknown code, the token table's float columns, the update columns
@@ -40,7 +40,8 @@ import pyarrow.compute as pc
 
 from verl_ext.errors import UsageError
 from verl_ext.inspect import summary as summary_module
-from verl_ext.check.cuts import BOOTSTRAP_COLUMN, StepCuts
+from verl_ext.inspect.summary import sample_flags, whitening
+from verl_ext.check.cuts import BOOTSTRAP_COLUMN
 from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout, floats, join_keys, locate
 from verl_ext.check.update_rows import UpdateRows
 from verl_ext.trace import schema
@@ -281,19 +282,11 @@ class StepSource:
         (its largest |x − centre| over the step's valid tokens, or over the trained rows of an epoch)."""
         layout = self.layout
         data = StepData.from_table(self.step, self.table, self.present, layout)
-        score = layout.sample_sums(data.columns["score"]) if "score" in self.present else None
-        finite_scores = score[np.isfinite(score)] if score is not None else np.zeros(0)
-        best = finite_scores.max() if len(finite_scores) else None
+        flagged = sample_flags(data, [shown.rows for shown in self.updates.values()])
+        score = flagged["score"]
         scales: dict[str, float | None] = {name: _largest(values) for name, values in data.columns.items()}
-        nonfinite = layout.samples_among(np.concatenate([np.zeros(0, np.int64), *data.nonfinite(self.present).values()]))
-        clipped = np.zeros(layout.samples, bool)
         for shown in self.updates.values():
-            rows = shown.rows
-            where = layout.index_of(rows.sample)
-            known = where >= 0
-            nonfinite[where[rows.nonfinite() & known]] = True
-            clipped[where[rows.clipped() & known]] = True
-            epochs = {epoch: rows.epoch == epoch for epoch in self.epochs}
+            epochs = {epoch: shown.rows.epoch == epoch for epoch in self.epochs}
             for name, values in shown.floats.items():
                 finite = np.isfinite(values)
                 for epoch, in_epoch in epochs.items():
@@ -309,14 +302,14 @@ class StepSource:
                 "rows": int(layout.row_counts[i]),
                 "valid": int(layout.valid_counts[i]),
                 "score": None if score is None else float(score[i]),
-                "wrong": bool(best is not None and np.isfinite(score[i]) and score[i] < best),
+                "wrong": bool(flagged["wrong"][i]),
                 "truncated": bool(row is not None and flags["truncated"][row]),
                 "bootstrap_value": None if row is None else flags[BOOTSTRAP_COLUMN][row],
                 "eos": None if row is None else flags["eos"][row],
                 "turns": None if row is None else flags["assistant_turns"][row],
                 "tool_calls": None if row is None else flags["tool_calls"][row],
-                "clipped": bool(clipped[i]),
-                "nonfinite": bool(nonfinite[i]),
+                "clipped": bool(flagged["clipped"][i]),
+                "nonfinite": bool(flagged["nonfinite"][i]),
                 "prompt": None if row is None else keys[row],
             })  # fmt: skip
         return clean({
@@ -328,7 +321,7 @@ class StepSource:
             "columns": self.present,
             "update_columns": list(dict.fromkeys(name for rows in self.updates.values() for name in rows.columns)),
             "scales": scales,
-            "whiten": _whitening(self.whiten),
+            "whiten": whitening(self.whiten),
         })  # fmt: skip
 
     # ------------------------------------------------------------------ tokens
@@ -418,20 +411,11 @@ class StepSource:
         return self._estimates
 
     def _estimate(self, table: pa.Table, layout: StepLayout | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
-        from verl_ext.inspect.comparison import step_estimates
+        from verl_ext.inspect.comparison import estimates_as_run
 
         if "reward" not in self.present or "value" not in self.present:
             return {}, ["no rewards or values to re-estimate from (a run without a critic?)"]
-        data = StepData.from_table(self.step, table, ("reward", "value"), layout)
-        # raw advantages as the run made them: a bootstrap run's cut responses from their recorded V(s_L)
-        # (mask changes what the actor trains on, not the raw advantage)
-        if self.algorithm.truncation != "bootstrap":
-            return step_estimates(data, self.algorithm)
-        cuts = StepCuts.of(self._prompts, data.layout)
-        if cuts.why_not("bootstrap"):
-            raw, notes = step_estimates(data, self.algorithm)
-            return raw, [*notes, f"re-estimated as terminal: {cuts.why_not('bootstrap')}"]
-        return step_estimates(data, self.algorithm, cuts=cuts, mode="bootstrap")
+        return estimates_as_run(StepData.from_table(self.step, table, ("reward", "value"), layout), self.algorithm, self._prompts)
 
     def _chunk_estimates(self, rows: np.ndarray, part: pa.Table) -> dict[str, np.ndarray]:
         """The raw advantages at the chunk's rows (NaN at masked rows): from the step's, once they
@@ -454,25 +438,19 @@ class StepSource:
         """The step's ``summary`` row, the whitening μ, σ (the step record's; else the summary's raw
         advantage mean and std), the estimators compared over the step, the colour scales of the
         re-estimated advantages, and the failures of ``report`` (a CheckReport) in this step."""
-        from verl_ext.inspect.comparison import estimator_statistics
+        from verl_ext.inspect.comparison import step_estimator_statistics
 
         raw, notes = self.estimates()
-        layout = self.layout
         comparison = columns = None
         if raw:
-            token_sample = layout.valid_sample_index()
-            uid = np.array([self.uid(sample) for sample in layout.sample_ids.tolist()], dtype=object)[token_sample]
-            table, more = estimator_statistics(raw, uid, layout.sample_ids[token_sample])
+            table, more = step_estimator_statistics(raw, self.layout, self._prompts)
             notes = notes + more
             comparison = table.to_pylist()
             columns = [{"key": name, "label": COMPARISON_LABELS.get(name, name)} for name in table.column_names if name != "estimator"]
-        whiten = _whitening(self.whiten)
-        if whiten is None and summary_row is not None:
-            whiten = {"mean": summary_row.get("adv_raw_mean"), "sigma": summary_row.get("adv_raw_std")}
         return clean({
             "step": self.step,
             "summary": summary_row,
-            "whiten": whiten,
+            "whiten": whitening(self.whiten, summary_row),
             "comparison": comparison,
             "comparison_columns": columns,
             "comparison_notes": notes,
@@ -548,10 +526,3 @@ def _prompt_keys(prompts: list[list[int] | None]) -> list[str | None]:
 
 def prompt_key(ids: Sequence[int]) -> str:
     return hashlib.blake2b(np.asarray(ids, "<i4").tobytes(), digest_size=6).hexdigest()
-
-
-def _whitening(stats: dict | None) -> dict | None:
-    """{"mean": μ, "sigma": σ} from the step record's whitening statistics {"mean", "var"}."""
-    if not stats or stats.get("mean") is None or stats.get("var") is None or stats["var"] < 0:
-        return None
-    return {"mean": stats["mean"], "sigma": math.sqrt(stats["var"])}

@@ -29,7 +29,6 @@ the cache.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -41,6 +40,7 @@ from verl_ext.tasks.arith import reward
 from verl_ext.tasks.arith.task import Problem, balanced_sample, problem_sets
 from verl_ext.tasks.arith.value_pretraining import ValuePretrainingSettings
 from verl_ext.tasks.arith.warm_start import WarmStartSettings
+from verl_ext.tasks.assets import TaskAssetSpec
 from verl_ext.tasks.common import BOS, EOS, PAD, ROLE_TOKENS, UNK, cached_build, character_tokenizer, tiny_llama
 
 #: Bump when the layout or content of the assets changes, so old caches are not reused.
@@ -52,23 +52,14 @@ DATA_SOURCE = "verl_ext/sum_check"
 
 
 @dataclass(frozen=True)
-class AssetSpec:
-    """Everything that determines the content of the assets (hashed into the cache key)."""
+class AssetSpec(TaskAssetSpec):
+    """Everything that determines the content of the assets (hashed into the cache key): the fields
+    every task has (:class:`verl_ext.tasks.assets.TaskAssetSpec`), then the warm start's and the
+    critic's pretraining settings."""
 
-    seed: int = 0
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    #: A wrong ``c`` is ``a+b+d`` with ``1 <= |d| <= max_delta``.
-    max_delta: int = 3
-    val_problems: int = 60
-    train_rows: int = 2048
     warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
     value_pretraining: ValuePretrainingSettings = field(default_factory=ValuePretrainingSettings)
     format: int = ASSETS_FORMAT
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)

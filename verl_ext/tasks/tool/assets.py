@@ -35,9 +35,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from verl_ext.tasks.arith.assets import CHARACTERS as ARITH_CHARACTERS
 from verl_ext.tasks.arith.task import Problem
+from verl_ext.tasks.assets import TaskAssetSpec
 from verl_ext.tasks.common import EOS, ROLE_TOKENS, cached_build, character_tokenizer, tiny_llama
 from verl_ext.tasks.tool import reward
 from verl_ext.tasks.tool.task import (
@@ -63,26 +65,16 @@ AGENT_NAME = "tool_agent"
 
 
 @dataclass(frozen=True)
-class AssetSpec:
-    """Everything that determines the content of the assets (hashed into the cache key)."""
+class AssetSpec(TaskAssetSpec):
+    """Everything that determines the content of the assets (hashed into the cache key): the fields
+    every task has (:class:`verl_ext.tasks.assets.TaskAssetSpec`), then the tool task's own."""
 
-    seed: int = 0
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
     digits: int = 2
-    max_delta: int = 3
-    val_problems: int = 60
-    train_rows: int = 2048
     #: Distinct problems the warm start sees (fewer than there are pairs: the head cannot memorise).
     warm_start_problems: int = 8192
     warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
     format: int = ASSETS_FORMAT
-
-    def key(self) -> str:
-        import hashlib
-
-        return "tool-" + hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+    KEY_PREFIX: ClassVar[str] = "tool-"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,15 @@ which sends its command, environment and file descriptors to the server, forward
 receives to the child, and exits as the child did; a child killed with its launcher is killed with
 its process group. ``VERL_EXT_TEST_FORKSERVER=0`` runs the suite without it.
 
-``python -m tests.forkserver DIRECTORY`` serves until its standard input closes."""
+Why not a standard mechanism: ``multiprocessing``'s forkserver forks a preloaded server too, but only
+runs a Python function for a process that calls ``multiprocessing``; what the suite starts is
+``sys.executable`` with arguments, from subprocess, from the apps and from Ray's own C++ processes,
+and only an executable (the launcher) stands in for that. A child can neither simply return (its
+shutdown, ``Py_FinalizeEx``, would free the preloaded libraries: about 0.45 s of CPU each) nor end
+with ``os._exit`` alone (it would skip what a command's end must do: ``atexit``, joining its threads,
+flushing its files); hence :func:`finish`, the part of the shutdown that touches only the child's own.
+
+``python -m tests.support.forkserver DIRECTORY`` serves until its standard input closes."""
 
 from __future__ import annotations
 
@@ -88,7 +96,7 @@ _LENGTH = struct.Struct("!I")  # a request's length, before its pickle
 _PID = struct.Struct("!i")  # after b"F": the child's pid, then its wait status
 
 LAUNCHER = '''#!{python} -IS
-"""Runs its command in a child of the test suite's fork server (tests/forkserver.py),
+"""Runs its command in a child of the test suite's fork server (tests/support/forkserver.py),
 or in {python} when the server is gone or refuses it."""
 import os, pickle, signal, socket, struct, sys
 
@@ -316,7 +324,7 @@ class Server:
         if seed not in self.seeded:
             with open(self.directory / LOG_NAME, "ab") as log:
                 self.seeded[seed] = subprocess.Popen(
-                    [sys.executable, "-m", "tests.forkserver", str(self.directory), name], stdin=subprocess.PIPE,
+                    [sys.executable, "-m", "tests.support.forkserver", str(self.directory), name], stdin=subprocess.PIPE,
                     stdout=log, stderr=log, env={**self.environments[0], "PYTHONHASHSEED": seed},
                 )  # fmt: skip
             _wait_for(self.directory / name, self.seeded[seed])
@@ -542,8 +550,8 @@ def start() -> Handle:
     launcher.chmod(0o755)
     with open(directory / LOG_NAME, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.forkserver", str(directory)], stdin=subprocess.PIPE, stdout=log, stderr=log,
-            cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+            [sys.executable, "-m", "tests.support.forkserver", str(directory)], stdin=subprocess.PIPE, stdout=log, stderr=log,
+            cwd=Path(__file__).resolve().parents[2], start_new_session=True,  # the repository: tests/support/..
         )  # fmt: skip
     _wait_for(directory / SOCKET_NAME, process)
     return Handle(directory, process)
