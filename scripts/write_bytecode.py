@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import py_compile
 import sys
@@ -70,9 +71,13 @@ def write_list() -> int:
 
 
 def compile_files(paths: list[str]) -> int:
-    """Compile each file as an import would (its ``__pycache__`` file, timestamp-checked); returns how many."""
+    """Compile each file as an import would (its ``__pycache__`` file, timestamp-checked), unless its
+    bytecode is already newer; returns how many were compiled."""
     compiled = 0
     for path in paths:
+        cached = importlib.util.cache_from_source(path)
+        if os.path.exists(cached) and os.path.getmtime(cached) >= os.path.getmtime(path):
+            continue
         try:
             py_compile.compile(path, doraise=True, invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
             compiled += 1
