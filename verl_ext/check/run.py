@@ -31,6 +31,7 @@ from verl_ext.check.identities import IDENTITIES, RUN, TOKEN, UPDATE, Identity
 from verl_ext.check.results import NOT_CHECKED, IdentityResult, StepResult, aggregate
 from verl_ext.check.stepdata import Progress, RecordedAlgorithm, RecordedRun, StepData, as_trace
 from verl_ext.check.token_checks import QUANTITIES, RunScope, TokenStep
+from verl_ext.trace.parallel import map_steps
 
 __all__ = ["check_trace", "CheckReport"]
 
@@ -38,31 +39,30 @@ __all__ = ["check_trace", "CheckReport"]
 # --------------------------------------------------------------------------- the check
 
 
-def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | None = None) -> CheckReport:
-    """Check every identity on every traced step (or on ``steps``) of a trace (open, or its path)."""
+def check_trace(
+    trace,
+    steps: Iterable[int] | None = None,
+    progress: Progress | None = None,
+    *,
+    jobs: int = 1,
+    ray_address: str | None = None,
+) -> CheckReport:
+    """Check every identity on every traced step (or on ``steps``) of a trace (open, or its path); the
+    steps in ``jobs`` processes or as Ray tasks (:func:`verl_ext.trace.parallel.map_steps`), with the
+    same report as one by one."""
     trace = as_trace(trace)
-    algorithm = RecordedAlgorithm.from_record(trace.record)
+    algorithm, checked, _ = _plan(trace)
     selected = tuple(trace.steps if steps is None else steps)
-    with_updates = any(trace.update_steps.values())  # a trace without update tables has no §8.6 rows
-    checked = [i for i in IDENTITIES if (i.table != UPDATE or with_updates) and i.applies_to(algorithm)]
     per_step: list[StepResult] = []
     unreadable: dict[int, StepFileError] = {}
     tokens = 0
-    for done, step in enumerate(selected, start=1):
-        try:
-            data = StepData.read(trace, step, QUANTITIES, rows_only=("turn", "role"))
-            cuts = StepCuts.of(trace.prompts(step), data.layout)  # every file of the step must read
-            contexts = {TOKEN: TokenStep(algorithm, trace.step_record(step), data, cuts)}
-            if with_updates:
-                contexts[UPDATE] = update_checks.UpdateStep(trace, step, data)
-            findings = [(i, i.check(contexts[i.table])) for i in checked if i.table != RUN]
-        except StepFileError as error:  # the step is not checked; steps_on_disk fails it, the others go on
-            unreadable[step] = error
-        else:
-            per_step.extend(StepResult(**vars(finding), identity=i.name, step=step) for i, finding in findings)
-            tokens += data.tokens
-        if progress is not None:
-            progress(done, len(selected), tokens)
+    for step, outcome in map_steps(trace, selected, check_step, jobs=jobs, ray_address=ray_address, progress=progress):
+        if isinstance(outcome, StepFileError):  # the step is not checked; steps_on_disk fails it, the others go on
+            unreadable[step] = outcome
+            continue
+        findings, step_tokens = outcome
+        per_step.extend(StepResult(**vars(finding), identity=name, step=step) for name, finding in findings)
+        tokens += step_tokens
     run = RunScope(trace, selected, everything=steps is None, unreadable=unreadable)
     for i in checked:
         if i.table == RUN:
@@ -71,6 +71,26 @@ def check_trace(trace, steps: Iterable[int] | None = None, progress: Progress | 
         aggregate(i.name, *i.describe(algorithm), [r for r in per_step if r.identity == i.name]) for i in checked
     )
     return CheckReport(str(trace.path), algorithm, selected, tokens, identities, tuple(per_step), RecordedRun.of(trace), tuple(sorted(unreadable)))
+
+
+def _plan(trace) -> tuple[RecordedAlgorithm, list[Identity], bool]:
+    """The run's estimator, the identities that apply to it, and whether the trace has update tables."""
+    algorithm = RecordedAlgorithm.from_record(trace.record)
+    with_updates = any(trace.update_steps.values())  # a trace without update tables has no §8.6 rows
+    return algorithm, [i for i in IDENTITIES if (i.table != UPDATE or with_updates) and i.applies_to(algorithm)], with_updates
+
+
+def check_step(trace, step: int) -> tuple[tuple[list, int], int]:
+    """One step's findings, [(identity, finding)], and its valid tokens (twice: the value and the
+    count :func:`~verl_ext.trace.parallel.map_steps` takes). StepFileError when a file of it does not read."""
+    algorithm, checked, with_updates = _plan(trace)
+    data = StepData.read(trace, step, QUANTITIES, rows_only=("turn", "role"))
+    cuts = StepCuts.of(trace.prompts(step), data.layout)  # every file of the step must read
+    contexts = {TOKEN: TokenStep(algorithm, trace.step_record(step), data, cuts)}
+    if with_updates:
+        contexts[UPDATE] = update_checks.UpdateStep(trace, step, data)
+    findings = [(i.name, i.check(contexts[i.table])) for i in checked if i.table != RUN]
+    return (findings, data.tokens), data.tokens
 
 
 # --------------------------------------------------------------------------- the report

@@ -39,6 +39,8 @@ import pyarrow as pa
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
 from verl_ext.check.cuts import SECTION, StepCuts
 from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
+from verl_ext.errors import StepFileError
+from verl_ext.trace.parallel import map_steps
 from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.check.update_checks import update_statistics, why_no_correlation
 from verl_ext.check.update_rows import UpdateRows
@@ -78,29 +80,38 @@ _COLUMNS = ("score", "reward", "kl", "value", "return", "advantage_raw", "advant
 
 
 def summarize(
-    trace, steps: Iterable[int] | None = None, progress: Progress | None = None, unread: UnreadSteps | None = None
+    trace,
+    steps: Iterable[int] | None = None,
+    progress: Progress | None = None,
+    unread: UnreadSteps | None = None,
+    *,
+    jobs: int = 1,
+    ray_address: str | None = None,
 ) -> pa.Table:
-    """SUMMARY_SCHEMA, one row per step (all traced steps, or ``steps``), read one step at a time.
+    """SUMMARY_SCHEMA, one row per step (all traced steps, or ``steps``), read one step at a time, in
+    ``jobs`` processes or as Ray tasks (:func:`verl_ext.trace.parallel.map_steps`: the same rows).
     ``unread``: where to note a step whose files do not read, which is then left out (without it, such
     a step raises :class:`~verl_ext.errors.StepFileError`)."""
     trace = as_trace(trace)
     selected = list(trace.steps if steps is None else steps)
-    gamma = RecordedAlgorithm.from_record(trace.record).gamma
-    rows, tokens = [], 0
-
-    def summary_row(step: int) -> tuple[dict, int]:
-        data = StepData.read(trace, step, _COLUMNS)
-        prompts = trace.prompts(step)
-        row = step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(prompts) | truncation_statistics(prompts, data)
-        return row, data.tokens
-
-    for done, step in enumerate(selected, start=1):
-        for _, (row, step_tokens) in (unread.read([step], summary_row) if unread is not None else [(step, summary_row(step))]):
-            rows.append(row)
-            tokens += step_tokens
-        if progress is not None:
-            progress(done, len(selected), tokens)
+    rows = []
+    for step, outcome in map_steps(trace, selected, summary_row, jobs=jobs, ray_address=ray_address, progress=progress):
+        if isinstance(outcome, StepFileError):
+            if unread is None:
+                raise outcome
+            unread.unreadable[step] = str(outcome)
+            continue
+        rows.append(outcome)
     return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)
+
+
+def summary_row(trace, step: int) -> tuple[dict, int]:
+    """One step's row of :func:`summarize` and its valid tokens."""
+    gamma = RecordedAlgorithm.from_record(trace.record).gamma
+    data = StepData.read(trace, step, _COLUMNS)
+    prompts = trace.prompts(step)
+    row = step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(prompts) | truncation_statistics(prompts, data)
+    return row, data.tokens
 
 
 def blank_notes(trace, summary: pa.Table) -> list[str]:

@@ -140,6 +140,11 @@ class Trace:
         self._root = root
         self._footers: dict[int, dict[bytes, bytes]] = {}
 
+    @property
+    def local_root(self) -> str | None:
+        """The trace's directory on this machine's disk; None for a trace on another filesystem (a URL)."""
+        return self._root if isinstance(self._fs, pafs.LocalFileSystem) else None
+
     def read_step(self, step: int, columns: list[str] | None = None) -> pa.Table:
         """The token table of one step: ``columns`` (default all) in TOKEN_SCHEMA order."""
         names = _known_columns(columns)

@@ -1,0 +1,130 @@
+"""Steps in parallel (verl_ext.trace.parallel): ``check`` and ``summary`` in worker processes give the
+report and the rows of one process, byte for byte, on a trace with a planted NaN, a nudged return, an
+update table and a step whose file does not read; Ctrl-C leaves no worker behind.
+
+Covers: verl_ext.trace.parallel, verl_ext.check.run.check_trace, verl_ext.inspect.summary.summarize,
+the CLI's --jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.view.view_helpers import save_piece_tokenizer, write_view_trace
+from verl_ext.trace import parallel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> str:
+    """Five steps: a NaN value (step 2), a return nudged by 1% (step 4), step 5's token file cut short."""
+    directory = tmp_path_factory.mktemp("parallel")
+    path = write_view_trace(directory / "trace", save_piece_tokenizer(directory / "tok"), steps=(1, 2, 3, 4, 5), nudged=(4, 1, 3))
+    token_file = Path(path) / "step-5" / "part-0.parquet"
+    token_file.write_bytes(token_file.read_bytes()[:200])
+    return path
+
+
+@pytest.fixture
+def every_trace_in_parallel(monkeypatch):
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_ROWS", 0)  # these traces are small
+
+
+def test_the_check_in_two_processes_is_the_check_in_one(trace, every_trace_in_parallel):
+    from verl_ext.check.run import check_trace
+    from verl_ext.inspect.render import format_report
+
+    serial, in_two = check_trace(trace), check_trace(trace, jobs=2)
+    assert serial.verdict == "fail" and serial.unreadable == (5,)  # the trace has something to find
+    assert {r.identity for r in serial.identities if r.status == "fail"} >= {"returns", "finite", "steps_on_disk"}
+    assert json.dumps(in_two.to_dict()) == json.dumps(serial.to_dict())
+    assert format_report(in_two) == format_report(serial)
+    assert in_two.to_arrow().equals(serial.to_arrow())
+
+
+def test_the_summary_in_two_processes_is_the_summary_in_one(trace, every_trace_in_parallel):
+    from verl_ext.inspect.summary import summarize
+    from verl_ext.inspect.unread import UnreadSteps
+
+    serial_unread, parallel_unread = UnreadSteps(), UnreadSteps()
+    serial = summarize(trace, unread=serial_unread)
+    assert serial.num_rows == 4 and list(serial_unread.unreadable) == [5]
+    assert summarize(trace, unread=parallel_unread, jobs=2).equals(serial)
+    assert parallel_unread == serial_unread
+
+
+def test_the_progress_counts_every_step_and_its_tokens(trace, every_trace_in_parallel):
+    from verl_ext.check.run import check_trace
+
+    seen = []
+    report = check_trace(trace, jobs=2, progress=lambda done, total, tokens: seen.append((done, total, tokens)))
+    assert [done for done, _, _ in seen] == [1, 2, 3, 4, 5] and {total for _, total, _ in seen} == {5}
+    assert seen[-1][2] == report.tokens > 0
+
+
+def test_a_small_trace_stays_in_one_process(trace, monkeypatch):
+    """Below MIN_PARALLEL_ROWS no worker starts (they would cost more than the steps)."""
+    monkeypatch.setattr(parallel, "_in_processes", lambda *args: pytest.fail("a pool was started"))
+    from verl_ext.check.run import check_trace
+
+    assert check_trace(trace, jobs=2).unreadable == (5,)
+
+
+def test_a_bad_job_count_is_one_line(trace, run_cli):
+    code, _, err = run_cli("check", trace, "--jobs", "0")
+    assert code == 2 and "--jobs: must be >= 1, got 0" in err and "Traceback" not in err
+
+
+INTERRUPTED = """
+import sys, time
+from verl_ext import cli
+from verl_ext.trace import parallel
+parallel.MIN_PARALLEL_ROWS = 0
+sys.exit(cli.main(["check", sys.argv[1], "--jobs", "2"]))
+"""
+
+
+def _children(pid: int) -> set[int]:
+    """Every process below ``pid`` (its descendants), from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_ctrl_c_stops_every_worker_and_says_so_in_one_line(trace, tmp_path):
+    """SIGINT to the command's process group, as a terminal sends it, once its workers run: exit 130,
+    one line, no traceback, and no process of it left."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED, trace], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(_children(command.pid)) < 2 and time.monotonic() < deadline:  # the pool's two workers
+        time.sleep(0.05)
+    workers = _children(command.pid)
+    assert len(workers) >= 2, "the workers did not start"
+    os.killpg(command.pid, signal.SIGINT)
+    out, err = command.communicate(timeout=60)
+    assert command.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "verl-ext check: interrupted" and "Traceback" not in err
+    time.sleep(0.5)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
