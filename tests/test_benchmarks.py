@@ -25,7 +25,7 @@ def _trace_report(out: str) -> None:
 
 
 def _check_report(out: str) -> None:
-    line = re.search(r"check: ([\d,]+) valid tokens in (\d+) steps, best of 1: ([\d.]+) s = [\d.]+ M tokens/s.* jobs=1 tokens_per_s=(\d+)$", out, re.M)
+    line = re.search(r"check: ([\d,]+) valid tokens in (\d+) steps, best of 1: ([\d.]+) s = [\d.]+ M tokens/s end to end.* jobs=1 tokens_per_s=(\d+)$", out, re.M)
     tokens, steps, seconds, per_second = line.groups()
     assert steps == "2" and 1_000 <= int(tokens.replace(",", "")) <= 4_000  # --tokens 2000 over the run, drawn lengths
     assert int(per_second) > 0 and float(seconds) >= 0

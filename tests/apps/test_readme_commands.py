@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 #: The pages whose lines run as the README's do: every Markdown file under docs/.
 DOCS = ROOT / "docs"
 #: The subcommands that read a trace and change nothing (the others train or set up).
-INSPECTION = {"check", "show", "summary", "table", "compare", "plot", "export", "view"}
+INSPECTION = {"check", "show", "summary", "table", "compare", "plot", "export", "view", "sql"}
 DEMO_TRACE, TOOL_DEMO_TRACE, ANY_TRACE = "outputs/demo/trace", "outputs/demo_tool/trace", "PATH"
 #: What the comment of a line that has nothing to show on a critic-free run says.
 NEEDS_A_CRITIC = "a run with a critic"

@@ -11,12 +11,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.forkserver import real_python
 from tests.view.view_helpers import save_piece_tokenizer, write_view_trace
 from verl_ext.trace import parallel
 
@@ -47,7 +47,7 @@ def test_the_check_in_two_processes_is_the_check_in_one(trace, every_trace_in_pa
     assert {r.identity for r in serial.identities if r.status == "fail"} >= {"returns", "finite", "steps_on_disk"}
     assert json.dumps(in_two.to_dict()) == json.dumps(serial.to_dict())
     assert format_report(in_two) == format_report(serial)
-    assert in_two.to_arrow().equals(serial.to_arrow())
+    assert in_two.to_arrow().to_pandas().equals(serial.to_arrow().to_pandas())  # NaN where NaN
 
 
 def test_the_summary_in_two_processes_is_the_summary_in_one(trace, every_trace_in_parallel):
@@ -57,7 +57,7 @@ def test_the_summary_in_two_processes_is_the_summary_in_one(trace, every_trace_i
     serial_unread, parallel_unread = UnreadSteps(), UnreadSteps()
     serial = summarize(trace, unread=serial_unread)
     assert serial.num_rows == 4 and list(serial_unread.unreadable) == [5]
-    assert summarize(trace, unread=parallel_unread, jobs=2).equals(serial)
+    assert summarize(trace, unread=parallel_unread, jobs=2).to_pandas().equals(serial.to_pandas())  # NaN where NaN
     assert parallel_unread == serial_unread
 
 
@@ -78,9 +78,17 @@ def test_a_small_trace_stays_in_one_process(trace, monkeypatch):
     assert check_trace(trace, jobs=2).unreadable == (5,)
 
 
-def test_a_bad_job_count_is_one_line(trace, run_cli):
-    code, _, err = run_cli("check", trace, "--jobs", "0")
-    assert code == 2 and "--jobs: must be >= 1, got 0" in err and "Traceback" not in err
+def test_a_bad_job_count_is_one_line(trace, run_cli, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's one line
+        run_cli("check", trace, "--jobs", "0")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --jobs: must be >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_no_ray_cluster_at_the_address_is_one_line(trace, run_cli):
+    code, _, err = run_cli("check", trace, "--ray", "127.0.0.1:1")
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith("verl-ext check: --ray: no Ray cluster at 127.0.0.1:1 (")
 
 
 INTERRUPTED = """
@@ -92,8 +100,8 @@ sys.exit(cli.main(["check", sys.argv[1], "--jobs", "2"]))
 """
 
 
-def _children(pid: int) -> set[int]:
-    """Every process below ``pid`` (its descendants), from /proc."""
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, from /proc."""
     parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -113,18 +121,32 @@ def test_ctrl_c_stops_every_worker_and_says_so_in_one_line(trace, tmp_path):
     """SIGINT to the command's process group, as a terminal sends it, once its workers run: exit 130,
     one line, no traceback, and no process of it left."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPTED, trace], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    command = subprocess.Popen(  # a real interpreter, whose processes are its own children
+        [real_python(), "-c", INTERRUPTED, trace], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
-    while len(_children(command.pid)) < 2 and time.monotonic() < deadline:  # the pool's two workers
+    while len(_workers(command.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    workers = _children(command.pid)
-    assert len(workers) >= 2, "the workers did not start"
+    started = _descendants(command.pid)
+    assert len(_workers(command.pid)) == 2, "the pool's two workers did not start"
     os.killpg(command.pid, signal.SIGINT)
     out, err = command.communicate(timeout=60)
     assert command.returncode == 130, err
     assert err.strip().splitlines()[-1] == "verl-ext check: interrupted" and "Traceback" not in err
-    time.sleep(0.5)
-    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+    deadline = time.monotonic() + 10
+    while [pid for pid in started if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "a process of the command is left"
+
+
+def _workers(pid: int) -> set[int]:
+    """The pool's worker processes below ``pid`` (multiprocessing's spawned interpreters)."""
+    workers = set()
+    for child in _descendants(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                workers.add(child)
+        except OSError:
+            pass
+    return workers

@@ -12,12 +12,14 @@
     critic_diagnostics(trace).to_pandas()          # the critic against the MC return, per step and position
     print(critic_report(critic_diagnostics(trace), gamma=0.99))  # `summary --critic`'s text (γ: the run's)
     plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
+    connect(trace).sql("SELECT step, avg(advantage) FROM tokens WHERE mask GROUP BY step").df()  # DuckDB
+    check_trace(trace, jobs=4)                     # the steps in 4 processes (summarize too; ray_address=...)
 
 Every function takes an open trace or a path. The checker (``check_trace`` and its report, exported
 here too) and the step data both read (``stepdata``, ``cuts``) are in :mod:`verl_ext.check`. Modules:
 ``table`` (the per-token table, decoded tokens); ``summary`` (one row per step); ``comparison`` (the
 estimators side by side on one step); ``critic`` (the critic's values against the Monte-Carlo return,
-by position); ``unread`` (the steps a scan could not read: missing on disk, or whose files do not
+by position); ``sql`` (DuckDB views over every table); ``unread`` (the steps a scan could not read: missing on disk, or whose files do not
 read, and how the commands say so); ``plots``; ``render`` (text, CSV, Markdown, the check report,
 progress lines). The commands are in :mod:`verl_ext.cli`.
 """
@@ -45,6 +47,7 @@ _EXPORTS = {
     "comparison_report": "verl_ext.inspect.comparison",
     "critic_diagnostics": "verl_ext.inspect.critic",
     "critic_report": "verl_ext.inspect.critic",
+    "connect": "verl_ext.inspect.sql",
     "steps_by_bucket": "verl_ext.inspect.critic",
 }
 _names, _exported = lazy_exports(__name__, _EXPORTS)

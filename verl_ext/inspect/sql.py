@@ -42,7 +42,10 @@ STEPS_SCHEMA = pa.schema(
 def connect(trace, tokenizer=None):
     """A DuckDB connection (in memory) with the views of the module docstring over ``trace`` (open,
     or its path); ``tokenizer`` as ``verl-ext show`` takes it (default: the run record's)."""
-    import duckdb
+    try:
+        import duckdb
+    except ImportError:
+        raise UsageError("SQL over a trace needs DuckDB: pip install 'verl-ext[sql]'") from None
 
     trace = as_trace(trace)
     if trace.local_root is None:
@@ -56,7 +59,7 @@ def connect(trace, tokenizer=None):
         _view(con, f"{kind}_updates", files, trace, schema, hive=not layout.step_in_files)
     con.register("steps", _steps_table(trace))
     con.register("vocabulary", _vocabulary(con, trace, tokenizer))
-    columns = ", ".join(f"t.{name}" for name in TOKEN_SCHEMA.names)
+    columns = ", ".join(f't."{name}"' for name in TOKEN_SCHEMA.names)
     con.execute(
         f"CREATE VIEW tokens AS SELECT {columns}, v.token FROM token_rows t LEFT JOIN vocabulary v USING (token_id) "
         "ORDER BY t.step, t.sample, t.token_index"
@@ -71,8 +74,9 @@ def _view(con, name: str, files: list[str], trace, schema: pa.Schema, hive: bool
         return
     paths = [os.path.join(trace.local_root, file) for file in files]
     # formats 1 and 2 keep ``step`` in the folder name only (hive partitions)
-    columns = ", ".join(f"CAST({n} AS BIGINT) AS step" if n == "step" else n for n in schema.names)
-    con.execute(f"CREATE VIEW {name} AS SELECT {columns} FROM read_parquet(?, hive_partitioning = {'true' if hive else 'false'})", [paths])
+    columns = ", ".join('CAST(step AS BIGINT) AS step' if n == "step" else f'"{n}"' for n in schema.names)
+    listed = ", ".join("'" + path.replace("'", "''") + "'" for path in paths)  # a view takes no parameters
+    con.execute(f"CREATE VIEW {name} AS SELECT {columns} FROM read_parquet([{listed}], hive_partitioning = {str(hive).lower()})")
 
 
 def _steps_table(trace) -> pa.Table:

@@ -20,9 +20,10 @@ from verl_ext.errors import StepFileError, UsageError
 
 StepFn = Callable[[Any, int], tuple[Any, int]]
 Progress = Callable[[int, int, int], None]
-#: Below this many token rows in all the steps asked for, workers cost more to start than they save
-#: (a spawned worker imports torch: about 2 s of CPU), and the steps run in this process.
-MIN_PARALLEL_ROWS = 2_000_000
+#: Below this many token rows in all the steps asked for, workers cost more to start than they save (a
+#: spawned worker imports torch: about 2.5 s, while the checker reads about 2 M rows/s: break-even near
+#: 10 M rows on 2 cores, benchmarks/bench_check.py), and the steps run in this process.
+MIN_PARALLEL_ROWS = 10_000_000
 
 
 def default_jobs() -> int:
@@ -128,6 +129,7 @@ def _on_ray(path: str, steps: Sequence[int], fn: StepFn, address: str) -> Iterat
         raise UsageError("--ray needs Ray (pip install ray)") from None
     started = not ray.is_initialized()
     if started:
+        _require_listening(address)
         try:
             # "auto": the cluster RAY_ADDRESS names, else a new one on this machine
             ray.init(address=None if address == "auto" else address, logging_level="ERROR", log_to_driver=False)
@@ -146,3 +148,17 @@ def _on_ray(path: str, steps: Sequence[int], fn: StepFn, address: str) -> Iterat
     finally:
         if started:
             ray.shutdown()
+
+
+def _require_listening(address: str) -> None:
+    """A UsageError when nothing listens at ``address`` (host:port, or ray://host:port), at once: Ray
+    itself retries a dead address for minutes."""
+    import socket
+
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--ray: no Ray cluster at {address} ({error})") from None
