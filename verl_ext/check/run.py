@@ -56,12 +56,14 @@ def check_trace(
     per_step: list[StepResult] = []
     unreadable: dict[int, StepFileError] = {}
     tokens = 0
+    names = {i.name for i in checked}
     for step, outcome in map_steps(trace, selected, check_step, jobs=jobs, ray_address=ray_address, progress=progress):
         if isinstance(outcome, StepFileError):  # the step is not checked; steps_on_disk fails it, the others go on
             unreadable[step] = outcome
             continue
         findings, step_tokens = outcome
-        per_step.extend(StepResult(**vars(finding), identity=name, step=step) for name, finding in findings)
+        # a worker opens the trace later: of a run still writing, it may see update tables this listing lacks
+        per_step.extend(StepResult(**vars(finding), identity=name, step=step) for name, finding in findings if name in names)
         tokens += step_tokens
     run = RunScope(trace, selected, everything=steps is None, unreadable=unreadable)
     for i in checked:

@@ -3,8 +3,8 @@
 
 ``fn(trace, step) -> (value, tokens)`` is a module-level function (workers import it by name); each
 worker opens the trace once and reads one step at a time, so its memory is one step's (the checker's:
-about 100 bytes per token row of the step) on top of the libraries it imports (about 400 MB with
-torch). :func:`map_steps` yields (step, value) in the order of ``steps``, whatever order the workers
+about 420 bytes per token row of its largest step) on top of the libraries it imports (about 300 MB
+with torch; docs/performance.md#many-steps-at-once). :func:`map_steps` yields (step, value) in the order of ``steps``, whatever order the workers
 finish in, so a command's output is the serial run's. A step whose file does not read comes back as
 its :class:`~verl_ext.errors.StepFileError` in place of the value. Ctrl-C stops every worker: pool
 processes are terminated, Ray tasks cancelled.
@@ -20,10 +20,11 @@ from verl_ext.errors import StepFileError, UsageError
 
 StepFn = Callable[[Any, int], tuple[Any, int]]
 Progress = Callable[[int, int, int], None]
-#: Below this many token rows in all the steps asked for, workers cost more to start than they save (a
-#: spawned worker imports torch: about 2.5 s, while the checker reads about 2 M rows/s: break-even near
-#: 10 M rows on 2 cores, benchmarks/bench_check.py), and the steps run in this process.
-MIN_PARALLEL_ROWS = 10_000_000
+#: Below this many token rows in all the steps asked for, workers cost more to start than they save (two
+#: spawned workers importing torch at once took about 3 s on 2 cores, while one process checks about
+#: 2.6 M rows/s and two about 4 M/s: break-even near 25 M rows, benchmarks/bench_check.py), and the
+#: steps run in this process.
+MIN_PARALLEL_ROWS = 30_000_000
 
 
 def default_jobs() -> int:
@@ -96,6 +97,17 @@ def _in_worker(fn: StepFn, path: str, step: int) -> tuple[int, Any, int]:
     return _outcome(trace, fn, step)
 
 
+def _share_cores(jobs: int) -> None:
+    """Each of ``jobs`` workers takes its share of the cores for torch's and Arrow's threads, rather
+    than every worker starting a thread per core."""
+    import pyarrow
+    import torch
+
+    threads = max(1, default_jobs() // jobs)
+    torch.set_num_threads(threads)
+    pyarrow.set_cpu_count(threads)
+
+
 def _in_processes(path: str, steps: Sequence[int], fn: StepFn, jobs: int) -> Iterator[tuple[int, Any, int]]:
     import functools
     import multiprocessing
@@ -104,7 +116,7 @@ def _in_processes(path: str, steps: Sequence[int], fn: StepFn, jobs: int) -> Ite
     # which they keep from their first instruction: the parent stops them, and none prints a traceback.
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        pool = multiprocessing.get_context("spawn").Pool(jobs)
+        pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_share_cores, initargs=(jobs,))
     finally:
         signal.signal(signal.SIGINT, interrupt)
     try:
