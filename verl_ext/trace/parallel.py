@@ -4,8 +4,8 @@
 ``fn(trace, step) -> (value, tokens)`` is a module-level function (workers import it by name); each
 worker opens the trace once and reads one step at a time, so its memory is one step's (the checker's:
 about 420 bytes per token row of its largest step) on top of the libraries it imports (about 300 MB
-with torch; docs/performance.md#many-steps-at-once). :func:`map_steps` yields (step, value) in the order of ``steps``, whatever order the workers
-finish in, so a command's output is the serial run's. A step whose file does not read comes back as
+with torch; docs/performance.md#many-steps-at-once). :func:`map_steps` yields (step, value) in the
+order of ``steps``, whatever order the workers finish in, so a command's output is the serial run's. A step whose file does not read comes back as
 its :class:`~verl_ext.errors.StepFileError` in place of the value. Ctrl-C stops every worker: pool
 processes are terminated, Ray tasks cancelled.
 """
