@@ -11,7 +11,7 @@ once the bytecode was there.
 
 What is compiled is :data:`LIST`: the files of the modules that importing :data:`MODULES` loads (about
 6,800), relative to site-packages. ``list`` writes it by importing them (41 s on one core), ``compile``
-compiles just those files without running them (9 s on two cores), in the same ``__pycache__`` files
+compiles just those files without running them (11-12 s on two cores), in the same ``__pycache__`` files
 an import writes. The list follows the pinned versions (constraints.txt, requirements/): rewrite it
 when they change. A module it misses is compiled when first imported, as before; a file it names that
 is not installed is skipped (tests/cpu/test_vllm_setup.py holds it to the installed set).

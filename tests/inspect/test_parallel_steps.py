@@ -150,3 +150,28 @@ def _workers(pid: int) -> set[int]:
         except OSError:
             pass
     return workers
+
+
+def test_a_trace_being_written_is_checked_on_whole_steps(tmp_path, every_trace_in_parallel):
+    """While a writer adds steps (and their update tables), checks in two processes see whole steps
+    only: every step they list passes, none is unreadable, and the run reads as not finished."""
+    import threading
+
+    from verl_ext.check.run import check_trace
+    from verl_ext.trace.reader import open_trace
+
+    tokenizer = save_piece_tokenizer(tmp_path / "tok")
+    writing = threading.Thread(target=write_view_trace, args=(tmp_path / "trace", tokenizer), kwargs={"steps": range(1, 41), "planted": False})
+    writing.start()
+    reports = []
+    try:
+        while writing.is_alive() and len(reports) < 2:
+            if (tmp_path / "trace" / "_run.json").exists() and open_trace(str(tmp_path / "trace")).steps:
+                reports.append(check_trace(str(tmp_path / "trace"), jobs=2))
+            time.sleep(0.05)
+    finally:
+        writing.join()
+    assert reports, "the writer finished before a check could start"
+    for report in reports:
+        assert report.unreadable == () and report.verdict == "pass", [str(r.first) for r in report.identities if r.first]
+    assert open_trace(str(tmp_path / "trace")).steps == list(range(1, 41))
