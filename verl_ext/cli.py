@@ -304,7 +304,7 @@ def _critic_summary(trace, args: argparse.Namespace, unread) -> int:
     from verl_ext.inspect.critic import critic_diagnostics, critic_report
     from verl_ext.check.stepdata import RecordedAlgorithm
 
-    diagnostics = critic_diagnostics(trace, progress=_progress(args, "summary --critic"), unread=unread)
+    diagnostics = critic_diagnostics(trace, progress=_progress(args, "summary --critic"), unread=unread, **_parallel(args))
     gamma = RecordedAlgorithm.from_record(trace.record).gamma
     _emit(_run_header(trace, args.format) + critic_report(diagnostics, gamma, args.format, args.digits))
     return _left_out(unread)

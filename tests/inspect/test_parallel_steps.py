@@ -1,9 +1,9 @@
-"""Steps in parallel (verl_ext.trace.parallel): ``check`` and ``summary`` in worker processes give the
-report and the rows of one process, byte for byte, on a trace with a planted NaN, a nudged return, an
-update table and a step whose file does not read; Ctrl-C leaves no worker behind.
+"""Steps in parallel (verl_ext.trace.parallel): ``check``, ``summary`` and ``summary --critic`` in worker
+processes give the report and the rows of one process, byte for byte, on a trace with a planted NaN, a
+nudged return, an update table and a step whose file does not read; Ctrl-C leaves no worker behind.
 
 Covers: verl_ext.trace.parallel, verl_ext.check.run.check_trace, verl_ext.inspect.summary.summarize,
-the CLI's --jobs."""
+verl_ext.inspect.critic.critic_diagnostics, the CLI's --jobs."""
 
 from __future__ import annotations
 
@@ -58,6 +58,17 @@ def test_the_summary_in_two_processes_is_the_summary_in_one(trace, every_trace_i
     serial = summarize(trace, unread=serial_unread)
     assert serial.num_rows == 4 and list(serial_unread.unreadable) == [5]
     assert summarize(trace, unread=parallel_unread, jobs=2).to_pandas().equals(serial.to_pandas())  # NaN where NaN
+    assert parallel_unread == serial_unread
+
+
+def test_the_critic_by_position_in_two_processes_is_the_one_in_one(trace, every_trace_in_parallel):
+    from verl_ext.inspect.critic import critic_diagnostics
+    from verl_ext.inspect.unread import UnreadSteps
+
+    serial_unread, parallel_unread = UnreadSteps(), UnreadSteps()
+    serial = critic_diagnostics(trace, unread=serial_unread)
+    assert serial.num_rows > 0 and list(serial_unread.unreadable) == [5]
+    assert critic_diagnostics(trace, unread=parallel_unread, jobs=2).to_pandas().equals(serial.to_pandas())  # NaN where NaN
     assert parallel_unread == serial_unread
 
 

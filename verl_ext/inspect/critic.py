@@ -32,10 +32,11 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from verl_ext.errors import UsageError
+from verl_ext.errors import StepFileError, UsageError
 from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
 from verl_ext.inspect.render import render
 from verl_ext.inspect.unread import UnreadSteps
+from verl_ext.trace.parallel import map_steps
 from verl_ext.step_metrics import (
     BUCKETS,
     DECILES,
@@ -62,30 +63,38 @@ METRICS = tuple(CRITIC_SCHEMA.names[2:])
 
 
 def critic_diagnostics(
-    trace, steps: Iterable[int] | None = None, progress: Progress | None = None, unread: UnreadSteps | None = None
+    trace,
+    steps: Iterable[int] | None = None,
+    progress: Progress | None = None,
+    unread: UnreadSteps | None = None,
+    *,
+    jobs: int = 1,
+    ray_address: str | None = None,
 ) -> pa.Table:
     """CRITIC_SCHEMA: for every step (all traced steps, or ``steps``) and every bucket of BUCKETS,
-    the critic's values against the Monte-Carlo return (module docstring), one step read at a time.
+    the critic's values against the Monte-Carlo return (module docstring), one step read at a time, in
+    ``jobs`` processes or as Ray tasks (:func:`verl_ext.trace.parallel.map_steps`: the same rows).
     ``unread``: where to note a step whose files do not read, which is then left out (without it,
     such a step raises :class:`~verl_ext.errors.StepFileError`).
 
     A step without values (a run without a critic, such as ``grpo``) is a UsageError."""
     trace = as_trace(trace)
     selected = [trace.require_step(step) for step in (trace.steps if steps is None else steps)]
-    gamma = RecordedAlgorithm.from_record(trace.record).gamma
-    rows, tokens = [], 0
-
-    def read(step: int) -> StepData:
-        return StepData.read(trace, step, ("reward", "value"))
-
-    for done, step in enumerate(selected, start=1):
-        read_steps = unread.read([step], read) if unread is not None else [(step, read(step))]
-        for _, data in read_steps:
-            rows += _checked_diagnostics(trace, data, gamma)
-            tokens += data.tokens
-        if progress is not None:
-            progress(done, len(selected), tokens)
+    rows = []
+    for step, outcome in map_steps(trace, selected, critic_rows, jobs=jobs, ray_address=ray_address, progress=progress):
+        if isinstance(outcome, StepFileError):
+            if unread is None:
+                raise outcome
+            unread.unreadable[step] = str(outcome)
+            continue
+        rows += outcome
     return pa.Table.from_pylist(rows, schema=CRITIC_SCHEMA)
+
+
+def critic_rows(trace, step: int) -> tuple[list[dict], int]:
+    """One step's rows of :func:`critic_diagnostics` and its valid tokens."""
+    data = StepData.read(trace, step, ("reward", "value"))
+    return _checked_diagnostics(trace, data, RecordedAlgorithm.from_record(trace.record).gamma), data.tokens
 
 
 def _checked_diagnostics(trace, data: StepData, gamma: float) -> list[dict]:
