@@ -32,10 +32,10 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from verl_ext.errors import StepFileError, UsageError
+from verl_ext.errors import UsageError
 from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
 from verl_ext.inspect.render import render
-from verl_ext.inspect.unread import UnreadSteps
+from verl_ext.inspect.unread import UnreadSteps, readable
 from verl_ext.trace.parallel import map_steps
 from verl_ext.step_metrics import (
     BUCKETS,
@@ -62,15 +62,8 @@ CRITIC_SCHEMA = pa.schema(
 METRICS = tuple(CRITIC_SCHEMA.names[2:])
 
 
-def critic_diagnostics(
-    trace,
-    steps: Iterable[int] | None = None,
-    progress: Progress | None = None,
-    unread: UnreadSteps | None = None,
-    *,
-    jobs: int = 1,
-    ray_address: str | None = None,
-) -> pa.Table:
+def critic_diagnostics(trace, steps: Iterable[int] | None = None, progress: Progress | None = None,
+                       unread: UnreadSteps | None = None, *, jobs: int = 1, ray_address: str | None = None) -> pa.Table:  # fmt: skip
     """CRITIC_SCHEMA: for every step (all traced steps, or ``steps``) and every bucket of BUCKETS,
     the critic's values against the Monte-Carlo return (module docstring), one step read at a time, in
     ``jobs`` processes or as Ray tasks (:func:`verl_ext.trace.parallel.map_steps`: the same rows).
@@ -80,14 +73,8 @@ def critic_diagnostics(
     A step without values (a run without a critic, such as ``grpo``) is a UsageError."""
     trace = as_trace(trace)
     selected = [trace.require_step(step) for step in (trace.steps if steps is None else steps)]
-    rows = []
-    for step, outcome in map_steps(trace, selected, critic_rows, jobs=jobs, ray_address=ray_address, progress=progress):
-        if isinstance(outcome, StepFileError):
-            if unread is None:
-                raise outcome
-            unread.unreadable[step] = str(outcome)
-            continue
-        rows += outcome
+    outcomes = map_steps(trace, selected, critic_rows, jobs=jobs, ray_address=ray_address, progress=progress)
+    rows = [row for _, step_rows in readable(outcomes, unread) for row in step_rows]
     return pa.Table.from_pylist(rows, schema=CRITIC_SCHEMA)
 
 

@@ -39,9 +39,8 @@ import pyarrow as pa
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
 from verl_ext.check.cuts import SECTION, StepCuts
 from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
-from verl_ext.errors import StepFileError
 from verl_ext.trace.parallel import map_steps
-from verl_ext.inspect.unread import UnreadSteps
+from verl_ext.inspect.unread import UnreadSteps, readable
 from verl_ext.check.update_checks import update_statistics, why_no_correlation
 from verl_ext.check.update_rows import UpdateRows
 from verl_ext.step_metrics import critic_by_position, turn_shares
@@ -94,15 +93,8 @@ def summarize(
     a step raises :class:`~verl_ext.errors.StepFileError`)."""
     trace = as_trace(trace)
     selected = list(trace.steps if steps is None else steps)
-    rows = []
-    for step, outcome in map_steps(trace, selected, summary_row, jobs=jobs, ray_address=ray_address, progress=progress):
-        if isinstance(outcome, StepFileError):
-            if unread is None:
-                raise outcome
-            unread.unreadable[step] = str(outcome)
-            continue
-        rows.append(outcome)
-    return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)
+    outcomes = map_steps(trace, selected, summary_row, jobs=jobs, ray_address=ray_address, progress=progress)
+    return pa.Table.from_pylist([row for _, row in readable(outcomes, unread)], schema=SUMMARY_SCHEMA)
 
 
 def summary_row(trace, step: int) -> tuple[dict, int]:

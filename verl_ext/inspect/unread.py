@@ -58,6 +58,18 @@ class UnreadSteps:
         return lines
 
 
+def readable(outcomes: Iterable[tuple[int, T]], unread: UnreadSteps | None) -> Iterator[tuple[int, T]]:
+    """(step, value) of :func:`verl_ext.trace.parallel.map_steps`' outcomes whose step read; a step
+    whose file did not is noted in ``unread`` and skipped (without ``unread``, its error is raised)."""
+    for step, outcome in outcomes:
+        if isinstance(outcome, StepFileError):
+            if unread is None:
+                raise outcome
+            unread.unreadable[step] = str(outcome)
+            continue
+        yield step, outcome
+
+
 def step_reads(trace, step: int) -> None:
     """Read what says whether a step is there at all, cheaply: its token file's footer and its prompt
     table (a file cut short loses its footer first). StepFileError when one does not read."""
