@@ -61,7 +61,7 @@ def synthetic_step(step: int, samples: int, min_len: int, max_len: int) -> StepC
     floats |= {"return": result.returns, "advantage_raw": result.advantage_raw, "kl": kl}
     return StepCapture(
         step=step, mask=mask, token_id=torch.randint(0, 32000, (samples, width), generator=g), uid=None,
-        floats=floats, kl_coef=KL_COEF, whitening=result.whitening,
+        floats=floats, kl_coef=KL_COEF, whitening=registry.whitening_statistics(result.advantage_raw, mask),
     )  # fmt: skip
 
 

@@ -65,7 +65,7 @@ def synthetic_step(step: int, samples: int, min_len: int, max_len: int, vocab: i
     capture = StepCapture(
         step=step, mask=mask, token_id=torch.randint(4, vocab, (samples, width), generator=g),
         uid=[f"s{step}-g{i // 4}" for i in range(samples)], floats=floats, prompts=prompts,
-        eos_token_ids=[3], max_response_length=width, whitening=result.whitening,
+        eos_token_ids=[3], max_response_length=width, whitening=registry.whitening_statistics(result.advantage_raw, mask),
     )  # fmt: skip
     sample, position = (x.numpy().astype(np.int32) for x in torch.nonzero(mask, as_tuple=True))
     n = len(sample)

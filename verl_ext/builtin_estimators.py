@@ -19,7 +19,7 @@ BUILTINS: list[tuple[str, Callable, dict[str, Any]]] = []
 VERL_DESCRIBED: list[tuple[str, Callable | None, dict[str, Any]]] = []
 
 
-def register_estimator(name: str, **entry: Any) -> Callable:
+def builtin(name: str, **entry: Any) -> Callable:
     """Mark ``fn`` a built-in named ``name``, with ``entry`` as ``register_estimator``'s keywords."""
 
     def mark(fn: Callable) -> Callable:
@@ -29,7 +29,8 @@ def register_estimator(name: str, **entry: Any) -> Callable:
     return mark
 
 
-def describe_verl_estimator(name: str, fn: Callable | None = None, **entry: Any) -> None:
+def verl_described(name: str, fn: Callable | None = None, **entry: Any) -> None:
+    """Describe verl's estimator ``name``, with ``entry`` as ``describe_verl_estimator``'s keywords."""
     VERL_DESCRIBED.append((name, fn, entry))
 
 
@@ -44,11 +45,10 @@ def _discount_horizon(decay: float) -> float:
     return math.inf if decay >= 1.0 else 1.0 / (1.0 - decay)
 
 
-
 # --------------------------------------------------------------------------- the built-in estimators
 
 
-@register_estimator(
+@builtin(
     "mc",
     formula=docstring_formula(estimators.mc),
     horizon=lambda s: (_discount_horizon(s["gamma"]),) * 2,
@@ -59,7 +59,7 @@ def mc(rewards, values, response_mask, *, gamma, lam, config):
     return estimators.mc(rewards, values, response_mask, gamma)
 
 
-@register_estimator(
+@builtin(
     "td0",
     uses_lam=False,
     formula=docstring_formula(estimators.td0),
@@ -70,7 +70,7 @@ def td0(rewards, values, response_mask, *, gamma, lam, config):
     return estimators.td0(rewards, values, response_mask, gamma)
 
 
-@register_estimator(
+@builtin(
     "nstep",
     options=(N_STEP,),
     formula=docstring_formula(estimators.nstep),
@@ -105,7 +105,7 @@ def _gae_ext_horizon(settings: Settings) -> tuple[float, float]:
     return _discount_horizon(gamma * critic), math.inf if actor is None else _discount_horizon(gamma * actor)
 
 
-@register_estimator(
+@builtin(
     "gae_ext",
     options=(LAM_CRITIC, LAM_ACTOR, LAM_LENGTH_ALPHA),
     formula=f"{docstring_formula(estimators.gae_decoupled)} Length-adaptive λ_actor: {docstring_formula(estimators.length_adaptive_lam)}",
@@ -124,7 +124,7 @@ def gae_ext(rewards, values, response_mask, *, gamma, lam, config):
     return estimators.gae_decoupled(rewards, values, response_mask, gamma, lam_critic, lam_actor)
 
 
-@register_estimator(
+@builtin(
     "turn_gae",
     options=(LAM_CRITIC,),
     formula=docstring_formula(estimators.turn_gae),
@@ -147,7 +147,7 @@ def _verl_gae(rewards, values, response_mask, *, gamma, lam, config):
     return estimators.gae(rewards, values, response_mask, gamma, lam)
 
 
-describe_verl_estimator(
+verl_described(
     "gae",
     _verl_gae,
     needs_critic=True,
@@ -158,6 +158,6 @@ describe_verl_estimator(
     label=lambda s: f"gae{s['lam']:g}",
 )
 # not recomputable: its advantages come from group statistics the trace does not hold
-describe_verl_estimator(
+verl_described(
     "grpo", needs_critic=False, formula="advantage = (score − its prompt group's mean) / (the group's std + ε), on every token"
 )

@@ -142,9 +142,6 @@ class Estimate:
     returns: torch.Tensor
     advantage_raw: torch.Tensor
     advantages: torch.Tensor
-    #: {"mean", "var"} of ``advantage_raw`` over the tokens whitening uses (:func:`whitening_statistics`),
-    #: whether or not it whitened; the trace records them
-    whitening: dict[str, float] | None = None
 
 
 _ESTIMATORS: dict[str, Estimator] = {}
@@ -308,14 +305,11 @@ def run(
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"estimator {estimator.name!r} returned {label} of shape {shape}, expected {tuple(rewards.shape)}")
     whitened = settings["whiten_advantages"] if whiten is None else whiten
-    statistics = whitening_statistics(raw, response_mask, truncation)
     if truncation is None:
-        advantages = estimators.masked_whiten(raw, response_mask) if whitened else raw
-    elif whitened:
-        advantages = truncation.whiten(raw, response_mask, estimators.masked_whiten)
-    else:
-        advantages = truncation.advantages(raw)
-    return Estimate(returns, raw, advantages, statistics)
+        return Estimate(returns, raw, estimators.masked_whiten(raw, response_mask) if whitened else raw)
+    if whitened:
+        return Estimate(returns, raw, truncation.whiten(raw, response_mask, estimators.masked_whiten))
+    return Estimate(returns, raw, truncation.advantages(raw))
 
 
 def whitening_statistics(raw: torch.Tensor | None, response_mask: torch.Tensor, truncation: Truncation | None = None) -> dict[str, float] | None:

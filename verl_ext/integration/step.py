@@ -232,14 +232,15 @@ class Step:
         self.truncation = self.cut_responses()
         if name in registry.names():
             result = estimate.compute_registered_advantage(self.data, name, *settings, truncation=self.truncation)
-            self.advantage_raw, self.whitening = result.advantage_raw, result.whitening
-            return
-        if self.truncation is None:
-            self.data = verl_compute_advantage()
+            self.advantage_raw = result.advantage_raw
         else:
-            self.data = estimate.compute_verl_advantage_truncated(self.data, name, self.truncation, arguments, verl_compute_advantage)
-        self.advantage_raw = estimate.verl_advantage_raw(self.data, name, *settings)
-        self.whitening = registry.whitening_statistics(self.advantage_raw, self.data.batch["response_mask"], self.truncation)
+            if self.truncation is None:
+                self.data = verl_compute_advantage()
+            else:
+                self.data = estimate.compute_verl_advantage_truncated(self.data, name, self.truncation, arguments, verl_compute_advantage)
+            self.advantage_raw = estimate.verl_advantage_raw(self.data, name, *settings)
+        if self.traced:  # what the trace records of the whitening, over the full batch (the trace may keep part)
+            self.whitening = registry.whitening_statistics(self.advantage_raw, self.data.batch["response_mask"], self.truncation)
 
     def cut_responses(self) -> Any:
         """The step's :class:`verl_ext.truncation.Truncation` under the call's ``algorithm.truncation``;
