@@ -137,7 +137,8 @@ def test_ctrl_c_stops_every_worker_and_says_so_in_one_line(trace, tmp_path):
         text=True, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
-    while len(_workers(command.pid)) < 2 and time.monotonic() < deadline:
+    # the workers are up, and the command no longer ignores Ctrl-C as it does while it starts them
+    while (len(_workers(command.pid)) < 2 or _ignores_interrupts(command.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     started = _descendants(command.pid)
     assert len(_workers(command.pid)) == 2, "the pool's two workers did not start"
@@ -149,6 +150,14 @@ def test_ctrl_c_stops_every_worker_and_says_so_in_one_line(trace, tmp_path):
     while [pid for pid in started if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "a process of the command is left"
+
+
+def _ignores_interrupts(pid: int) -> bool:
+    """Whether ``pid`` ignores SIGINT (its SigIgn mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
 
 
 def _workers(pid: int) -> set[int]:
