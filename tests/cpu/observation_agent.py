@@ -29,25 +29,34 @@ class ObservationAgentLoop(AgentLoopBase):
         ids, mask, log_probs = [], [], []
         extra_fields = {}
 
-        async def write(max_tokens: int) -> bool:
-            """One assistant turn; True when it ended the response (EOS, or no room left)."""
+        async def write(max_tokens: int, last: bool) -> bool:
+            """One assistant turn; True when it ended the response (EOS, or no room left). A turn
+            before the last ends at an EOS after its first token and drops it, as a tool-calling loop
+            ends a turn at its stop token: the arithmetic model often answers in fewer tokens than the
+            first turn allows, and the multi-turn run needs (almost) every response to have two turns."""
             nonlocal extra_fields
             output = await self.server_manager.generate(
                 request_id=request_id, prompt_ids=prompt_ids + ids, sampling_params={**sampling_params, "max_tokens": max_tokens}
             )
             extra_fields = extra_fields or dict(output.extra_fields)
-            ids.extend(output.token_ids)
-            mask.extend([1] * len(output.token_ids))
-            log_probs.extend(output.log_probs or [0.0] * len(output.token_ids))
-            return self.tokenizer.eos_token_id in output.token_ids or len(ids) >= response_length
+            tokens = list(output.token_ids)
+            token_log_probs = list(output.log_probs or [0.0] * len(tokens))
+            eos = self.tokenizer.eos_token_id
+            if not last and eos in tokens[1:]:
+                end = tokens.index(eos, 1)
+                tokens, token_log_probs = tokens[:end], token_log_probs[:end]
+            ids.extend(tokens)
+            mask.extend([1] * len(tokens))
+            log_probs.extend(token_log_probs)
+            return eos in tokens or len(ids) >= response_length
 
         turns = 1
         observation = self.tokenizer.encode(OBSERVATION, add_special_tokens=False)
-        if not await write(FIRST_TURN_TOKENS) and len(ids) + len(observation) < response_length:
+        if not await write(FIRST_TURN_TOKENS, last=False) and len(ids) + len(observation) < response_length:
             ids.extend(observation)
             mask.extend([0] * len(observation))
             log_probs.extend([0.0] * len(observation))
-            await write(response_length - len(ids))
+            await write(response_length - len(ids), last=True)
             turns = 2
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
