@@ -575,6 +575,41 @@ def sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def replay_arguments(parser: argparse.ArgumentParser) -> None:
+    from verl_ext.apps.replay import ACTOR_OVERRIDES
+
+    parser.epilog = (
+        "Model-free: the first mini-batch of PPO epoch 0, scored again by verl's own policy loss from the recorded "
+        "inputs (the actor had not stepped yet). Without overrides the verdict is REPRODUCED or the first token and "
+        f"column that differ; overrides ({', '.join(ACTOR_OVERRIDES)}, algorithm.*) give the what-if beside the "
+        "recorded update. Exit code: 0 reproduced, 1 the recorded update differs, 2 bad input or a replay that needs "
+        "the model. docs/inspecting.md#replaying-a-step"
+    )
+    _run_argument(parser)
+    parser.add_argument("--step", type=_count(1), required=True, help="the training step to replay")
+    parser.add_argument("--out", metavar="DIR", help="write the replayed step there as a trace (check, show and view read it)")
+    parser.add_argument("--top", type=_count(0), default=10, help="tokens listed whose loss moved most (default: 10)")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    parser.add_argument("overrides", nargs="*", help="after --: key=value, e.g. -- actor_rollout_ref.actor.clip_ratio_high=0.28 algorithm.adv_estimator=td0")
+
+
+def replay(args: argparse.Namespace) -> int:
+    """One recorded step's update scored again, offline: as recorded (a proof) or with other settings."""
+    from verl_ext.apps.replay import Overrides, ReplayError, replay_report, replay_step, write_replay
+
+    trace = _open_run(args.run)
+    try:
+        result = replay_step(trace, args.step, Overrides.parse(args.overrides))
+        if args.out:
+            write_replay(result, trace, args.out)
+    except ReplayError as error:
+        raise UsageError(str(error)) from None
+    _emit(replay_report(result, args.format, args.top))
+    if args.out and args.format == "text":
+        _emit(f"written: {args.out} (verl-ext check {args.out}; verl-ext show {args.out} --step {args.step} --epoch 0)")
+    return 0 if result.reproduced else 1
+
+
 # --------------------------------------------------------------------------- doctor
 
 
@@ -722,6 +757,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[a
     "compare": (compare_arguments, compare),
     "view": (view_arguments, view),
     "sql": (sql_arguments, sql),
+    "replay": (replay_arguments, replay),
     "doctor": (doctor_arguments, doctor),
     "demo": (demo_arguments, demo),
     "study": (study_arguments, study),
@@ -748,7 +784,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # what follows "--" is a command's overrides, wherever its positionals are (argparse would take an
+    # empty list for them at RUN and refuse the rest)
+    tail = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = build_parser()
+    args = parser.parse_args(argv[: len(argv) - len(tail) - 1] if "--" in argv else argv)
+    if tail:
+        if not hasattr(args, "overrides"):
+            parser.error(f"verl-ext {args.command} takes no overrides after --")
+        args.overrides = [*args.overrides, *tail]
     command = COMMANDS[args.command][1]
     try:
         import_external_modules()  # a user's estimators, as in the run: check, compare and the view recompute them

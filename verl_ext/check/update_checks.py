@@ -3,7 +3,8 @@
 The identities (their records: :data:`verl_ext.check.identities.IDENTITIES`), on every row of a
 step's update tables:
 
-* ``update_rows``: every valid token of the token table is trained exactly once per epoch, and the
+* ``update_rows``: every valid token of the token table is trained exactly once per epoch (at most
+  once in a replay's trace, which holds some of the mini-batches: its run record's ``replay``), and the
   rows carry the token table's old_log_prob and advantage (actor), value and return (critic): the
   join by (step, sample, token_index) is right whatever verl's shuffling and batching did;
 * ``ratio``: the recorded ratio is the one verl's loss used. Against the log-probs verl's loss was
@@ -118,6 +119,8 @@ class UpdateStep:
         if kind == "actor" and self.actor is None:
             return skipped("no actor update table (critic warm-up?)")
         if kind == "critic" and self.critic is None:
+            if self.trace.record.replay:
+                return skipped("no critic update table (a replay's trace holds the actor's update)")
             return skipped("no critic update table (critic-free estimator)")
         return None
 
@@ -170,6 +173,8 @@ def update_rows(u: UpdateStep) -> Finding:
     if (unavailable := u.unavailable()) is not None:
         return unavailable
     keys = _token_keys(u.tokens)
+    # a model-free replay (verl_ext.apps.replay) holds some mini-batches of an epoch: a token they lack is not missing
+    partial = bool((u.trace.record.replay or {}).get("minibatches"))
     checked, problems, first = 0, 0, None
     joined = {"actor": ("old_log_prob", "advantage"), "critic": ("value", "return")}
     for kind, table in (("actor", u.actor), ("critic", u.critic)):
@@ -179,7 +184,8 @@ def update_rows(u: UpdateStep) -> Finding:
         for epoch in np.unique(table["epoch"]):
             in_epoch = table["epoch"] == epoch
             counts = np.bincount(index[in_epoch & found], minlength=len(keys))
-            missing, repeated, stray = int((counts == 0).sum()), int((counts > 1).sum()), int((in_epoch & ~found).sum())
+            missing = 0 if partial else int((counts == 0).sum())
+            repeated, stray = int((counts > 1).sum()), int((in_epoch & ~found).sum())
             checked += len(keys)
             if missing or repeated or stray:
                 problems += missing + repeated + stray

@@ -121,15 +121,7 @@ def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=Non
     inputs = seen["policy_inputs"]
     log_prob, old_log_prob = inputs["log_prob"].detach(), inputs["old_log_prob"]
     advantages, mask = inputs["advantages"], inputs["response_mask"].bool()
-    # compute_policy_loss_vanilla's own expressions (verl's core_algos)
-    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
-    low, high = clip_bounds(config)
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
-    clipped = torch.gt(pg_losses2, pg_losses1)
-    dual = torch.gt(torch.maximum(pg_losses1, pg_losses2), -advantages * config.clip_ratio_c) & (advantages < 0)
-    code = CLIP_CODES.index
-    clip = torch.where(dual, code(CLIP_DUAL), torch.where(clipped, torch.where(advantages < 0, code(CLIP_LOW), code(CLIP_HIGH)), code(CLIP_NONE)))
+    ratio, clip = ratio_and_clip(log_prob, old_log_prob, advantages, *clip_bounds(config), config.clip_ratio_c)
     entropy = model_output.get("entropy", None)
     columns = {
         "log_prob": log_prob,
@@ -143,6 +135,21 @@ def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=Non
     }
     _deliver(metrics, _report("actor", data, mask, columns, dp_group))
     return loss, metrics
+
+
+def ratio_and_clip(log_prob, old_log_prob, advantages, low: float, high: float, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio, clip code: an index into CLIP_CODES), elementwise, by compute_policy_loss_vanilla's own
+    expressions (verl's core_algos): ratio = exp(clamp(log_prob − old_log_prob, −20, 20)); the term is
+    clipped where −A·clamp(ratio, 1−ε_low, 1+ε_high) > −A·ratio, dual-clipped where A < 0 and the
+    clipped term exceeds −A·c."""
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    clipped = torch.gt(pg_losses2, pg_losses1)
+    dual = torch.gt(torch.maximum(pg_losses1, pg_losses2), -advantages * c) & (advantages < 0)
+    code = CLIP_CODES.index
+    clip = torch.where(dual, code(CLIP_DUAL), torch.where(clipped, torch.where(advantages < 0, code(CLIP_LOW), code(CLIP_HIGH)), code(CLIP_NONE)))
+    return ratio, clip
 
 
 def clip_bounds(actor: Any) -> tuple[float, float]:

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 #: Schema versions this code reads: every one so far. A column missing from an older file (its
 #: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
 #: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
@@ -76,7 +76,7 @@ class Layout:
         return table.replace_schema_metadata({**(table.schema.metadata or {}), **version})
 
 
-#: The layout of formats 3 to 8: ``step-<n>``, ``step`` stored in every file.
+#: The layout of formats 3 to 9: ``step-<n>``, ``step`` stored in every file.
 LAYOUT = Layout("-", SCHEMA_VERSION)
 #: The layout of formats 1 and 2: ``step=<n>``, a hive partition (``step`` only in the folder name).
 HIVE_LAYOUT = Layout("=", 2)
@@ -354,6 +354,10 @@ class RunRecord:
     #: (since format 8) the engine that generated the responses: {"name": actor_rollout_ref.rollout.name,
     #: "version": its package's installed version (None: unknown), "dtype": actor_rollout_ref.rollout.dtype}
     rollout: dict[str, Any] | None = None
+    #: (since format 9) this trace is a replay of one step of another (verl_ext.apps.replay): {"of": that
+    #: trace's path, "step": n, "mode": "model-free", "overrides": ["key=value", …], "minibatches":
+    #: [[epoch, minibatch], …] (the ones its update tables hold)}; None: a trace a run wrote
+    replay: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         """JSON bytes, steps in numeric order; TypeError/ValueError if something is not JSON data."""

@@ -1,0 +1,456 @@
+"""``verl-ext replay``: one recorded step's update scored again, offline, as recorded or with other
+settings (docs/inspecting.md#replaying-a-step).
+
+What is built is the model-free replay: the first mini-batch of PPO epoch 0. The actor has not
+stepped when verl computes that mini-batch's loss, so the log-probs it used are the recorded ones
+(the update table's ``log_prob``), and verl's own policy-loss function, fed the recorded inputs,
+gives the loss again. As recorded, that is a proof that the trace holds the loss's whole input
+(``REPRODUCED``, or the first token and column that differ). With overrides it is the what-if: other
+clip ranges, dual-clip bound, loss aggregation, policy-loss mode or estimator (the advantages are
+then re-estimated from the step's recorded rewards and values, and whitened as the run whitened).
+Later mini-batches, the learning rate and the number of epochs need the model after each optimizer
+step; the replay says so and does not approximate them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from verl_ext.errors import TraceError
+
+ACTOR = "actor_rollout_ref.actor."
+#: override key -> the key of the run record's ``update.actor`` it sets
+ACTOR_OVERRIDES = {
+    f"{ACTOR}clip_ratio_low": ("clip_ratio_low",),
+    f"{ACTOR}clip_ratio_high": ("clip_ratio_high",),
+    f"{ACTOR}clip_ratio": ("clip_ratio_low", "clip_ratio_high"),
+    f"{ACTOR}clip_ratio_c": ("clip_ratio_c",),
+    f"{ACTOR}loss_agg_mode": ("loss_agg_mode",),
+    f"{ACTOR}loss_scale_factor": ("loss_scale_factor",),
+    f"{ACTOR}policy_loss.loss_mode": ("loss_mode",),
+}
+#: the update's columns compared as recorded, in the order a difference is reported
+REPLAYED_COLUMNS = ("ratio", "clip", "pg_loss")
+MODEL_FREE = "model-free"
+
+
+class ReplayError(ValueError):
+    """One line for the user: the replay cannot be done as asked."""
+
+
+@dataclass
+class Overrides:
+    """What a replay changes: the actor's loss settings (``update.actor`` keys) and ``algorithm`` keys."""
+
+    given: list[str] = field(default_factory=list)  # as typed, for the record
+    actor: dict[str, Any] = field(default_factory=dict)
+    algorithm: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, items: list[str]) -> "Overrides":
+        """``key=value`` items, values read as YAML (as Hydra reads them); ReplayError on a bad one."""
+        import yaml
+
+        overrides = cls(given=list(items))
+        for item in items:
+            key, sep, text = item.partition("=")
+            if not sep or not key:
+                raise ReplayError(f"override {item!r} is not key=value")
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                raise ReplayError(f"override {item!r}: {text!r} is not a value") from None
+            if key in ACTOR_OVERRIDES:
+                for name in ACTOR_OVERRIDES[key]:
+                    overrides.actor[name] = value
+            elif key.startswith("algorithm."):
+                overrides.algorithm[key.removeprefix("algorithm.")] = value
+            elif key.startswith(("actor_rollout_ref.", "critic.", "trainer.", "data.")):
+                raise ReplayError(
+                    f"override {key}: it changes what happens after the first mini-batch's loss (or the data), "
+                    "and replaying that needs the model at each optimizer step, which this replay does not load; "
+                    f"model-free it takes {', '.join(ACTOR_OVERRIDES)} and algorithm.*"
+                )
+            else:
+                raise ReplayError(f"override {key}: not a verl setting the replay knows (it takes {', '.join(ACTOR_OVERRIDES)} and algorithm.*)")
+        for name in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_scale_factor"):
+            value = overrides.actor.get(name)
+            if name in overrides.actor and not (isinstance(value, (int, float)) and not isinstance(value, bool)) and not (
+                name == "loss_scale_factor" and value is None
+            ):
+                raise ReplayError(f"override {name}={value!r}: expected a number")
+        return overrides
+
+
+@dataclass
+class Replay:
+    """One step's first mini-batch scored again. ``recorded`` and ``replayed`` are its update rows
+    (the actor update table's columns), in the same order; ``weight`` is ∂(mini-batch loss)/∂(term)
+    of each row as recorded and as replayed (how much of the loss each token's term carries)."""
+
+    trace_path: str
+    step: int
+    overrides: Overrides
+    settings: dict[str, Any]  # update.actor as replayed
+    algorithm: dict[str, Any]  # algorithm as replayed
+    recorded: pa.Table
+    replayed: pa.Table
+    recorded_loss: float
+    replayed_loss: float
+    recorded_weight: np.ndarray
+    replayed_weight: np.ndarray
+    #: the tokens the step's whole update trained in epoch 0, and how many the first mini-batch holds
+    epoch_tokens: int
+    #: the as-recorded verdict: None (REPRODUCED) or (sample, token_index, column, recorded, replayed)
+    difference: tuple[int, int, str, Any, Any] | None
+    bitwise: int  # rows whose replayed columns equal the recorded ones bit for bit (as recorded)
+    #: the step's token table with the advantages the replay used (re-estimated), None when unchanged
+    tokens: pa.Table | None = None
+    whiten: dict[str, float] | None = None
+
+    @property
+    def reproduced(self) -> bool:
+        return self.difference is None
+
+
+def replay_step(trace, step: int, overrides: Overrides) -> Replay:
+    """The model-free replay of ``step`` of ``trace`` (module docstring)."""
+    from verl_ext.trace.schema import UPDATE_SCHEMAS
+
+    trace.require_step(step)
+    if step not in trace.update_steps.get("actor", []):
+        raise ReplayError(
+            f"step {step} of {trace.path} has no actor update table: a replay needs what the update did "
+            "(verl_ext.trace.update=true, and a step whose update finished)"
+        )
+    recorded_settings = dict((trace.record.update or {}).get("actor") or {})
+    if not recorded_settings:
+        raise ReplayError(f"{trace.path}: the run record does not say how the actor computed its loss (a trace before format 2)")
+    settings = {**recorded_settings, **overrides.actor}
+    algorithm = {**trace.record.algorithm, **overrides.algorithm}
+    entry = trace.update_record("actor", step)
+    info = {(m["epoch"], m["minibatch"]): m for m in entry.minibatches}.get((0, 0))
+    table = trace.actor_update(step)
+    epoch_tokens = int(np.sum(table["epoch"].to_numpy() == 0))
+    first = pa.compute.and_(pa.compute.equal(table["epoch"], 0), pa.compute.equal(table["minibatch"], 0))
+    rows = table.filter(first)
+    if info is None or rows.num_rows == 0:
+        raise ReplayError(f"step {step}: the actor update table has no mini-batch 0 of epoch 0")
+    as_recorded = _score(rows, recorded_settings, rows["advantage"].to_numpy(), info)
+    difference, bitwise = _first_difference(rows, as_recorded.columns, recorded_settings)
+    tokens, whiten, advantages = None, None, rows["advantage"].to_numpy()
+    if overrides.algorithm:
+        tokens, whiten, advantages = _reestimated(trace, step, algorithm, rows)
+    replayed = _score(rows, settings, advantages, info) if (overrides.actor or overrides.algorithm) else as_recorded
+    replayed_table = rows
+    for name, values in {"advantage": advantages, **replayed.columns}.items():
+        replayed_table = replayed_table.set_column(
+            replayed_table.schema.get_field_index(name), UPDATE_SCHEMAS["actor"].field(name), pa.array(values, UPDATE_SCHEMAS["actor"].field(name).type)
+        )
+    return Replay(
+        trace_path=str(trace.path), step=step, overrides=overrides, settings=settings, algorithm=algorithm,
+        recorded=rows, replayed=replayed_table, recorded_loss=as_recorded.loss, replayed_loss=replayed.loss,
+        recorded_weight=as_recorded.weight, replayed_weight=replayed.weight, epoch_tokens=epoch_tokens,
+        difference=difference, bitwise=bitwise, tokens=tokens, whiten=whiten,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- verl's loss, again
+
+
+@dataclass
+class _Scored:
+    columns: dict[str, np.ndarray]  # ratio, clip, pg_loss per row
+    loss: float  # the mini-batch's policy loss: Σ over its micro-batches of verl's agg_loss
+    weight: np.ndarray  # ∂loss/∂(term) per row
+
+
+def _score(rows: pa.Table, settings: Mapping[str, Any], advantages: np.ndarray, info: Mapping[str, Any]) -> _Scored:
+    """verl's policy-loss function (``core_algos.get_policy_loss_fn``) on each micro-batch of ``rows``,
+    padded per sample as verl's loss receives them; the per-token term is the matrix verl hands
+    ``agg_loss``, and ratio and clip are verl's vanilla expressions (update_hook.ratio_and_clip)."""
+    import torch
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo import core_algos
+
+    from verl_ext.integration.update_hook import _CLIP_NAMES, _recording, ratio_and_clip
+
+    mode, aggregation = settings.get("loss_mode", "vanilla"), settings["loss_agg_mode"]
+    if aggregation == "seq-mean-token-sum-norm" and settings.get("loss_scale_factor") is None:
+        raise ReplayError(
+            "loss_agg_mode=seq-mean-token-sum-norm without loss_scale_factor divides by verl's padded response "
+            "width, which the trace does not hold: give actor_rollout_ref.actor.loss_scale_factor=<n>"
+        )
+    try:
+        policy_loss = core_algos.get_policy_loss_fn(mode)
+    except (KeyError, ValueError) as error:
+        raise ReplayError(f"policy_loss.loss_mode={mode!r}: {error}") from None
+    batch_info = {
+        "dp_size": int(info.get("dp_size") or 1),
+        "batch_num_tokens": info.get("batch_num_tokens"),
+        "global_batch_size": info.get("global_batch_size"),
+        "loss_scale_factor": settings.get("loss_scale_factor"),
+    }
+    config = OmegaConf.create({
+        "clip_ratio": settings["clip_ratio_high"], "clip_ratio_low": settings["clip_ratio_low"],
+        "clip_ratio_high": settings["clip_ratio_high"], "clip_ratio_c": settings["clip_ratio_c"],
+        "loss_agg_mode": aggregation, "policy_loss": {"loss_mode": mode}, "global_batch_info": batch_info,
+    })  # fmt: skip
+    n = rows.num_rows
+    ratio, pg_loss, weight = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float64)
+    clip = np.empty(n, object)
+    loss = 0.0
+    sample, token_index = rows["sample"].to_numpy(), rows["token_index"].to_numpy()
+    weights = rows["is_weight"].to_numpy(zero_copy_only=False) if rows["is_weight"].null_count < n else None
+    group_keys = np.stack([rows["rank"].to_numpy(), rows["microbatch"].to_numpy()], axis=1)
+    for key in np.unique(group_keys, axis=0):
+        at = np.flatnonzero((group_keys == key).all(axis=1))
+        samples, row_of = np.unique(sample[at], return_inverse=True)
+        shape = (len(samples), int(token_index[at].max()) + 1)
+
+        def dense(values, fill=0.0, dtype=torch.float32):
+            matrix = torch.full(shape, fill, dtype=dtype)
+            matrix[row_of, token_index[at]] = torch.as_tensor(np.asarray(values)[at], dtype=dtype)
+            return matrix
+
+        log_prob, old_log_prob = dense(rows["log_prob"].to_numpy()), dense(rows["old_log_prob"].to_numpy())
+        advantage, mask = dense(advantages), dense(np.ones(n, bool), False, torch.bool)
+        seen: dict[str, Any] = {}
+        with _recording(core_algos, seen), torch.no_grad():
+            total, _ = policy_loss(
+                old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantage, response_mask=mask,
+                loss_agg_mode=aggregation, config=config, rollout_is_weights=None if weights is None else dense(weights, 1.0),
+            )  # fmt: skip
+        loss += float(total)
+        term = seen["loss_mat"].detach().clone().requires_grad_(True)
+        (gradient,) = torch.autograd.grad(core_algos.agg_loss(loss_mat=term, loss_mask=mask, loss_agg_mode=aggregation, **batch_info), term)
+        step_ratio, step_clip = ratio_and_clip(log_prob, old_log_prob, advantage, settings["clip_ratio_low"], settings["clip_ratio_high"], settings["clip_ratio_c"])
+        cells = (torch.as_tensor(row_of), torch.as_tensor(token_index[at]))
+        ratio[at], pg_loss[at] = step_ratio[cells].numpy(), seen["loss_mat"][cells].float().numpy()
+        clip[at], weight[at] = _CLIP_NAMES[step_clip[cells].numpy()], gradient[cells].double().numpy()
+    return _Scored({"ratio": ratio, "clip": clip, "pg_loss": pg_loss}, loss, weight)
+
+
+def _first_difference(rows: pa.Table, columns: Mapping[str, np.ndarray], settings) -> tuple[tuple | None, int]:
+    """The as-recorded verdict: the first row (in the table's order) and column where the replay
+    differs from the recorded update beyond the checker's tolerances for the loss's dtype
+    (docs/definitions.md#tolerances); and how many rows equal bit for bit."""
+    from verl_ext.check.results import DTYPE_EPS, EPS32
+    from verl_ext.check.update_checks import PG_TERM, RATIO
+
+    eps = DTYPE_EPS.get(settings.get("dtype"), EPS32)
+    recorded = {name: rows[name].to_numpy(zero_copy_only=False) for name in REPLAYED_COLUMNS}
+    delta = np.clip(rows["log_prob"].to_numpy() - rows["old_log_prob"].to_numpy(), -20, 20)
+    close = {
+        "ratio": np.abs(columns["ratio"] - recorded["ratio"]) <= RATIO(recorded["ratio"], delta, eps),
+        "clip": columns["clip"] == recorded["clip"],
+        "pg_loss": np.abs(columns["pg_loss"] - recorded["pg_loss"])
+        <= PG_TERM(rows["advantage"].to_numpy(), recorded["ratio"], settings["clip_ratio_c"], eps),
+    }
+    same = np.ones(rows.num_rows, bool)
+    for name in ("ratio", "pg_loss"):
+        same &= columns[name].view(np.uint32) == recorded[name].astype(np.float32).view(np.uint32)
+    same &= close["clip"]
+    bad = np.zeros(rows.num_rows, bool)
+    for name in REPLAYED_COLUMNS:
+        bad |= ~close[name]
+    if not bad.any():
+        return None, int(same.sum())
+    row = int(np.argmax(bad))
+    name = next(name for name in REPLAYED_COLUMNS if not close[name][row])
+    where = (int(rows["sample"][row].as_py()), int(rows["token_index"][row].as_py()))
+    return (*where, name, recorded[name][row], columns[name][row]), int(same.sum())
+
+
+# --------------------------------------------------------------------------- another estimator
+
+
+def _reestimated(trace, step: int, algorithm: Mapping[str, Any], rows: pa.Table) -> tuple[pa.Table, dict | None, np.ndarray]:
+    """The step's token table with ``algorithm``'s returns and advantages (raw, then whitened as the
+    run whitened, over the step's valid tokens), its whitening statistics, and the advantages at
+    ``rows``. Re-estimated by the checker's function (verl_ext.check.cuts.reestimate)."""
+    from types import SimpleNamespace
+
+    from verl_ext.check.cuts import StepCuts, reestimate, whitened
+    from verl_ext.check.stepdata import LAYOUT_COLUMNS, RecordedAlgorithm, StepData, join_keys, locate
+
+    try:
+        recorded = RecordedAlgorithm.from_record(SimpleNamespace(algorithm=dict(algorithm), rollout=trace.record.rollout))
+    except TraceError as error:
+        raise ReplayError(f"algorithm overrides: {str(error).removeprefix('run record: ')}") from None
+    if not recorded.recomputable:
+        raise ReplayError(f"algorithm.adv_estimator={recorded.name}: {recorded.why_not}")
+    entry = trace.step_record(step)
+    if entry.samples < entry.batch_samples:
+        raise ReplayError(
+            f"step {step} traced {entry.samples} of its {entry.batch_samples} samples: another estimator's advantages are "
+            "whitened over the whole batch, which the trace does not hold (trace every sample: verl_ext.trace.max_samples_per_step)"
+        )
+    table = trace.read_step(step)
+    if recorded.estimator.needs_critic and table["value"].filter(table["mask"]).null_count:
+        raise ReplayError(f"algorithm.adv_estimator={recorded.name} needs the critic's values, and step {step} has none (a critic-free run)")
+    data = StepData.from_table(step, table, [*LAYOUT_COLUMNS, "reward", "value"])
+    cuts = StepCuts.read(trace, step, data.layout)
+    mode = recorded.truncation
+    try:
+        treated = reestimate(data, recorded.estimator, recorded.settings, cuts, mode)
+    except ValueError as error:
+        raise ReplayError(str(error)) from None
+    advantages, whiten = treated.advantages, None
+    if recorded.whitened:
+        cut = cuts.at_tokens(data.layout) if cuts.cut is not None else np.zeros(len(advantages), bool)
+        white = whitened(advantages, cut if mode == "mask" else np.zeros(len(advantages), bool), mode)
+        if white is None:
+            raise ReplayError(f"step {step}: fewer than two tokens to whiten the advantages over")
+        keep = advantages[~cut] if mode == "mask" else advantages
+        whiten = {"mean": float(keep.mean()), "var": float(keep.var(ddof=1))}
+        advantages = white
+    valid = data.layout.valid_rows
+    columns = {"advantage_raw": treated.advantage_raw, "advantage": advantages, "return": treated.returns}
+    for name, values in columns.items():
+        full = np.full(table.num_rows, np.nan)
+        full[valid] = values
+        array = pa.array(full.astype(np.float32), table.schema.field(name).type, mask=~np.isin(np.arange(table.num_rows), valid))
+        table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), array)
+    index, found = locate(join_keys(data.layout.sample_ids[data.layout.row_sample[valid]], data.layout.token_index[valid]),
+                          join_keys(rows["sample"].to_numpy(), rows["token_index"].to_numpy()))  # fmt: skip
+    if not found.all():
+        raise ReplayError(f"step {step}: the update table trains tokens the token table does not hold as valid")
+    return table, whiten, advantages[index].astype(np.float32)
+
+
+# --------------------------------------------------------------------------- the replayed trace
+
+
+def write_replay(replay: Replay, trace, out: str) -> Path:
+    """A trace at ``out`` holding the replayed step: its token and prompt files (the token table with
+    the re-estimated advantages when the estimator changed), the replayed mini-batch as its actor
+    update table, and a run record with the replayed settings and ``replay`` saying what it is.
+    ``check``, ``show`` and ``view`` read it; an existing non-empty ``out`` is refused."""
+    from verl_ext.trace.schema import (
+        LAYOUT,
+        RUN_RECORD,
+        STEP_RECORD_METADATA_KEY,
+        TOKEN_SCHEMA,
+        UPDATE_RECORD_METADATA_KEY,
+        UPDATE_SCHEMAS,
+        UpdateEntry,
+    )
+
+    root = Path(out)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ReplayError(f"--out {out} exists and is not an empty directory: the replay writes a new trace there")
+    source = trace.local_root
+    if source is None:
+        raise ReplayError(f"{trace.path} is not on this machine's disk: --out copies its step files")
+    step = replay.step
+    step_entry = dataclasses.replace(trace.step_record(step), updates={}, file=LAYOUT.token_file(step), prompts_file=LAYOUT.prompt_file(step))
+    if replay.whiten is not None:
+        step_entry.whiten = replay.whiten
+    (root / LAYOUT.step_dir(step)).mkdir(parents=True)
+    (root / LAYOUT.prompt_file(step)).parent.mkdir(parents=True)
+    shutil.copyfile(Path(source) / trace.layout.prompt_file(step), root / LAYOUT.prompt_file(step))
+    if replay.tokens is None and trace.layout == LAYOUT:
+        shutil.copyfile(Path(source) / trace.layout.token_file(step), root / LAYOUT.token_file(step))
+    else:
+        tokens = replay.tokens if replay.tokens is not None else trace.read_step(step)
+        footer = dict(pq.read_metadata(Path(source) / trace.layout.token_file(step)).metadata or {})
+        footer[STEP_RECORD_METADATA_KEY.encode()] = json.dumps(dataclasses.asdict(step_entry)).encode()
+        pq.write_table(tokens.cast(TOKEN_SCHEMA).replace_schema_metadata({**(TOKEN_SCHEMA.metadata or {}), **footer}), root / LAYOUT.token_file(step))
+    update = UpdateEntry(
+        kind="actor", rows=replay.replayed.num_rows, file=LAYOUT.update_file("actor", step),
+        written_at=trace.update_record("actor", step).written_at, logged={},
+        minibatches=[m for m in trace.update_record("actor", step).minibatches if (m["epoch"], m["minibatch"]) == (0, 0)],
+    )  # fmt: skip
+    schema = UPDATE_SCHEMAS["actor"]
+    footer = {UPDATE_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(update))}
+    (root / update.file).parent.mkdir(parents=True)
+    pq.write_table(replay.replayed.cast(schema).replace_schema_metadata({**(schema.metadata or {}), **footer}), root / update.file)
+    step_entry.updates = {"actor": update}
+    record = dataclasses.replace(
+        trace.record,
+        algorithm=dict(replay.algorithm),
+        update={**(trace.record.update or {}), "actor": dict(replay.settings)},
+        steps={str(step): step_entry},
+        schema_version=LAYOUT.schema_version,
+        replay={"of": replay.trace_path, "step": step, "mode": MODEL_FREE, "overrides": replay.overrides.given, "minibatches": [[0, 0]]},
+    )
+    (root / RUN_RECORD).write_bytes(record.to_json())
+    return root
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def replay_report(replay: Replay, fmt: str = "text", top: int = 10) -> str:
+    """The verdict as recorded, and with overrides what moved: the clip codes that changed, the
+    mini-batch's loss, and the ``top`` tokens whose weighted loss term (term × ∂loss/∂term) moved most."""
+    recorded, replayed = replay.recorded, replay.replayed
+    changed_clip = recorded["clip"].to_numpy(zero_copy_only=False) != replayed["clip"].to_numpy(zero_copy_only=False)
+    carried_before = recorded["pg_loss"].to_numpy().astype(np.float64) * replay.recorded_weight
+    carried_after = replayed["pg_loss"].to_numpy().astype(np.float64) * replay.replayed_weight
+    change = np.abs(carried_after - carried_before)
+    moved = [i for i in np.argsort(-change, kind="stable")[:top] if change[i] > 0]
+    transitions: dict[str, int] = {}
+    for before, after in zip(recorded["clip"].to_numpy(zero_copy_only=False)[changed_clip], replayed["clip"].to_numpy(zero_copy_only=False)[changed_clip]):
+        transitions[f"{before}→{after}"] = transitions.get(f"{before}→{after}", 0) + 1
+    moved_rows = [
+        {
+            "sample": int(recorded["sample"][i].as_py()), "token_index": int(recorded["token_index"][i].as_py()),
+            "advantage": [float(recorded["advantage"][i].as_py()), float(replayed["advantage"][i].as_py())],
+            "ratio": float(replayed["ratio"][i].as_py()),
+            "clip": [recorded["clip"][i].as_py(), replayed["clip"][i].as_py()],
+            "loss": [float(carried_before[i]), float(carried_after[i])],
+        }  # fmt: skip
+        for i in moved
+    ]
+    verdict = "REPRODUCED" if replay.reproduced else "DIFFERS"
+    data = {
+        "trace": replay.trace_path, "step": replay.step, "mode": MODEL_FREE, "tokens": recorded.num_rows,
+        "epoch_tokens": replay.epoch_tokens, "as_recorded": verdict, "bitwise": replay.bitwise,
+        "difference": None if replay.difference is None else dict(zip(("sample", "token_index", "column", "recorded", "replayed"), _plain(replay.difference))),
+        "overrides": replay.overrides.given, "loss": [replay.recorded_loss, replay.replayed_loss],
+        "clip_changes": transitions, "moved": moved_rows if replay.overrides.given else [],
+    }  # fmt: skip
+    if fmt == "json":
+        return json.dumps(data, indent=1)
+    lines = [
+        f"step {replay.step} of {replay.trace_path}, model-free: PPO epoch 0, mini-batch 0 ({recorded.num_rows} of the "
+        f"epoch's {replay.epoch_tokens} tokens). The actor had not stepped yet, so the recorded log-probs are its log-probs; "
+        "later mini-batches need the model after each optimizer step and are not replayed.",
+    ]
+    if replay.reproduced:
+        lines.append(f"as recorded: REPRODUCED: ratio, clip and pg_loss of {recorded.num_rows} tokens are verl's policy loss "
+                     f"recomputed from the recorded inputs ({replay.bitwise} bit for bit, the rest within docs/definitions.md#tolerances)")  # fmt: skip
+    else:
+        sample, token, column, before, after = replay.difference
+        lines.append(f"as recorded: DIFFERS at sample {sample}, token {token}: {column} recorded {before}, replayed {after}")
+    if not replay.overrides.given:
+        return "\n".join(lines)
+    lines.append(f"with {' '.join(replay.overrides.given)}:")
+    lines.append(f"  mini-batch policy loss (verl's agg_loss, summed over micro-batches): {replay.recorded_loss:.6g} → {replay.replayed_loss:.6g}")
+    lines.append("  clip codes changed: " + (", ".join(f"{k} on {v}" for k, v in sorted(transitions.items())) or "none"))
+    if not moved_rows:
+        lines.append("  no token's loss moved (in this mini-batch the ratio is 1 up to recomputation noise, so a clip range changes nothing)")
+        return "\n".join(lines)
+    lines.append("  tokens whose loss moved most (term × ∂loss/∂term, recorded → replayed):")
+    lines.append(f"    {'sample':>6} {'token':>5} {'advantage':>21} {'ratio':>8} {'clip':>11} {'loss':>25}")
+    for row in moved_rows:
+        lines.append(
+            f"    {row['sample']:>6} {row['token_index']:>5} {row['advantage'][0]:>9.4f} → {row['advantage'][1]:<9.4f} "
+            f"{row['ratio']:>8.4f} {row['clip'][0]:>4} → {row['clip'][1]:<4} {row['loss'][0]:>11.4g} → {row['loss'][1]:<11.4g}"
+        )
+    return "\n".join(lines)
+
+
+def _plain(values) -> list:
+    return [value.item() if isinstance(value, np.generic) else value for value in values]
