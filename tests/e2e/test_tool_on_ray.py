@@ -79,3 +79,15 @@ def test_the_v1_trainer_runs_turn_gae_with_the_tools_rewards_on_their_turns(v1_t
         logged = next(m["data"] for m in metrics if m["step"] == step and "verl_ext/turn_rewards/tool_reward" in m["data"])
         logged = logged["verl_ext/turn_rewards/tool_reward"]
         assert logged == pytest.approx(placed.sum() / trace.prompts(step).num_rows, rel=1e-5) and logged > 0
+
+
+def test_a_tool_step_replays_as_recorded_and_with_another_estimator(v1_tool_run, tmp_path):
+    """``verl-ext replay`` on a tool-task step of the V1 trainer (holes where the tool answered): the first
+    mini-batch is REPRODUCED, and with mc instead of turn_gae the replay's trace passes the checker."""
+    from verl_ext.cli import main
+
+    trace = str(v1_tool_run / "trace")
+    assert main(["replay", trace, "--step", "2", "--out", str(tmp_path / "as_recorded")]) == 0
+    assert main(["check", str(tmp_path / "as_recorded"), "--quiet"]) == 0
+    assert main(["replay", trace, "--step", "2", "--out", str(tmp_path / "mc"), "--", "algorithm.adv_estimator=mc"]) == 0
+    assert main(["check", str(tmp_path / "mc"), "--quiet"]) == 0

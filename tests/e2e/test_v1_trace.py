@@ -186,3 +186,20 @@ def test_the_run_is_in_verls_gpu_settings_and_its_trace_holds_the_bf16_numbers_i
     from tests.e2e.gpu_world import assert_gpu_world
 
     assert_gpu_world(v1_run, v1_run / "trace")
+
+
+def test_v1_replay_as_recorded_reproduces_the_first_minibatch(v1_run, tmp_path):
+    """``verl-ext replay`` on the V1 trainer's trace (its update went through TransferQueue): REPRODUCED
+    on each step, and the replay's trace passes the checker (the user's estimator importable, as in the run)."""
+    from tests.e2e.test_fit_with_trace import user_module_env
+
+    env = {**os.environ, **user_module_env(v1_run)}
+    for step in (1, 2):
+        out = tmp_path / f"replay-{step}"
+        result = subprocess.run(
+            [sys.executable, "-m", "verl_ext.cli", "replay", str(v1_run / "trace"), "--step", str(step), "--out", str(out)],
+            capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0 and "as recorded: REPRODUCED" in result.stdout, result.stdout + result.stderr
+        check = subprocess.run([sys.executable, "-m", "verl_ext.cli", "check", str(out), "--quiet"], capture_output=True, text=True, env=env)
+        assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
