@@ -132,7 +132,8 @@ PLUGIN_TOUCHES = (
         why="the update side of the trace: on a traced step the actor's per-token log-prob, ratio, advantage, "
         "clip and loss term (the first matrix verl's policy loss hands to core_algos.agg_loss, recorded by "
         "swapping core_algos.agg_loss and the POLICY_LOSS_REGISTRY entry for the duration of the call) go back "
-        "in the loss metrics; verl's loss itself runs unchanged",
+        "in the loss metrics; verl's loss itself runs unchanged. `verl-ext replay` records the same matrix the "
+        "same way (update_hook.recording_loss) around verl's policy-loss function, offline (verl_ext.apps.replay)",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_ppo_loss",
     ),
     Touch(

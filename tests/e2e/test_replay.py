@@ -162,6 +162,8 @@ def test_a_replay_it_cannot_do_is_one_line_and_exit_2(traced_run, capsys, tmp_pa
         ("--step", "2", "--", "actor_rollout_ref.actor.clip_ratio_high=high"): "expected a number",
         ("--step", "2", "--", "trainer.nonsense"): "is not key=value",
         ("--step", "2", "--", "bogus.key=1"): "not a verl setting the replay knows",
+        ("--step", "2", "--", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"): "does not run on the settings the trace records",
+        ("--step", "2", "--", "actor_rollout_ref.actor.policy_loss.loss_mode=nonsense"): "Unsupported loss mode",
         ("--step", "9"): "step 9",
     }
     for argv, message in cases.items():

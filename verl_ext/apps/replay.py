@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl_ext.errors import TraceError
+from verl_ext.errors import TraceError, one_line
 
 ACTOR = "actor_rollout_ref.actor."
 #: override key -> the key of the run record's ``update.actor`` it sets
@@ -182,7 +182,7 @@ def _score(rows: pa.Table, settings: Mapping[str, Any], advantages: np.ndarray, 
     from omegaconf import OmegaConf
     from verl.trainer.ppo import core_algos
 
-    from verl_ext.integration.update_hook import _CLIP_NAMES, _recording, ratio_and_clip
+    from verl_ext.integration.update_hook import CLIP_NAMES, recording_loss, ratio_and_clip
 
     mode, aggregation = settings.get("loss_mode", "vanilla"), settings["loss_agg_mode"]
     if aggregation == "seq-mean-token-sum-norm" and settings.get("loss_scale_factor") is None:
@@ -225,18 +225,25 @@ def _score(rows: pa.Table, settings: Mapping[str, Any], advantages: np.ndarray, 
         log_prob, old_log_prob = dense(rows["log_prob"].to_numpy()), dense(rows["old_log_prob"].to_numpy())
         advantage, mask = dense(advantages), dense(np.ones(n, bool), False, torch.bool)
         seen: dict[str, Any] = {}
-        with _recording(core_algos, seen), torch.no_grad():
-            total, _ = policy_loss(
-                old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantage, response_mask=mask,
-                loss_agg_mode=aggregation, config=config, rollout_is_weights=None if weights is None else dense(weights, 1.0),
-            )  # fmt: skip
+        try:
+            with recording_loss(core_algos, seen), torch.no_grad():
+                total, _ = policy_loss(
+                    old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantage, response_mask=mask,
+                    loss_agg_mode=aggregation, config=config, rollout_is_weights=None if weights is None else dense(weights, 1.0),
+                )  # fmt: skip
+        except (AssertionError, AttributeError, KeyError, TypeError, ValueError) as error:
+            # a loss mode that reads settings the run record lacks, or asserts verl's own ActorConfig object
+            raise ReplayError(
+                f"policy_loss.loss_mode={mode}: verl's loss function does not run on the settings the trace records "
+                f"({one_line(error)}); the model-free replay runs vanilla and the modes that read only the clip settings"
+            ) from None
         loss += float(total)
         term = seen["loss_mat"].detach().clone().requires_grad_(True)
         (gradient,) = torch.autograd.grad(core_algos.agg_loss(loss_mat=term, loss_mask=mask, loss_agg_mode=aggregation, **batch_info), term)
         step_ratio, step_clip = ratio_and_clip(log_prob, old_log_prob, advantage, settings["clip_ratio_low"], settings["clip_ratio_high"], settings["clip_ratio_c"])
         cells = (torch.as_tensor(row_of), torch.as_tensor(token_index[at]))
         ratio[at], pg_loss[at] = step_ratio[cells].numpy(), seen["loss_mat"][cells].float().numpy()
-        clip[at], weight[at] = _CLIP_NAMES[step_clip[cells].numpy()], gradient[cells].double().numpy()
+        clip[at], weight[at] = CLIP_NAMES[step_clip[cells].numpy()], gradient[cells].double().numpy()
     return _Scored({"ratio": ratio, "clip": clip, "pg_loss": pg_loss}, loss, weight)
 
 

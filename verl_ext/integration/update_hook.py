@@ -28,7 +28,7 @@ from verl_ext.trace.batch_keys import EPOCH_KEY, MINIBATCH_KEY, PAYLOAD_KEY, ROW
 from verl_ext.trace.schema import CLIP_CODES, CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 #: code -> name, to index with a column of codes
-_CLIP_NAMES = np.array(CLIP_CODES, dtype=object)
+CLIP_NAMES = np.array(CLIP_CODES, dtype=object)
 
 @dataclass
 class _Update:
@@ -116,7 +116,7 @@ def traced_ppo_loss(original: Callable, config, model_output, data, dp_group=Non
 
     mode = config.policy_loss.get("loss_mode", "vanilla")
     seen: dict[str, Any] = {}
-    with _recording(core_algos, seen, policy_loss_mode=mode):
+    with recording_loss(core_algos, seen, policy_loss_mode=mode):
         loss, metrics = original(config, model_output, data, dp_group)
     inputs = seen["policy_inputs"]
     log_prob, old_log_prob = inputs["log_prob"].detach(), inputs["old_log_prob"]
@@ -170,7 +170,7 @@ def traced_value_loss(original: Callable, config, model_output, data, dp_group=N
     from verl.workers.utils.padding import no_padding_2_padding
 
     seen: dict[str, Any] = {}
-    with _recording(core_algos, seen):
+    with recording_loss(core_algos, seen):
         loss, metrics = original(config, model_output, data, dp_group)
     vpreds = no_padding_2_padding(model_output["values"], data).detach()
     padded = data.select("values", "returns", "response_mask").to_padded_tensor()  # as value_loss does
@@ -222,7 +222,7 @@ def _report(kind: str, data, mask: torch.Tensor, columns: dict[str, torch.Tensor
             continue
         values = tensor[row, token].cpu()
         if name == "clip":
-            report_columns[name] = _CLIP_NAMES[values.numpy()]
+            report_columns[name] = CLIP_NAMES[values.numpy()]
         elif tensor.dtype == torch.bool:
             report_columns[name] = values.numpy()
         else:  # read in float32 whatever the engine computed in (bf16 under verl's GPU defaults)
@@ -249,7 +249,7 @@ def _integer(value) -> int | None:
 
 
 @contextlib.contextmanager
-def _recording(core_algos, seen: dict[str, Any], policy_loss_mode: str | None = None):
+def recording_loss(core_algos, seen: dict[str, Any], policy_loss_mode: str | None = None):
     """While verl's loss runs: the first loss matrix given to ``core_algos.agg_loss``, and the inputs
     of the registered policy-loss function. Both are put back afterwards, even on error."""
     aggregate = core_algos.agg_loss
