@@ -320,6 +320,7 @@ def plot_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, metavar="S", help=f"step of the per-step figures (default: {LAST_READABLE})")
     parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample of the token heatmap (default 0)")
     _tokenizer_argument(parser)
+    _parallel_arguments(parser)
     _quiet_argument(parser)
 
 
@@ -343,7 +344,7 @@ def plot(args: argparse.Namespace) -> int:
     unread = UnreadSteps.of(trace)
     try:
         paths, notes = save_plots_with_notes(
-            trace, args.out, args.step, args.sample, args.tokenizer, _progress(args, "plot: scanning steps"), unread
+            trace, args.out, args.step, args.sample, args.tokenizer, _progress(args, "plot: scanning steps"), unread, **_parallel(args)
         )
     except StepFileError as error:  # a file of the step the per-step figures draw
         raise UsageError(f"step {error.step} does not read: {error}") from None

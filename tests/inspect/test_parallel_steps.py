@@ -1,9 +1,9 @@
-"""Steps in parallel (verl_ext.trace.parallel): ``check``, ``summary`` and ``summary --critic`` in worker
+"""Steps in parallel (verl_ext.trace.parallel): ``check``, ``summary``, ``summary --critic`` and ``plot`` in worker
 processes give the report and the rows of one process, byte for byte, on a trace with a planted NaN, a
 nudged return, an update table and a step whose file does not read; Ctrl-C leaves no worker behind.
 
 Covers: verl_ext.trace.parallel, verl_ext.check.run.check_trace, verl_ext.inspect.summary.summarize,
-verl_ext.inspect.critic.critic_diagnostics, the CLI's --jobs."""
+verl_ext.inspect.critic.critic_diagnostics, verl_ext.inspect.plots.save_plots, the CLI's --jobs."""
 
 from __future__ import annotations
 
@@ -70,6 +70,29 @@ def test_the_critic_by_position_in_two_processes_is_the_one_in_one(trace, every_
     assert serial.num_rows > 0 and list(serial_unread.unreadable) == [5]
     assert critic_diagnostics(trace, unread=parallel_unread, jobs=2).to_pandas().equals(serial.to_pandas())  # NaN where NaN
     assert parallel_unread == serial_unread
+
+
+def test_plot_reads_the_steps_in_as_many_processes_as_asked(trace, tmp_path, monkeypatch, capsys):
+    """``plot --jobs 2``: the figures over the steps hand it to the summary and the critic
+    diagnostics, whose parallel rows equal the serial ones (the tests above). Each is called here in
+    one process, to keep the test short."""
+    from verl_ext.cli import main
+    from verl_ext.inspect import plots
+
+    asked = []
+
+    def spy(original):
+        def serially(*args, jobs=1, ray_address=None, **kwargs):
+            asked.append((original.__name__, jobs, ray_address))
+            return original(*args, **kwargs)
+
+        return serially
+
+    monkeypatch.setattr(plots, "summarize", spy(plots.summarize))
+    monkeypatch.setattr(plots, "critic_diagnostics", spy(plots.critic_diagnostics))
+    assert main(["plot", trace, "--out", str(tmp_path), "--jobs", "2", "--quiet"]) == 1  # step 5 is left out, and said
+    assert sorted(asked) == [("critic_diagnostics", 2, None), ("summarize", 2, None)]
+    assert "over_steps.png" in {path.name for path in tmp_path.iterdir()} and "step 5" in capsys.readouterr().err
 
 
 def test_the_progress_counts_every_step_and_its_tokens(trace, every_trace_in_parallel):

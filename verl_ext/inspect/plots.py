@@ -117,10 +117,11 @@ def position_curves(trace, step: int | None = None) -> Figure:
     return fig
 
 
-def over_steps(trace, progress: Progress | None = None, unread: UnreadSteps | None = None) -> Figure:
+def over_steps(trace, progress: Progress | None = None, unread: UnreadSteps | None = None, *, jobs: int = 1, ray_address: str | None = None) -> Figure:
     """Mean sequence score (and reward), explained variance of values vs returns, and KL, per step;
-    ``unread``: where to note the steps that do not read, left out (:func:`summarize`)."""
-    summary = summarize(as_trace(trace), progress=progress, unread=unread).to_pydict()
+    ``unread``: where to note the steps that do not read, left out; ``jobs``, ``ray_address``: the
+    steps in parallel (:func:`summarize`)."""
+    summary = summarize(as_trace(trace), progress=progress, unread=unread, jobs=jobs, ray_address=ray_address).to_pydict()
     steps = summary["step"]
     has_kl = any(v is not None for v in summary["kl"])
     fig = Figure(figsize=(9, 7.5 if has_kl else 5.5), layout="constrained")
@@ -360,16 +361,16 @@ def comparison_figure(comparison) -> Figure:
 CRITIC_ANNOTATE_STEPS = 30
 
 
-def critic_heatmap(trace, progress: Progress | None = None, unread: UnreadSteps | None = None) -> Figure:
+def critic_heatmap(trace, progress: Progress | None = None, unread: UnreadSteps | None = None, *, jobs: int = 1, ray_address: str | None = None) -> Figure:
     """Two heatmaps, steps (rows, downwards) × position buckets (columns: deciles of each response,
     its last valid token, all): the explained variance 1 − Var(G − V)/Var(G) of the values against
     the Monte-Carlo return, its colour clipped to [−1, 1] and diverging around 0 (white: the critic
     explains nothing; red: below 0, V adds error; blue: towards 1, ready), and the mean |V − G|.
     Grey: undefined (an EV of fewer than MIN_EV_TOKENS tokens, returns that do not vary, no tokens),
     as the EV panel's title says. Needs values (UsageError without). ``unread``: where to note the
-    steps that do not read, left out (:func:`critic_diagnostics`)."""
+    steps that do not read, left out; ``jobs``, ``ray_address``: the steps in parallel (:func:`critic_diagnostics`)."""
     trace = as_trace(trace)
-    diagnostics = critic_diagnostics(trace, progress=progress, unread=unread)
+    diagnostics = critic_diagnostics(trace, progress=progress, unread=unread, jobs=jobs, ray_address=ray_address)
     panels = (
         ("explained_var", f"explained variance 1 − Var(G − V) / Var(G)\n(grey: fewer than {MIN_EV_TOKENS} tokens, or G does not vary)",
          "colour clipped to [−1, 1]", colormaps["RdBu"]),
@@ -416,8 +417,12 @@ def save_plots(
     tokenizer=None,
     progress: Progress | None = None,
     unread: UnreadSteps | None = None,
+    *,
+    jobs: int = 1,
+    ray_address: str | None = None,
 ) -> list[Path]:
-    """Write every figure as a PNG under ``out_dir``; return the paths written.
+    """Write every figure as a PNG under ``out_dir``; return the paths written. The figures over the
+    steps read them in ``jobs`` processes or as Ray tasks (:func:`verl_ext.trace.parallel.map_steps`).
 
     Figures that do not apply to the run (value vs return and the critic heatmap without values) are
     left out. Nothing is written unless every figure that applies could be drawn. Without ``step``
@@ -433,10 +438,10 @@ def save_plots(
     step = _step(trace, step)
     figures = {
         f"positions_step{step}.png": lambda: position_curves(trace, step),
-        "over_steps.png": lambda: over_steps(trace, progress, unread),
+        "over_steps.png": lambda: over_steps(trace, progress, unread, jobs=jobs, ray_address=ray_address),
         f"value_vs_return_step{step}.png": lambda: value_vs_return(trace, step),
         f"advantages_step{step}_sample{sample}.png": lambda: advantage_heatmap(trace, step, sample, tokenizer),
-        "critic_ev.png": lambda: critic_heatmap(trace, progress, unread),
+        "critic_ev.png": lambda: critic_heatmap(trace, progress, unread, jobs=jobs, ray_address=ray_address),
     }
     ratio_step = step if chosen is not None else most_clipped_step(trace, unread)
     if ratio_step is not None and ratio_step != step:  # the last step's ratios may all sit at 1 (the lr decayed)
@@ -496,6 +501,9 @@ def save_plots_with_notes(
     tokenizer=None,
     progress: Progress | None = None,
     unread: UnreadSteps | None = None,
+    *,
+    jobs: int = 1,
+    ray_address: str | None = None,
 ) -> tuple[list[Path], list[str]]:
     """:func:`save_plots`, and what a person should know about the figures (the :class:`PlotNote`
     warnings, and a tokenizer that could not be loaded), each note once: (paths, notes). The steps
@@ -503,7 +511,7 @@ def save_plots_with_notes(
     decoder = decoder_for(trace, tokenizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PlotNote)
-        paths = save_plots(trace, out_dir, step, sample, decoder, progress, unread)
+        paths = save_plots(trace, out_dir, step, sample, decoder, progress, unread, jobs=jobs, ray_address=ray_address)
     notes = [str(w.message) for w in caught if issubclass(w.category, PlotNote)]
     if not decoder.available:
         notes.insert(0, f"{decoder.problem}; the heatmap shows token ids")
