@@ -58,8 +58,11 @@ def cut_at_the_limit(estimator: str) -> list[str]:
 
 
 #: scenario -> (estimator, its overrides)
+#: verl saves a checkpoint after every step of the runs ``verl-ext replay`` replays with the model
+#: (tests/e2e/test_replay.py), in the CPU recipe's trainer.default_local_dir
+CHECKPOINTS = "trainer.save_freq=1"
 RUNS = {
-    "mc": ("mc", []),
+    "mc": ("mc", [CHECKPOINTS]),
     "td0": ("td0", []),
     # V(s_L) kept from the critic, checked against a separate forward pass (test_bootstrap_value_...)
     "nstep": ("nstep", ["algorithm.n_step=3", *cut_at_the_limit("nstep")]),
@@ -72,13 +75,14 @@ RUNS = {
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={TOKEN_BUDGET['actor']}",
         f"critic.ppo_max_token_len_per_gpu={TOKEN_BUDGET['critic']}",
         "trainer.balance_batch=False",
+        CHECKPOINTS,
         *cut_at_the_limit("gae"),  # verl's own gae with the cut responses left out of the whitening
     ]),
-    "grpo": ("grpo", cut_at_the_limit("grpo")),  # the cut responses dropped from their groups
+    "grpo": ("grpo", [*cut_at_the_limit("grpo"), CHECKPOINTS]),  # the cut responses dropped from their groups
     "td_half": ("td_half", []),  # the README's example, tests/integration/test_user_estimator.py
     # multi-turn responses through verl's agent-loop worker: the policy writes, an observation it did
     # not write follows (mask 0), the policy writes on (tests/cpu/observation_agent.py)
-    MULTI_TURN: ("turn_gae", ["actor_rollout_ref.rollout.agent.default_agent_loop=observation_agent"]),
+    MULTI_TURN: ("turn_gae", ["actor_rollout_ref.rollout.agent.default_agent_loop=observation_agent", CHECKPOINTS]),
 }
 UPDATE_OVERRIDES = [
     "actor_rollout_ref.actor.ppo_epochs=2",

@@ -1,6 +1,8 @@
 """``verl-ext replay`` on real runs of verl's trainer (the runs of test_fit_with_trace.py, made once per
-session): the model-free replay of a step's first mini-batch reproduces the recorded update, finds a
-planted change, and with overrides gives what hand calculation from the recorded columns gives."""
+session, saving a checkpoint after every step): the replay with the model reproduces a step's whole
+update and the parameters after it, and finds a planted change; the model-free replay of the first
+mini-batch reproduces it too and equals the model's; with overrides both give what hand calculation
+from the recorded columns gives, in traces the checker accepts."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def test_a_replay_as_recorded_reproduces_the_update_and_the_checker_accepts_its_
 
     _, trace_dir = traced_run
     for step in open_trace(str(trace_dir)).steps:
-        code, out, _ = replay(capsys, trace_dir, "--step", step, "--out", tmp_path / f"replay-{step}")
+        code, out, _ = replay(capsys, trace_dir, "--step", step, "--model-free", "--out", tmp_path / f"replay-{step}")
         assert code == 0 and "as recorded: REPRODUCED" in out, out
         recorded = open_trace(str(trace_dir)).actor_update(step).to_pandas()
         written = open_trace(str(tmp_path / f"replay-{step}"))
@@ -72,7 +74,7 @@ def test_a_planted_log_prob_is_found_where_it_was_planted(traced_run, capsys, tm
     log_prob[row] += 0.1
     table = table.set_column(table.schema.get_field_index("log_prob"), table.schema.field("log_prob"), [log_prob])
     pq.write_table(table, path)
-    code, out, _ = replay(capsys, copy, "--step", step)
+    code, out, _ = replay(capsys, copy, "--step", step, "--model-free")
     sample, token = int(table["sample"][row].as_py()), int(table["token_index"][row].as_py())
     assert code == 1 and f"as recorded: DIFFERS at sample {sample}, token {token}: ratio" in out, out
 
@@ -85,7 +87,7 @@ def test_another_clip_range_clips_the_first_minibatch_as_hand_calculation_says(t
     _, trace_dir = traced_run
     trace = open_trace(str(trace_dir))
     step = trace.steps[-1]
-    code, out, _ = replay(capsys, trace_dir, "--step", step, "--out", tmp_path / "clip", "--", "actor_rollout_ref.actor.clip_ratio_high=0.28")
+    code, out, _ = replay(capsys, trace_dir, "--step", step, "--model-free", "--out", tmp_path / "clip", "--", "actor_rollout_ref.actor.clip_ratio_high=0.28")
     assert code == 0 and "with actor_rollout_ref.actor.clip_ratio_high=0.28:" in out, out
     replayed = open_trace(str(tmp_path / "clip")).actor_update(step).to_pandas()
     assert open_trace(str(tmp_path / "clip")).record.update["actor"]["clip_ratio_high"] == 0.28
@@ -108,7 +110,7 @@ def test_another_loss_aggregation_gives_the_hand_aggregated_loss(traced_run, cap
     _, trace_dir = traced_run
     trace = open_trace(str(trace_dir))
     step = trace.steps[-1]
-    code, out, _ = replay(capsys, trace_dir, "--step", step, "--format", "json", "--", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
+    code, out, _ = replay(capsys, trace_dir, "--step", step, "--model-free", "--format", "json", "--", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
     report = json.loads(out)
     table = trace.actor_update(step).to_pandas()
     rows = table[first_minibatch(table)]
@@ -129,7 +131,7 @@ def test_td0_instead_of_mc_gives_hand_computed_whitened_td_errors(traced_run, ca
     _, trace_dir = traced_run
     trace = open_trace(str(trace_dir))
     step, gamma = trace.steps[-1], trace.record.algorithm["gamma"]
-    code, out, _ = replay(capsys, trace_dir, "--step", step, "--out", tmp_path / "td0", "--", "algorithm.adv_estimator=td0")
+    code, out, _ = replay(capsys, trace_dir, "--step", step, "--model-free", "--out", tmp_path / "td0", "--", "algorithm.adv_estimator=td0")
     assert code == 0 and "with algorithm.adv_estimator=td0:" in out, out
     tokens = trace.read_step(step).to_pandas()
     tokens = tokens[tokens["mask"]]
@@ -155,15 +157,23 @@ def test_td0_instead_of_mc_gives_hand_computed_whitened_td_errors(traced_run, ca
 
 @pytest.mark.parametrize("traced_run", [pytest.param("grpo", marks=fit_group("grpo"))], indirect=True)
 def test_a_replay_it_cannot_do_is_one_line_and_exit_2(traced_run, capsys, tmp_path):
+    from verl_ext.trace.reader import open_trace
+
     _, trace_dir = traced_run
     cases = {
+        ("--step", "2", "--model-free", "--", "algorithm.adv_estimator=td0"): "needs the critic's values",
         ("--step", "2", "--", "algorithm.adv_estimator=td0"): "needs the critic's values",
-        ("--step", "2", "--", "actor_rollout_ref.actor.optim.lr=1e-3"): "needs the model",
-        ("--step", "2", "--", "actor_rollout_ref.actor.clip_ratio_high=high"): "expected a number",
-        ("--step", "2", "--", "trainer.nonsense"): "is not key=value",
-        ("--step", "2", "--", "bogus.key=1"): "not a verl setting the replay knows",
-        ("--step", "2", "--", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"): "does not run on the settings the trace records",
-        ("--step", "2", "--", "actor_rollout_ref.actor.policy_loss.loss_mode=nonsense"): "Unsupported loss mode",
+        ("--step", "2", "--", "actor_rollout_ref.actor.optim.lr=1e-3"): "restores the optimizer",
+        ("--step", "2", "--", "actor_rollout_ref.actor.no_such_key=1"): "not a key of the run's verl config",
+        ("--step", "2", "--", "trainer.total_epochs=3"): "not the run",
+        ("--step", "2", "--model-free", "--checkpoint", "/x"): "choose one",
+        ("--step", "2", "--checkpoint", "/nonexistent"): "no checkpoint at /nonexistent/global_step_1",
+        ("--step", "2", "--model-free", "--", "actor_rollout_ref.actor.optim.lr=1e-3"): "needs the model",
+        ("--step", "2", "--model-free", "--", "actor_rollout_ref.actor.clip_ratio_high=high"): "expected a number",
+        ("--step", "2", "--model-free", "--", "trainer.nonsense"): "is not key=value",
+        ("--step", "2", "--model-free", "--", "bogus.key=1"): "not a verl setting the replay knows",
+        ("--step", "2", "--model-free", "--", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"): "does not run on the settings the trace records",
+        ("--step", "2", "--model-free", "--", "actor_rollout_ref.actor.policy_loss.loss_mode=nonsense"): "Unsupported loss mode",
         ("--step", "9"): "step 9",
     }
     for argv, message in cases.items():
@@ -171,10 +181,122 @@ def test_a_replay_it_cannot_do_is_one_line_and_exit_2(traced_run, capsys, tmp_pa
         assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (argv, err)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    code, _, err = replay(capsys, trace_dir, "--step", "2", "--out", tmp_path / "full")
+    code, _, err = replay(capsys, trace_dir, "--step", "2", "--model-free", "--out", tmp_path / "full")
     assert code == 2 and "not an empty directory" in err and (tmp_path / "full" / "keep.txt").read_text() == "mine"
     no_updates = tmp_path / "no_updates"
     shutil.copytree(trace_dir, no_updates)
     shutil.rmtree(no_updates / "_actor_update")
-    code, _, err = replay(capsys, no_updates, "--step", "2")
+    code, _, err = replay(capsys, no_updates, "--step", "2", "--model-free")
     assert code == 2 and "has no actor update table" in err, err
+    code, _, err = replay(capsys, no_updates, "--step", "2")
+    assert code == 2 and "has no update tables" in err, err
+    other_model = tmp_path / "other_model"
+    (other_model / "global_step_1" / "actor" / "huggingface").mkdir(parents=True)
+    config = json.loads((Path(open_trace(str(trace_dir)).record.model_path) / "config.json").read_text())
+    (other_model / "global_step_1" / "actor" / "huggingface" / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    code, _, err = replay(capsys, trace_dir, "--step", "2", "--checkpoint", other_model)
+    assert code == 2 and "holds another model than the run's" in err, err
+
+
+# --------------------------------------------------------------------------- with the model
+
+MODEL_REPLAYED = ["mc", MULTI_TURN, "gae+dynamic_bsz"]
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=fit_group(name)) for name in MODEL_REPLAYED])
+def replayed_with_the_model(request, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """Step 2 of the run replayed with the model (from verl's checkpoint of step 1), as a trace, and the report."""
+    import contextlib
+    import io
+
+    from verl_ext.cli import main
+
+    trace_dir = fit_run(tmp_path_factory, request.param) / "trace"
+    out = tmp_path_factory.mktemp("model_replay") / "replay"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["replay", str(trace_dir), "--step", "2", "--out", str(out), "--format", "json"])
+    return trace_dir, out, {"code": code, **json.loads(stdout.getvalue().split("\nwritten:")[0])}
+
+
+def test_the_model_replay_reproduces_the_whole_update_and_the_parameters_after_it(replayed_with_the_model, capsys):
+    """Every row of both update tables (every epoch and mini-batch, as verl shuffled and micro-batched
+    them) equals the recorded one, and so does every parameter of the actor and the critic after the
+    step, bit for bit; the replay's trace passes the checker (its logged metrics are the replayed
+    update's, which the per-token terms must reproduce)."""
+    from verl_ext.cli import main
+    from verl_ext.trace.reader import open_trace
+
+    trace_dir, out, report = replayed_with_the_model
+    assert report["code"] == 0 and report["mode"] == "model" and report["as_recorded"] == "REPRODUCED", report
+    trace, written = open_trace(str(trace_dir)), open_trace(str(out))
+    for kind in ("actor", "critic"):
+        recorded, replayed = trace.update_table(kind, 2).to_pandas(), written.update_table(kind, 2).to_pandas()
+        assert len(recorded) and report["bitwise"][kind] == [len(recorded), len(recorded)]
+        assert recorded.drop(columns=["step"]).equals(replayed.drop(columns=["step"])), kind
+        equal, tensors, largest = report["parameters"][kind]
+        assert equal == tensors > 0 and largest == 0
+    assert written.record.replay["mode"] == "model" and written.record.replay["minibatches"] is None
+    assert main(["check", str(out), "--quiet"]) == 0, capsys.readouterr().out
+
+
+def test_the_model_free_replay_equals_the_model_replay_on_the_first_minibatch(replayed_with_the_model, capsys, tmp_path):
+    from verl_ext.trace.reader import open_trace
+
+    trace_dir, out, _ = replayed_with_the_model
+    code, _, _ = replay(capsys, trace_dir, "--step", 2, "--model-free", "--out", tmp_path / "free")
+    assert code == 0
+    free = open_trace(str(tmp_path / "free")).actor_update(2).to_pandas()
+    model = open_trace(str(out)).actor_update(2).to_pandas()
+    model = model[first_minibatch(model)].reset_index(drop=True)
+    assert len(free) == len(model) > 0
+    for column in ("sample", "token_index", "log_prob", "ratio", "clip", "pg_loss", "advantage"):
+        np.testing.assert_array_equal(free[column].to_numpy(), model[column].to_numpy(), err_msg=column)
+
+
+@pytest.mark.parametrize("traced_run", [pytest.param("mc", marks=fit_group("mc"))], indirect=True)
+def test_a_planted_checkpoint_is_found(traced_run, capsys, tmp_path):
+    """A replay that cannot fail proves nothing: one parameter of verl's checkpoint after step 2 changed in
+    a copy is reported as a parameter that differs (exit 1), and a copy of the checkpoint before step 2
+    with one parameter changed makes the update tables differ."""
+    import torch
+
+    _, trace_dir = traced_run
+    checkpoints = trace_dir.parent / "checkpoints"
+    for planted_step, finding in ((2, "actor 20 of 21 tensors bit for bit"), (1, "as recorded: DIFFERS at")):
+        copy = tmp_path / f"planted-{planted_step}"
+        shutil.copytree(checkpoints, copy)
+        model_file = copy / f"global_step_{planted_step}" / "actor" / "model_world_size_1_rank_0.pt"
+        state = torch.load(model_file, weights_only=False)
+        name = next(name for name in state if name.endswith("norm.weight"))
+        with torch.no_grad():
+            state[name].to_local()[0] += 0.25
+        torch.save(state, model_file)
+        code, out, err = replay(capsys, trace_dir, "--step", 2, "--checkpoint", copy)
+        assert code == 1 and finding in out, out + err
+
+
+@pytest.mark.parametrize("traced_run", [pytest.param("mc", marks=fit_group("mc"))], indirect=True)
+def test_the_model_replay_with_another_clip_range_clips_as_hand_calculation_says(traced_run, capsys, tmp_path):
+    """With ε_high = 0.28 every row of every epoch carries the clip code the formula gives from its own
+    log-probs and advantage, the replay's trace passes the checker, and the policy after the step moved."""
+    from verl_ext.cli import main
+    from verl_ext.trace.reader import open_trace
+
+    _, trace_dir = traced_run
+    code, out, _ = replay(capsys, trace_dir, "--step", 2, "--out", tmp_path / "clip", "--format", "json", "--",
+                          "actor_rollout_ref.actor.clip_ratio_high=0.28")  # fmt: skip
+    report = json.loads(out.split("\nwritten:")[0])
+    assert code == 0 and report["as_recorded"] is None
+    written = open_trace(str(tmp_path / "clip"))
+    assert written.record.update["actor"]["clip_ratio_high"] == 0.28
+    rows = written.actor_update(2).to_pandas()
+    low, c = written.record.update["actor"]["clip_ratio_low"], written.record.update["actor"]["clip_ratio_c"]
+    ratio = np.exp(rows["log_prob"].to_numpy(np.float64) - rows["old_log_prob"].to_numpy(np.float64))
+    advantage = rows["advantage"].to_numpy(np.float64)
+    expected = np.where((advantage > 0) & (ratio > 1.28), "high", "none")
+    expected = np.where((advantage < 0) & (ratio < 1 - low), "low", expected)
+    expected = np.where((advantage < 0) & (ratio > c), "dual", expected)
+    decided = np.abs(ratio - 1.28) > 1e-5  # a ratio on the boundary rounds either way
+    np.testing.assert_array_equal(rows["clip"].to_numpy().astype(str)[decided], expected[decided])
+    assert main(["check", str(tmp_path / "clip"), "--quiet"]) == 0, capsys.readouterr().out

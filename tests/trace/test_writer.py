@@ -38,6 +38,7 @@ RUN_FIELDS = {
     "planned_steps": 40,
     "rollout": {"name": "vllm", "version": "0.27.0+cpu", "dtype": "float32"},
     "replay": None,  # a run's trace is no replay (verl_ext.apps.replay writes one)
+    "config": {"trainer": {"default_local_dir": "checkpoints"}},
 }
 RUN_RECORD = RunRecord(**RUN_FIELDS)
 

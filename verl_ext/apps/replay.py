@@ -54,10 +54,13 @@ class Overrides:
     given: list[str] = field(default_factory=list)  # as typed, for the record
     actor: dict[str, Any] = field(default_factory=dict)
     algorithm: dict[str, Any] = field(default_factory=dict)
+    #: the model replay's: ``key=value`` items for verl's actor and critic config, as given
+    config: list[str] = field(default_factory=list)
 
     @classmethod
-    def parse(cls, items: list[str]) -> "Overrides":
-        """``key=value`` items, values read as YAML (as Hydra reads them); ReplayError on a bad one."""
+    def parse(cls, items: list[str], model: bool = False) -> "Overrides":
+        """``key=value`` items, values read as YAML (as Hydra reads them); ReplayError on a bad one.
+        ``model``: for the model replay, which also takes any ``actor_rollout_ref.*`` and ``critic.*`` key."""
         import yaml
 
         overrides = cls(given=list(items))
@@ -69,16 +72,22 @@ class Overrides:
                 value = yaml.safe_load(text)
             except yaml.YAMLError:
                 raise ReplayError(f"override {item!r}: {text!r} is not a value") from None
+            if model and key.startswith(("actor_rollout_ref.", "critic.")):
+                overrides.config.append(item)
             if key in ACTOR_OVERRIDES:
                 for name in ACTOR_OVERRIDES[key]:
                     overrides.actor[name] = value
             elif key.startswith("algorithm."):
                 overrides.algorithm[key.removeprefix("algorithm.")] = value
+            elif model and key.startswith(("actor_rollout_ref.", "critic.")):
+                continue
+            elif model:
+                raise ReplayError(f"override {key}: the replay changes the update (actor_rollout_ref.*, critic.*) and the estimator (algorithm.*), not the run")
             elif key.startswith(("actor_rollout_ref.", "critic.", "trainer.", "data.")):
                 raise ReplayError(
-                    f"override {key}: it changes what happens after the first mini-batch's loss (or the data), "
-                    "and replaying that needs the model at each optimizer step, which this replay does not load; "
-                    f"model-free it takes {', '.join(ACTOR_OVERRIDES)} and algorithm.*"
+                    f"override {key}: it changes what happens after the first mini-batch's loss (or the data), and "
+                    "replaying that needs the model (a checkpoint: --checkpoint DIR, where the run saved them); "
+                    f"model-free the replay takes {', '.join(ACTOR_OVERRIDES)} and algorithm.*"
                 )
             else:
                 raise ReplayError(f"override {key}: not a verl setting the replay knows (it takes {', '.join(ACTOR_OVERRIDES)} and algorithm.*)")
@@ -339,19 +348,30 @@ def _reestimated(trace, step: int, algorithm: Mapping[str, Any], rows: pa.Table)
 
 
 def write_replay(replay: Replay, trace, out: str) -> Path:
-    """A trace at ``out`` holding the replayed step: its token and prompt files (the token table with
-    the re-estimated advantages when the estimator changed), the replayed mini-batch as its actor
-    update table, and a run record with the replayed settings and ``replay`` saying what it is.
-    ``check``, ``show`` and ``view`` read it; an existing non-empty ``out`` is refused."""
-    from verl_ext.trace.schema import (
-        LAYOUT,
-        RUN_RECORD,
-        STEP_RECORD_METADATA_KEY,
-        TOKEN_SCHEMA,
-        UPDATE_RECORD_METADATA_KEY,
-        UPDATE_SCHEMAS,
-        UpdateEntry,
-    )
+    """The model-free replay as a trace at ``out`` (:func:`write_replay_trace`): the replayed mini-batch
+    is its actor update table."""
+    from verl_ext.trace.schema import LAYOUT, UpdateEntry
+
+    step = replay.step
+    update = UpdateEntry(
+        kind="actor", rows=replay.replayed.num_rows, file=LAYOUT.update_file("actor", step),
+        written_at=trace.update_record("actor", step).written_at, logged={},
+        minibatches=[m for m in trace.update_record("actor", step).minibatches if (m["epoch"], m["minibatch"]) == (0, 0)],
+    )  # fmt: skip
+    return write_replay_trace(
+        trace, step, out, algorithm=replay.algorithm, update={**(trace.record.update or {}), "actor": dict(replay.settings)},
+        updates={"actor": (replay.replayed, update)}, tokens=replay.tokens, whiten=replay.whiten,
+        replay={"of": replay.trace_path, "step": step, "mode": MODEL_FREE, "overrides": replay.overrides.given, "minibatches": [[0, 0]]},
+    )  # fmt: skip
+
+
+def write_replay_trace(trace, step: int, out: str, *, algorithm, update, updates, tokens, whiten, replay) -> Path:
+    """A trace at ``out`` holding the replayed ``step``: its token and prompt files (``tokens``, the token
+    table with re-estimated advantages, when given; else the trace's), ``updates`` ({kind: (table,
+    UpdateEntry)}) as its update tables, and a run record with the replayed ``algorithm`` and ``update``
+    settings and ``replay`` saying what it is. ``check``, ``show`` and ``view`` read it; an existing
+    non-empty ``out`` is refused."""
+    from verl_ext.trace.schema import LAYOUT, RUN_RECORD, STEP_RECORD_METADATA_KEY, TOKEN_SCHEMA, UPDATE_RECORD_METADATA_KEY, UPDATE_SCHEMAS
 
     root = Path(out)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
@@ -359,37 +379,27 @@ def write_replay(replay: Replay, trace, out: str) -> Path:
     source = trace.local_root
     if source is None:
         raise ReplayError(f"{trace.path} is not on this machine's disk: --out copies its step files")
-    step = replay.step
     step_entry = dataclasses.replace(trace.step_record(step), updates={}, file=LAYOUT.token_file(step), prompts_file=LAYOUT.prompt_file(step))
-    if replay.whiten is not None:
-        step_entry.whiten = replay.whiten
+    if whiten is not None:
+        step_entry.whiten = whiten
     (root / LAYOUT.step_dir(step)).mkdir(parents=True)
     (root / LAYOUT.prompt_file(step)).parent.mkdir(parents=True)
     shutil.copyfile(Path(source) / trace.layout.prompt_file(step), root / LAYOUT.prompt_file(step))
-    if replay.tokens is None and trace.layout == LAYOUT:
+    if tokens is None and trace.layout == LAYOUT:
         shutil.copyfile(Path(source) / trace.layout.token_file(step), root / LAYOUT.token_file(step))
     else:
-        tokens = replay.tokens if replay.tokens is not None else trace.read_step(step)
+        tokens = tokens if tokens is not None else trace.read_step(step)
         footer = dict(pq.read_metadata(Path(source) / trace.layout.token_file(step)).metadata or {})
         footer[STEP_RECORD_METADATA_KEY.encode()] = json.dumps(dataclasses.asdict(step_entry)).encode()
         pq.write_table(tokens.cast(TOKEN_SCHEMA).replace_schema_metadata({**(TOKEN_SCHEMA.metadata or {}), **footer}), root / LAYOUT.token_file(step))
-    update = UpdateEntry(
-        kind="actor", rows=replay.replayed.num_rows, file=LAYOUT.update_file("actor", step),
-        written_at=trace.update_record("actor", step).written_at, logged={},
-        minibatches=[m for m in trace.update_record("actor", step).minibatches if (m["epoch"], m["minibatch"]) == (0, 0)],
-    )  # fmt: skip
-    schema = UPDATE_SCHEMAS["actor"]
-    footer = {UPDATE_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(update))}
-    (root / update.file).parent.mkdir(parents=True)
-    pq.write_table(replay.replayed.cast(schema).replace_schema_metadata({**(schema.metadata or {}), **footer}), root / update.file)
-    step_entry.updates = {"actor": update}
+    for kind, (table, entry) in updates.items():
+        schema = UPDATE_SCHEMAS[kind]
+        footer = {UPDATE_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(entry))}
+        (root / entry.file).parent.mkdir(parents=True)
+        pq.write_table(table.cast(schema).replace_schema_metadata({**(schema.metadata or {}), **footer}), root / entry.file)
+        step_entry.updates[kind] = entry
     record = dataclasses.replace(
-        trace.record,
-        algorithm=dict(replay.algorithm),
-        update={**(trace.record.update or {}), "actor": dict(replay.settings)},
-        steps={str(step): step_entry},
-        schema_version=LAYOUT.schema_version,
-        replay={"of": replay.trace_path, "step": step, "mode": MODEL_FREE, "overrides": replay.overrides.given, "minibatches": [[0, 0]]},
+        trace.record, algorithm=dict(algorithm), update=update, steps={str(step): step_entry}, schema_version=LAYOUT.schema_version, replay=replay
     )
     (root / RUN_RECORD).write_bytes(record.to_json())
     return root

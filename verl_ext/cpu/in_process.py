@@ -250,39 +250,11 @@ class InProcessPPOTrainer(RayPPOTrainer):
         self._hooked_step: int | None = None
 
     def init_workers(self):
-        from verl.workers.config import CriticConfig
-        from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker, TrainingWorkerConfig
-        from verl.workers.utils.losses import value_loss
-
-        _init_single_rank_process_group()
+        init_single_rank_process_group()
         actor_role = Role.ActorRolloutRef if Role.ActorRolloutRef in self.role_worker_mapping else Role.ActorRollout
-
-        if self.use_critic:  # as RayPPOTrainer.init_workers builds the critic's TrainingWorkerConfig
-            critic_cfg: CriticConfig = omega_conf_to_dataclass(self.config.critic)
-            engine_config = critic_cfg.engine
-            engine_config.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
-            engine_config.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
-            critic_worker = TrainingWorker(
-                config=TrainingWorkerConfig(
-                    model_type="value_model",
-                    model_config=critic_cfg.model,
-                    engine_config=engine_config,
-                    optimizer_config=critic_cfg.optim,
-                    checkpoint_config=critic_cfg.checkpoint,
-                )
-            )
-            self.critic_wg = InProcessWorkerGroup(critic_worker)
-            self.critic_wg.reset()
-            self.critic_wg.set_loss_fn(partial(value_loss, config=critic_cfg))
-
-        self.actor_rollout_wg = InProcessWorkerGroup(
-            ActorRolloutRefWorker(
-                config=self.config.actor_rollout_ref,
-                distillation_config=self.config.get("distillation"),
-                role=str(actor_role),
-            )
-        )
-        self.actor_rollout_wg.init_model()
+        if self.use_critic:
+            self.critic_wg = critic_worker_group(self.config)
+        self.actor_rollout_wg = actor_worker_group(self.config, str(actor_role))
         if self.use_reference_policy:
             self.ref_policy_wg = self.actor_rollout_wg  # the reference model lives in the same worker
 
@@ -337,7 +309,43 @@ class InProcessPPOTrainer(RayPPOTrainer):
             self.on_batch(self.global_steps, batch, self)
 
 
-def _init_single_rank_process_group() -> None:
+def critic_worker_group(config: DictConfig) -> InProcessWorkerGroup:
+    """verl's critic ``TrainingWorker``, reset, with verl's value loss: as RayPPOTrainer.init_workers builds it."""
+    from verl.workers.config import CriticConfig
+    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
+    from verl.workers.utils.losses import value_loss
+
+    critic_cfg: CriticConfig = omega_conf_to_dataclass(config.critic)
+    engine_config = critic_cfg.engine
+    engine_config.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    engine_config.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
+    critic_worker = TrainingWorker(
+        config=TrainingWorkerConfig(
+            model_type="value_model",
+            model_config=critic_cfg.model,
+            engine_config=engine_config,
+            optimizer_config=critic_cfg.optim,
+            checkpoint_config=critic_cfg.checkpoint,
+        )
+    )
+    group = InProcessWorkerGroup(critic_worker)
+    group.reset()
+    group.set_loss_fn(partial(value_loss, config=critic_cfg))
+    return group
+
+
+def actor_worker_group(config: DictConfig, role: str) -> InProcessWorkerGroup:
+    """verl's ``ActorRolloutRefWorker`` in ``role`` ("actor": the actor alone), its model built."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    group = InProcessWorkerGroup(
+        ActorRolloutRefWorker(config=config.actor_rollout_ref, distillation_config=config.get("distillation"), role=role)
+    )
+    group.init_model()
+    return group
+
+
+def init_single_rank_process_group() -> None:
     """A one-rank gloo group on an in-memory store (no port), plus the env verl's Worker reads."""
     os.environ.update(
         {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RAY_LOCAL_WORLD_SIZE": "1"}

@@ -54,7 +54,23 @@ def run_record(config: Any, kind: str, options: TraceOptions, trainer: Any = Non
         finished=False,
         planned_steps=planned_steps(config, trainer),
         rollout=rollout_engine(config.actor_rollout_ref.rollout),
+        config=resolved_config(config),
     )
+
+
+def resolved_config(config: Any) -> dict[str, Any] | None:
+    """verl's whole config as the run resolved it (plain JSON data), which ``verl-ext replay`` rebuilds
+    the workers from; None where it does not resolve or is not JSON data (the replay then says so)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    try:
+        resolved = OmegaConf.to_container(config, resolve=True)
+        json.dumps(resolved)
+    except Exception:  # noqa: BLE001 - an interpolation that needs the run's process, or an object
+        return None
+    return resolved
 
 
 def planned_steps(config: Any, trainer: Any = None) -> int | None:

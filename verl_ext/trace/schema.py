@@ -358,6 +358,9 @@ class RunRecord:
     #: trace's path, "step": n, "mode": "model-free", "overrides": ["key=value", …], "minibatches":
     #: [[epoch, minibatch], …] (the ones its update tables hold)}; None: a trace a run wrote
     replay: dict[str, Any] | None = None
+    #: (since format 9) verl's whole config as the run resolved it, which ``verl-ext replay`` rebuilds
+    #: the actor and critic from; None: not recorded (a trace before format 9, or one that did not resolve)
+    config: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         """JSON bytes, steps in numeric order; TypeError/ValueError if something is not JSON data."""
