@@ -46,6 +46,7 @@ def v1_tool_run(tmp_path_factory, assets_dir, tool_assets, ray_cluster):
         f"+verl_ext.trace.dir={out / 'trace'}",
         "+verl_ext.turn_rewards=true",
         "trainer.val_before_train=False",  # nothing here reads a validation
+        "trainer.save_freq=1",  # a checkpoint after every step, for verl-ext replay with the model
         *ray_cluster.v1_overrides,
     ]
     run(["bash", str(RECIPE), *overrides], env, out, timeout=600)
@@ -81,13 +82,16 @@ def test_the_v1_trainer_runs_turn_gae_with_the_tools_rewards_on_their_turns(v1_t
         assert logged == pytest.approx(placed.sum() / trace.prompts(step).num_rows, rel=1e-5) and logged > 0
 
 
-def test_a_tool_step_replays_as_recorded_and_with_another_estimator(v1_tool_run, tmp_path):
-    """``verl-ext replay`` on a tool-task step of the V1 trainer (holes where the tool answered): the first
-    mini-batch is REPRODUCED, and with mc instead of turn_gae the replay's trace passes the checker."""
+def test_a_tool_step_replays_as_recorded_and_with_another_estimator(v1_tool_run, tmp_path, capsys):
+    """``verl-ext replay`` on a tool-task step of the V1 trainer (holes where the tool answered): with the
+    model, from verl's checkpoint of step 1, the whole update and the parameters after it are REPRODUCED;
+    model-free the first mini-batch too; and with mc instead of turn_gae the replay's trace passes the checker."""
     from verl_ext.cli import main
 
     trace = str(v1_tool_run / "trace")
     assert main(["replay", trace, "--step", "2", "--out", str(tmp_path / "as_recorded")]) == 0
+    assert "with the model" in capsys.readouterr().out
     assert main(["check", str(tmp_path / "as_recorded"), "--quiet"]) == 0
+    assert main(["replay", trace, "--step", "2", "--model-free"]) == 0
     assert main(["replay", trace, "--step", "2", "--out", str(tmp_path / "mc"), "--", "algorithm.adv_estimator=mc"]) == 0
     assert main(["check", str(tmp_path / "mc"), "--quiet"]) == 0

@@ -53,6 +53,7 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
         f"data.max_response_length={CUT_AT}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
+        "trainer.save_freq=1",  # a checkpoint after every step, for verl-ext replay with the model
         *ray_cluster.v1_overrides,
     ]
     env = {
@@ -188,18 +189,21 @@ def test_the_run_is_in_verls_gpu_settings_and_its_trace_holds_the_bf16_numbers_i
     assert_gpu_world(v1_run, v1_run / "trace")
 
 
-def test_v1_replay_as_recorded_reproduces_the_first_minibatch(v1_run, tmp_path):
-    """``verl-ext replay`` on the V1 trainer's trace (its update went through TransferQueue): REPRODUCED
-    on each step, and the replay's trace passes the checker (the user's estimator importable, as in the run)."""
+def test_v1_replay_as_recorded_reproduces_the_update(v1_run, tmp_path):
+    """``verl-ext replay`` on the V1 trainer's trace (bf16, packed, dynamic batch size; its update went
+    through TransferQueue): with the model, step 2 from verl's checkpoint of step 1 is REPRODUCED (update
+    tables and parameters after the step); model-free, both steps' first mini-batch; and each replay's
+    trace passes the checker (the user's estimator importable, as in the run)."""
     from tests.e2e.test_fit_with_trace import user_module_env
 
     env = {**os.environ, **user_module_env(v1_run)}
-    for step in (1, 2):
-        out = tmp_path / f"replay-{step}"
+    for step, mode in ((1, ["--model-free"]), (2, ["--model-free"]), (2, [])):
+        out = tmp_path / f"replay-{step}-{len(mode)}"
         result = subprocess.run(
-            [sys.executable, "-m", "verl_ext.cli", "replay", str(v1_run / "trace"), "--step", str(step), "--out", str(out)],
+            [sys.executable, "-m", "verl_ext.cli", "replay", str(v1_run / "trace"), "--step", str(step), "--out", str(out), *mode],
             capture_output=True, text=True, env=env,
         )  # fmt: skip
         assert result.returncode == 0 and "as recorded: REPRODUCED" in result.stdout, result.stdout + result.stderr
+        assert mode or "with the model" in result.stdout
         check = subprocess.run([sys.executable, "-m", "verl_ext.cli", "check", str(out), "--quiet"], capture_output=True, text=True, env=env)
         assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]

@@ -254,7 +254,7 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
     else:
         tables = ", ".join(f"{kind} {equal} of {total} rows bit for bit" for kind, (equal, total) in replay.bitwise.items())
         verdict = "REPRODUCED" if replay.reproduced else "DIFFERS"
-        lines.append(f"as recorded: {verdict}: the update tables equal the recorded ones ({tables}; the rest within {LIMIT['fp32']:g}×max(1, |x|) in fp32)")
+        lines.append(f"as recorded: {verdict}: the update tables equal the recorded ones ({tables}; the rest within the limit of docs/inspecting.md#replaying-a-step)")
     if replay.parameters is None:
         lines.append(f"  parameters after the step: not compared (no checkpoint of step {step} under {replay.checkpoint})")
     else:
@@ -392,13 +392,15 @@ def rebuild_batch(trace, step: int, config, tokens=None):
         "responses": input_ids[:, width_p:],
         "response_mask": response_mask,
     }
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for key, column in FLOAT_KEYS.items():
         values = table[column]
         if values.null_count == len(values):
             continue
         dense = torch.zeros((batch, width_r), dtype=torch.float32)
         dense[sample, token_index] = torch.from_numpy(values.fill_null(0.0).to_numpy().astype(np.float32))
-        tensors[key] = dense
+        # in the dtype the trainer's batch held it in (a bf16 run's values, log-probs): exact, the trace stores it as float32
+        tensors[key] = dense.to(dtypes.get(entry.stored_dtypes.get(column), torch.float32))
     tensors[ROW_KEY] = rows(batch)
     data = DataProto.from_single_dict(tensors)
     data.meta_info["global_token_num"] = attention.sum(-1).tolist()
