@@ -270,7 +270,8 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
         mask = replay.after["mask"]
         delta = (replay.after["replayed"] - replay.after["recorded"])[mask]
         lines.append(f"  the policy after the step, on the step's {int(mask.sum())} valid tokens: mean |Δ log π| {np.abs(delta).mean():.4g}, "
-                     f"mean (log π_recorded − log π_replayed) {(-delta).mean():.4g} (a KL estimate on the tokens the old policy sampled)")  # fmt: skip
+                     f"mean (log π_recorded − log π_replayed) {(-delta).mean():.4g} (over tokens the old policy sampled: not a KL, "
+                     "which would sample from one of the two)")  # fmt: skip
         if not moved:
             lines.append("  no token's log-prob after the step moved")
             return "\n".join(lines)
@@ -286,15 +287,16 @@ def _number(value) -> str:
 
 
 def _clip_changes(replay: ModelReplay) -> dict[str, int]:
-    """"recorded→replayed" clip codes, counted over the actor's rows (every epoch)."""
-    if "actor" not in replay.recorded:
+    """"recorded→replayed" clip codes, counted over the actor's rows of the epochs both updates ran
+    (joined on epoch, sample and token: other mini-batch sizes or epochs change the rows' places)."""
+    if "actor" not in replay.recorded or "actor" not in replay.replayed:
         return {}
-    before = replay.recorded["actor"]["clip"].to_numpy(zero_copy_only=False)
-    after = replay.replayed["actor"]["clip"].to_numpy(zero_copy_only=False)
-    changed: dict[str, int] = {}
-    for a, b in zip(before[before != after], after[before != after]):
-        changed[f"{a}→{b}"] = changed.get(f"{a}→{b}", 0) + 1
-    return changed
+    keys = ["epoch", "sample", "token_index"]
+    before = replay.recorded["actor"].select([*keys, "clip"]).to_pandas()
+    after = replay.replayed["actor"].select([*keys, "clip"]).to_pandas()
+    joined = before.merge(after, on=keys, suffixes=("_recorded", "_replayed"))
+    changed = joined[joined["clip_recorded"] != joined["clip_replayed"]]
+    return {f"{a}→{b}": int(n) for (a, b), n in changed.groupby(["clip_recorded", "clip_replayed"]).size().items()}
 
 
 def _moved_tokens(replay: ModelReplay, top: int) -> list[dict[str, Any]]:
