@@ -1,15 +1,16 @@
-"""``verl-ext replay``: one recorded step's update scored again, offline, as recorded or with other
-settings (docs/inspecting.md#replaying-a-step).
+"""``verl-ext replay``: one recorded step's update run again, offline, as recorded or with other
+settings (docs/inspecting.md#replaying-a-step). This module: the overrides, the model-free replay,
+another estimator's advantages, and the replay's trace; :mod:`verl_ext.apps.replay_model` runs the
+whole update again with verl's workers from the run's checkpoints.
 
-What is built is the model-free replay: the first mini-batch of PPO epoch 0. The actor has not
-stepped when verl computes that mini-batch's loss, so the log-probs it used are the recorded ones
-(the update table's ``log_prob``), and verl's own policy-loss function, fed the recorded inputs,
-gives the loss again. As recorded, that is a proof that the trace holds the loss's whole input
-(``REPRODUCED``, or the first token and column that differ). With overrides it is the what-if: other
-clip ranges, dual-clip bound, loss aggregation, policy-loss mode or estimator (the advantages are
-then re-estimated from the step's recorded rewards and values, and whitened as the run whitened).
-Later mini-batches, the learning rate and the number of epochs need the model after each optimizer
-step; the replay says so and does not approximate them.
+The model-free replay is the first mini-batch of PPO epoch 0. The actor has not stepped when verl
+computes that mini-batch's loss, so the log-probs it used are the recorded ones (the update table's
+``log_prob``), and verl's own policy-loss function, fed the recorded inputs, gives the loss again. As
+recorded, that is a proof that the trace holds the loss's whole input (``REPRODUCED``, or the first
+token and column that differ). With overrides it is the what-if: other clip ranges, dual-clip bound,
+loss aggregation, policy-loss mode or estimator (the advantages are then re-estimated from the step's
+recorded rewards and values, and whitened as the run whitened). Later mini-batches, the learning rate
+and the number of epochs need the model; the model-free replay says so and does not approximate them.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def replay_step(trace, step: int, overrides: Overrides) -> Replay:
     difference, bitwise = _first_difference(rows, as_recorded.columns, recorded_settings)
     tokens, whiten, advantages = None, None, rows["advantage"].to_numpy()
     if overrides.algorithm:
-        tokens, whiten, advantages = _reestimated(trace, step, algorithm, rows)
+        tokens, whiten, advantages = reestimated_tokens(trace, step, algorithm, rows)
     replayed = _score(rows, settings, advantages, info) if (overrides.actor or overrides.algorithm) else as_recorded
     replayed_table = rows
     for name, values in {"advantage": advantages, **replayed.columns}.items():
@@ -290,7 +291,7 @@ def _first_difference(rows: pa.Table, columns: Mapping[str, np.ndarray], setting
 # --------------------------------------------------------------------------- another estimator
 
 
-def _reestimated(trace, step: int, algorithm: Mapping[str, Any], rows: pa.Table) -> tuple[pa.Table, dict | None, np.ndarray]:
+def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.Table) -> tuple[pa.Table, dict | None, np.ndarray]:
     """The step's token table with ``algorithm``'s returns and advantages (raw, then whitened as the
     run whitened, over the step's valid tokens), its whitening statistics, and the advantages at
     ``rows``. Re-estimated by the checker's function (verl_ext.check.cuts.reestimate)."""

@@ -8,7 +8,8 @@ the parent compares with the one verl saved after the step.
 It runs in a fresh interpreter (``python -m verl_ext.apps.replay_model REQUEST.json``), because the
 CPU backend must be active before verl is imported and the workers need a process group of their
 own: :func:`run_replay` starts it and reads what it wrote. This build uses the CPU backend's
-in-process workers (verl_ext.cpu.in_process), so it replays on a CPU.
+in-process workers (verl_ext.cpu.in_process): it replays runs that trained on a CPU (a GPU run's
+kernels would round otherwise), on one rank.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path) -> Mod
     """Replay ``step`` of ``trace`` with verl's workers from the checkpoints under ``root`` (module docstring)."""
     from omegaconf import OmegaConf
 
-    from verl_ext.apps.replay import _reestimated
+    from verl_ext.apps.replay import reestimated_tokens
     from verl_ext.integration.run_record import update_settings
     from verl_ext.trace.schema import UpdateEntry
 
@@ -120,6 +121,12 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path) -> Mod
         raise ReplayError(f"step {step} of {trace.path} has no update tables: a replay needs what the update did (verl_ext.trace.update=true)")
     if trace.record.config is None:
         raise ReplayError(f"{trace.path}: the run record holds no verl config (a trace before format 9), which the model replay rebuilds the workers from; --model-free replays the first mini-batch")
+    device = (trace.record.config.get("trainer") or {}).get("device")
+    if device != "cpu":
+        raise ReplayError(
+            f"the run trained on {device!r}; the model replay runs verl's workers on the CPU backend (one process), where "
+            "another device's kernels would round otherwise: built for CPU runs only; --model-free replays the first mini-batch"
+        )
     ranks = max(int(m.get("dp_size") or 1) for kind in kinds for m in trace.update_record(kind, step).minibatches)
     if ranks > 1:
         raise ReplayError(f"step {step} trained on {ranks} data-parallel ranks, and the replay runs one; --model-free replays the first mini-batch")
@@ -135,7 +142,7 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path) -> Mod
     tokens, whiten = None, None
     work = Path(tempfile.mkdtemp(prefix="verl-ext-replay-"))
     if overrides.algorithm:
-        tokens, whiten, _ = _reestimated(trace, step, {**trace.record.algorithm, **overrides.algorithm}, trace.actor_update(step) if "actor" in kinds else trace.critic_update(step))
+        tokens, whiten, _ = reestimated_tokens(trace, step, {**trace.record.algorithm, **overrides.algorithm}, trace.actor_update(step) if "actor" in kinds else trace.critic_update(step))
         pq.write_table(tokens, work / "tokens.parquet")
     result = run_replay(str(trace.path), step, str(root), work, overrides.config, str(work / "tokens.parquet") if tokens is not None else None)
     recorded = {kind: trace.update_table(kind, step) for kind in kinds}
@@ -337,11 +344,7 @@ def run_replay(trace_path: str, step: int, checkpoint_root: str, work: Path, ove
     work.mkdir(parents=True, exist_ok=True)
     request = {"trace": trace_path, "step": step, "checkpoint": checkpoint_root, "work": str(work), "overrides": overrides, "tokens": tokens_file}
     (work / "request.json").write_text(json.dumps(request))
-    env = dict(os.environ)
-    import torch
-
-    if not torch.cuda.is_available():
-        env["VERL_EXT_CPU"] = "1"
+    env = {**os.environ, "VERL_EXT_CPU": "1"}  # the CPU backend's in-process workers (replay_with_model: CPU runs only)
     process = subprocess.run([sys.executable, "-m", "verl_ext.apps.replay_model", str(work / "request.json")], env=env,
                              capture_output=True, text=True)  # fmt: skip
     (work / "replay.log").write_text(process.stdout + process.stderr)
