@@ -196,6 +196,13 @@ def test_a_replay_it_cannot_do_is_one_line_and_exit_2(traced_run, capsys, tmp_pa
     (other_model / "global_step_1" / "actor" / "huggingface" / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
     code, _, err = replay(capsys, trace_dir, "--step", "2", "--checkpoint", other_model)
     assert code == 2 and "holds another model than the run's" in err, err
+    on_a_gpu = tmp_path / "on_a_gpu"
+    shutil.copytree(trace_dir, on_a_gpu)
+    record = json.loads((on_a_gpu / "_run.json").read_text())
+    record["config"]["trainer"]["device"] = "cuda"
+    (on_a_gpu / "_run.json").write_text(json.dumps(record))
+    code, _, err = replay(capsys, on_a_gpu, "--step", "2", "--checkpoint", trace_dir.parent / "checkpoints")
+    assert code == 2 and "the run trained on 'cuda'" in err and "--model-free" in err, err
 
 
 # --------------------------------------------------------------------------- with the model
