@@ -355,8 +355,9 @@ class RunRecord:
     #: "version": its package's installed version (None: unknown), "dtype": actor_rollout_ref.rollout.dtype}
     rollout: dict[str, Any] | None = None
     #: (since format 9) this trace is a replay of one step of another (verl_ext.apps.replay): {"of": that
-    #: trace's path, "step": n, "mode": "model-free", "overrides": ["key=value", …], "minibatches":
-    #: [[epoch, minibatch], …] (the ones its update tables hold)}; None: a trace a run wrote
+    #: trace's path, "step": n, "mode": "model" | "model-free", "overrides": ["key=value", …],
+    #: "minibatches": [[epoch, minibatch], …] (the ones a model-free replay's table holds; None: every
+    #: one), and with the model "checkpoint": the run's checkpoint directory}; None: a trace a run wrote
     replay: dict[str, Any] | None = None
     #: (since format 9) verl's whole config as the run resolved it, which ``verl-ext replay`` rebuilds
     #: the actor and critic from; None: not recorded (a trace before format 9, or one that did not resolve)
