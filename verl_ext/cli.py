@@ -615,7 +615,10 @@ def replay(args: argparse.Namespace) -> int:
     with_model = not args.model_free and (args.checkpoint is not None or replay_model.has_checkpoint_for(root, args.step))
     try:
         if with_model:
-            result = replay_model.replay_with_model(trace, args.step, Overrides.parse(args.overrides, model=True), root)
+            def progress(line: str) -> None:
+                print(f"replay: {line}", file=sys.stderr, flush=True)
+
+            result = replay_model.replay_with_model(trace, args.step, Overrides.parse(args.overrides, model=True), root, progress)
             report = replay_model.model_report(result, args.format, args.top)
             write = replay_model.write_model_replay
         else:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -107,8 +107,9 @@ def has_checkpoint_for(root: Path | None, step: int) -> bool:
     return root is not None and (step == 1 or (root / f"global_step_{step - 1}").is_dir())
 
 
-def replay_with_model(trace, step: int, overrides: Overrides, root: Path) -> ModelReplay:
-    """Replay ``step`` of ``trace`` with verl's workers from the checkpoints under ``root`` (module docstring)."""
+def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progress: Callable[[str], None] | None = None) -> ModelReplay:
+    """Replay ``step`` of ``trace`` with verl's workers from the checkpoints under ``root`` (module
+    docstring); ``progress(line)`` once the input checks passed and the workers' process starts."""
     from omegaconf import OmegaConf
 
     from verl_ext.apps.replay import reestimated_tokens
@@ -144,6 +145,8 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path) -> Mod
     if overrides.algorithm:
         tokens, whiten, _ = reestimated_tokens(trace, step, {**trace.record.algorithm, **overrides.algorithm}, trace.actor_update(step) if "actor" in kinds else trace.critic_update(step))
         pq.write_table(tokens, work / "tokens.parquet")
+    if progress is not None:
+        progress(f"step {step} with verl's workers, from {root} (a fresh process: seconds on a tiny model) ...")
     result = run_replay(str(trace.path), step, str(root), work, overrides.config, str(work / "tokens.parquet") if tokens is not None else None)
     recorded = {kind: trace.update_table(kind, step) for kind in kinds}
     replayed = {kind: pq.read_table(work / f"{kind}.parquet") for kind in result["tables"]}
@@ -345,8 +348,12 @@ def run_replay(trace_path: str, step: int, checkpoint_root: str, work: Path, ove
     request = {"trace": trace_path, "step": step, "checkpoint": checkpoint_root, "work": str(work), "overrides": overrides, "tokens": tokens_file}
     (work / "request.json").write_text(json.dumps(request))
     env = {**os.environ, "VERL_EXT_CPU": "1"}  # the CPU backend's in-process workers (replay_with_model: CPU runs only)
-    process = subprocess.run([sys.executable, "-m", "verl_ext.apps.replay_model", str(work / "request.json")], env=env,
-                             capture_output=True, text=True)  # fmt: skip
+    try:
+        process = subprocess.run([sys.executable, "-m", "verl_ext.apps.replay_model", str(work / "request.json")], env=env,
+                                 capture_output=True, text=True)  # fmt: skip
+    except KeyboardInterrupt:  # the workers' process got the same Ctrl-C; nothing of the replay is worth keeping
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     (work / "replay.log").write_text(process.stdout + process.stderr)
     result_file = work / "result.json"
     if process.returncode != 0 or not result_file.exists():
