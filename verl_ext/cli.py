@@ -491,6 +491,7 @@ def view_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help=f"served: address to listen on (default {DEFAULT_HOST}: this machine only)")
     parser.add_argument("--port", type=_port, help=f"served: port (default {DEFAULT_PORT}; 0 picks a free one)")
     _tokenizer_argument(parser)
+    _parallel_arguments(parser)  # with --out: the summary and the check of the file's steps; served, one step a request
     _quiet_argument(parser)
 
 
@@ -504,6 +505,8 @@ def view(args: argparse.Namespace) -> int:
         raise UsageError(f"{'--steps' if args.steps is not None else '--max-tokens'} chooses what goes into a file: it needs --out")
     if args.out is not None and (args.host is not None or args.port is not None):
         raise UsageError(f"{'--host' if args.host is not None else '--port'} is for serving: leave out --out to serve the trace")
+    if args.out is None and args.ray is not None:
+        raise UsageError("--ray reads the steps of a file's page (--out); served, the view reads one step a request")
     trace = _open_run(args.run)
     unread = UnreadSteps.of(trace)
     if args.step is not None:
@@ -519,7 +522,7 @@ def view(args: argparse.Namespace) -> int:
         from verl_ext.view.page import write_page
 
         max_tokens = args.max_tokens if args.max_tokens is not None else DEFAULT_MAX_TOKENS
-        path = write_page(trace, args.out, step, args.sample, args.steps, max_tokens, decoder, _progress(args, "view"), unread)
+        path = write_page(trace, args.out, step, args.sample, args.steps, max_tokens, decoder, _progress(args, "view"), unread, **_parallel(args))
         _emit(str(path))
         return _left_out(unread)
     _say(unread.lines())  # served, the page says them too; a step read later that does not read is its own error there

@@ -1,4 +1,4 @@
-"""Steps in parallel (verl_ext.trace.parallel): ``check``, ``summary``, ``summary --critic`` and ``plot`` in worker
+"""Steps in parallel (verl_ext.trace.parallel): ``check``, ``summary``, ``summary --critic``, ``plot`` and ``view --out`` in worker
 processes give the report and the rows of one process, byte for byte, on a trace with a planted NaN, a
 nudged return, an update table and a step whose file does not read; Ctrl-C leaves no worker behind.
 
@@ -93,6 +93,30 @@ def test_plot_reads_the_steps_in_as_many_processes_as_asked(trace, tmp_path, mon
     assert main(["plot", trace, "--out", str(tmp_path), "--jobs", "2", "--quiet"]) == 1  # step 5 is left out, and said
     assert sorted(asked) == [("critic_diagnostics", 2, None), ("summarize", 2, None)]
     assert "over_steps.png" in {path.name for path in tmp_path.iterdir()} and "step 5" in capsys.readouterr().err
+
+
+def test_the_view_page_reads_its_steps_in_as_many_processes_as_asked(trace, tmp_path, monkeypatch, capsys):
+    """``view --out --jobs 2``: the page's summary and check are handed the job count (their parallel
+    results equal the serial ones: the tests above); ``--ray`` without ``--out`` is one line."""
+    from verl_ext.check import run as check_run
+    from verl_ext.cli import main
+    from verl_ext.inspect import summary
+
+    asked = []
+
+    def spy(original):
+        def serially(*args, jobs=1, ray_address=None, **kwargs):
+            asked.append((original.__name__, jobs, ray_address))
+            return original(*args, **kwargs)
+
+        return serially
+
+    monkeypatch.setattr(summary, "summarize", spy(summary.summarize))
+    monkeypatch.setattr(check_run, "check_trace", spy(check_run.check_trace))
+    assert main(["view", trace, "--out", str(tmp_path / "page.html"), "--jobs", "2", "--quiet"]) == 1  # step 5 is left out
+    assert sorted(asked) == [("check_trace", 2, None), ("summarize", 2, None)] and (tmp_path / "page.html").is_file()
+    capsys.readouterr()
+    assert main(["view", trace, "--ray", "127.0.0.1:1"]) == 2 and "--ray reads the steps of a file's page" in capsys.readouterr().err
 
 
 def test_the_progress_counts_every_step_and_its_tokens(trace, every_trace_in_parallel):

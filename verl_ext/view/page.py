@@ -179,10 +179,12 @@ def render_page(data: dict, title: str) -> str:
 
 
 def page_data(
-    trace, start_step: int, start_sample: int | None, selection: Selection, decoder, progress=None, unread=None
-) -> dict:
+    trace, start_step: int, start_sample: int | None, selection: Selection, decoder, progress=None, unread=None,
+    *, jobs: int = 1, ray_address: str | None = None,
+) -> dict:  # fmt: skip
     """The data of a self-contained page: the run, and per step of ``selection`` its overview, its
-    tokens and its statistics, with the summary and the check of those steps. A step whose files do
+    tokens and its statistics, with the summary and the check of those steps (read in ``jobs``
+    processes or as Ray tasks: :func:`verl_ext.trace.parallel.map_steps`). A step whose files do
     not read is left out of the page and noted in ``unread`` (:class:`UnreadSteps`), which the page's
     notes say with the missing steps."""
     from verl_ext.check.run import check_trace
@@ -191,9 +193,10 @@ def page_data(
     from verl_ext.view.payload import StepSource, check_failures, check_not_checked, clean, run_info
 
     unread = UnreadSteps.of(trace) if unread is None else unread
-    summary = {row["step"]: row for row in summarize(trace, selection.steps, unread=unread).to_pylist()}
+    parallel = {"jobs": jobs, "ray_address": ray_address}
+    summary = {row["step"]: row for row in summarize(trace, selection.steps, unread=unread, **parallel).to_pylist()}
     readable = [step for step in selection.steps if step not in unread.unreadable]
-    report = check_trace(trace, readable)
+    report = check_trace(trace, readable, **parallel)
     steps = {}
     tokens = 0
     for done, (step, source) in enumerate(unread.read(readable, lambda step: StepSource(trace, step, decoder)), start=1):
@@ -237,8 +240,12 @@ def write_page(
     tokenizer=None,
     progress=None,
     unread=None,
+    *,
+    jobs: int = 1,
+    ray_address: str | None = None,
 ) -> Path:
-    """Write the self-contained page of a trace to ``out_path`` and return its path.
+    """Write the self-contained page of a trace to ``out_path`` and return its path; the summary and
+    the check of its steps in ``jobs`` processes or as Ray tasks (:func:`page_data`).
 
     ``step``/``sample``: what the page shows first (default: the last traced step that reads, its
     first sample); ``steps``, ``max_tokens``: which steps go into the file (module docstring);
@@ -269,7 +276,7 @@ def write_page(
     group = start_group(trace, start, sample)
     selection = select_steps(trace, start, steps, max_tokens, keep=lambda _: group)
     decoder = decoder_for(trace, tokenizer)
-    data = page_data(trace, start, sample, selection, decoder, progress, unread)
+    data = page_data(trace, start, sample, selection, decoder, progress, unread, jobs=jobs, ray_address=ray_address)
     if start in unread.unreadable:  # its footer read, a table of it did not
         raise UsageError(f"step {start} does not read: {unread.unreadable[start]}")
     text = render_page(data, f"verl-ext view · {trace.path}")
