@@ -141,15 +141,22 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
     if step > 1:
         _require_the_runs_model(root / f"global_step_{step - 1}", config)
     tokens, whiten = None, None
-    work = Path(tempfile.mkdtemp(prefix="verl-ext-replay-"))
     if overrides.algorithm:
         tokens, whiten, _ = reestimated_tokens(trace, step, {**trace.record.algorithm, **overrides.algorithm}, trace.actor_update(step) if "actor" in kinds else trace.critic_update(step))
+    work = Path(tempfile.mkdtemp(prefix="verl-ext-replay-"))
+    if tokens is not None:
         pq.write_table(tokens, work / "tokens.parquet")
     if progress is not None:
         progress(f"step {step} with verl's workers, from {root} (a fresh process: seconds on a tiny model) ...")
+    # where the workers failed, ``work`` keeps their log (the error names it); else it goes once read
     result = run_replay(str(trace.path), step, str(root), work, overrides.config, str(work / "tokens.parquet") if tokens is not None else None)
-    recorded = {kind: trace.update_table(kind, step) for kind in kinds}
-    replayed = {kind: pq.read_table(work / f"{kind}.parquet") for kind in result["tables"]}
+    try:
+        recorded = {kind: trace.update_table(kind, step) for kind in kinds}
+        replayed = {kind: pq.read_table(work / f"{kind}.parquet") for kind in result["tables"]}
+        with np.load(work / "after.npz") as saved:
+            after = {"replayed": saved["replayed"], "recorded": saved["recorded"] if "recorded" in saved else None, "mask": saved["mask"]}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     entries = {kind: UpdateEntry(**table["entry"]) for kind, table in result["tables"].items()}
     if set(replayed) != set(recorded):
         raise ReplayError(f"the replay updated {', '.join(sorted(replayed)) or 'nothing'}, the run {', '.join(kinds)} (trainer.critic_warmup?)")
@@ -158,9 +165,6 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
     parameters = result["parameters"]
     if parameters and any(problem for problem in parameters.values() if isinstance(problem, str)):
         raise ReplayError(next(problem for problem in parameters.values() if isinstance(problem, str)))
-    with np.load(work / "after.npz") as saved:
-        after = {"replayed": saved["replayed"], "recorded": saved["recorded"] if "recorded" in saved else None, "mask": saved["mask"]}
-    shutil.rmtree(work, ignore_errors=True)  # kept where the replay failed: its log
     merged = OmegaConf.merge(config, OmegaConf.from_dotlist(overrides.config)) if overrides.config else config
     return ModelReplay(
         trace_path=str(trace.path), step=step, overrides=overrides, checkpoint=root, recorded=recorded, replayed=replayed,
