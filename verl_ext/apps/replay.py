@@ -297,6 +297,9 @@ def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.
     ``rows``. Re-estimated by the checker's function (verl_ext.check.cuts.reestimate)."""
     from types import SimpleNamespace
 
+    import torch
+
+    from verl_ext import estimators
     from verl_ext.check.cuts import StepCuts, reestimate, whitened
     from verl_ext.check.stepdata import LAYOUT_COLUMNS, RecordedAlgorithm, StepData, join_keys, locate
 
@@ -324,12 +327,13 @@ def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.
         raise ReplayError(str(error)) from None
     advantages, whiten = treated.advantages, None
     if recorded.whitened:
-        cut = cuts.at_tokens(data.layout) if cuts.cut is not None else np.zeros(len(advantages), bool)
-        white = whitened(advantages, cut if mode == "mask" else np.zeros(len(advantages), bool), mode)
+        # the tokens whitening leaves out: the cut responses' under truncation=mask (as the run's masked_whiten)
+        left_out = cuts.at_tokens(data.layout) if mode == "mask" and cuts.cut is not None else np.zeros(len(advantages), bool)
+        white = whitened(advantages, left_out, mode)
         if white is None:
             raise ReplayError(f"step {step}: fewer than two tokens to whiten the advantages over")
-        keep = advantages[~cut] if mode == "mask" else advantages
-        whiten = {"mean": float(keep.mean()), "var": float(keep.var(ddof=1))}
+        _, mean, var = estimators.whitening_moments(torch.from_numpy(advantages)[None], torch.from_numpy(~left_out)[None])
+        whiten = {"mean": mean, "var": var}
         advantages = white
     valid = data.layout.valid_rows
     columns = {"advantage_raw": treated.advantage_raw, "advantage": advantages, "return": treated.returns}
@@ -413,14 +417,11 @@ def replay_report(replay: Replay, fmt: str = "text", top: int = 10) -> str:
     """The verdict as recorded, and with overrides what moved: the clip codes that changed, the
     mini-batch's loss, and the ``top`` tokens whose weighted loss term (term × ∂loss/∂term) moved most."""
     recorded, replayed = replay.recorded, replay.replayed
-    changed_clip = recorded["clip"].to_numpy(zero_copy_only=False) != replayed["clip"].to_numpy(zero_copy_only=False)
     carried_before = recorded["pg_loss"].to_numpy().astype(np.float64) * replay.recorded_weight
     carried_after = replayed["pg_loss"].to_numpy().astype(np.float64) * replay.replayed_weight
     change = np.abs(carried_after - carried_before)
     moved = [i for i in np.argsort(-change, kind="stable")[:top] if change[i] > 0]
-    transitions: dict[str, int] = {}
-    for before, after in zip(recorded["clip"].to_numpy(zero_copy_only=False)[changed_clip], replayed["clip"].to_numpy(zero_copy_only=False)[changed_clip]):
-        transitions[f"{before}→{after}"] = transitions.get(f"{before}→{after}", 0) + 1
+    transitions = clip_transitions(recorded["clip"].to_numpy(zero_copy_only=False), replayed["clip"].to_numpy(zero_copy_only=False))
     moved_rows = [
         {
             "sample": int(recorded["sample"][i].as_py()), "token_index": int(recorded["token_index"][i].as_py()),
@@ -468,6 +469,13 @@ def replay_report(replay: Replay, fmt: str = "text", top: int = 10) -> str:
             f"{row['ratio']:>8.4f} {row['clip'][0]:>4} → {row['clip'][1]:<4} {row['loss'][0]:>11.4g} → {row['loss'][1]:<11.4g}"
         )
     return "\n".join(lines)
+
+
+def clip_transitions(recorded: np.ndarray, replayed: np.ndarray) -> dict[str, int]:
+    """"recorded→replayed": how many rows changed clip code so, of two aligned columns of codes."""
+    changed = recorded != replayed
+    codes, counts = np.unique(np.char.add(np.char.add(recorded[changed].astype(str), "→"), replayed[changed].astype(str)), return_counts=True)
+    return {str(code): int(count) for code, count in zip(codes, counts)}
 
 
 def _plain(values) -> list:

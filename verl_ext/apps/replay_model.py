@@ -305,12 +305,13 @@ def _clip_changes(replay: ModelReplay) -> dict[str, int]:
     (joined on epoch, sample and token: other mini-batch sizes or epochs change the rows' places)."""
     if "actor" not in replay.recorded or "actor" not in replay.replayed:
         return {}
+    from verl_ext.apps.replay import clip_transitions
+
     keys = ["epoch", "sample", "token_index"]
     before = replay.recorded["actor"].select([*keys, "clip"]).to_pandas()
     after = replay.replayed["actor"].select([*keys, "clip"]).to_pandas()
     joined = before.merge(after, on=keys, suffixes=("_recorded", "_replayed"))
-    changed = joined[joined["clip_recorded"] != joined["clip_replayed"]]
-    return {f"{a}→{b}": int(n) for (a, b), n in changed.groupby(["clip_recorded", "clip_replayed"]).size().items()}
+    return clip_transitions(joined["clip_recorded"].to_numpy(), joined["clip_replayed"].to_numpy())
 
 
 def _moved_tokens(replay: ModelReplay, top: int) -> list[dict[str, Any]]:
