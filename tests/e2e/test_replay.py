@@ -36,6 +36,17 @@ def first_minibatch(table) -> np.ndarray:
     return (table["epoch"].to_numpy() == 0) & (table["minibatch"].to_numpy() == 0)
 
 
+def clip_codes_by_hand(rows, actor_settings, high: float) -> tuple[np.ndarray, np.ndarray]:
+    """(the clip code of each row, its ratio) from its log-probs and advantage, by the definition: high
+    where A > 0 and ratio > ``high`` (1 + ε_high), low where A < 0 and ratio < 1 − ε_low, dual where
+    A < 0 and ratio > c (docs/definitions.md#the-update-token-by-token)."""
+    ratio = np.exp(rows["log_prob"].to_numpy(np.float64) - rows["old_log_prob"].to_numpy(np.float64))
+    advantage = rows["advantage"].to_numpy(np.float64)
+    expected = np.where((advantage > 0) & (ratio > high), "high", "none")
+    expected = np.where((advantage < 0) & (ratio < 1 - actor_settings["clip_ratio_low"]), "low", expected)
+    return np.where((advantage < 0) & (ratio > actor_settings["clip_ratio_c"]), "dual", expected), ratio
+
+
 def test_a_replay_as_recorded_reproduces_the_update_and_the_checker_accepts_its_trace(traced_run, capsys, tmp_path):
     from verl_ext.trace.reader import open_trace
 
@@ -91,12 +102,7 @@ def test_another_clip_range_clips_the_first_minibatch_as_hand_calculation_says(t
     assert code == 0 and "with actor_rollout_ref.actor.clip_ratio_high=0.28:" in out, out
     replayed = open_trace(str(tmp_path / "clip")).actor_update(step).to_pandas()
     assert open_trace(str(tmp_path / "clip")).record.update["actor"]["clip_ratio_high"] == 0.28
-    low, c = trace.record.update["actor"]["clip_ratio_low"], trace.record.update["actor"]["clip_ratio_c"]
-    ratio = np.exp(replayed["log_prob"].to_numpy(np.float64) - replayed["old_log_prob"].to_numpy(np.float64))
-    advantage = replayed["advantage"].to_numpy(np.float64)
-    expected = np.where((advantage > 0) & (ratio > 1.28), "high", "none")
-    expected = np.where((advantage < 0) & (ratio < 1 - low), "low", expected)
-    expected = np.where((advantage < 0) & (ratio > c), "dual", expected)
+    expected, _ = clip_codes_by_hand(replayed, trace.record.update["actor"], high=1.28)
     np.testing.assert_array_equal(replayed["clip"].to_numpy().astype(str), expected)
     from verl_ext.cli import main
 
@@ -298,12 +304,7 @@ def test_the_model_replay_with_another_clip_range_clips_as_hand_calculation_says
     written = open_trace(str(tmp_path / "clip"))
     assert written.record.update["actor"]["clip_ratio_high"] == 0.28
     rows = written.actor_update(2).to_pandas()
-    low, c = written.record.update["actor"]["clip_ratio_low"], written.record.update["actor"]["clip_ratio_c"]
-    ratio = np.exp(rows["log_prob"].to_numpy(np.float64) - rows["old_log_prob"].to_numpy(np.float64))
-    advantage = rows["advantage"].to_numpy(np.float64)
-    expected = np.where((advantage > 0) & (ratio > 1.28), "high", "none")
-    expected = np.where((advantage < 0) & (ratio < 1 - low), "low", expected)
-    expected = np.where((advantage < 0) & (ratio > c), "dual", expected)
+    expected, ratio = clip_codes_by_hand(rows, written.record.update["actor"], high=1.28)
     decided = np.abs(ratio - 1.28) > 1e-5  # a ratio on the boundary rounds either way
     np.testing.assert_array_equal(rows["clip"].to_numpy().astype(str)[decided], expected[decided])
     assert main(["check", str(tmp_path / "clip"), "--quiet"]) == 0, capsys.readouterr().out

@@ -72,14 +72,9 @@ def test_the_critic_by_position_in_two_processes_is_the_one_in_one(trace, every_
     assert parallel_unread == serial_unread
 
 
-def test_plot_reads_the_steps_in_as_many_processes_as_asked(trace, tmp_path, monkeypatch, capsys):
-    """``plot --jobs 2``: the figures over the steps hand it to the summary and the critic
-    diagnostics, whose parallel rows equal the serial ones (the tests above). Each is called here in
-    one process, to keep the test short."""
-    from verl_ext.cli import main
-    from verl_ext.inspect import plots
-
-    asked = []
+def job_count_spy(asked: list):
+    """A wrapper factory: the wrapped function records (its name, jobs, ray_address) in ``asked`` and
+    runs in this process (its parallel results are tested above)."""
 
     def spy(original):
         def serially(*args, jobs=1, ray_address=None, **kwargs):
@@ -88,6 +83,18 @@ def test_plot_reads_the_steps_in_as_many_processes_as_asked(trace, tmp_path, mon
 
         return serially
 
+    return spy
+
+
+def test_plot_reads_the_steps_in_as_many_processes_as_asked(trace, tmp_path, monkeypatch, capsys):
+    """``plot --jobs 2``: the figures over the steps hand it to the summary and the critic
+    diagnostics, whose parallel rows equal the serial ones (the tests above). Each is called here in
+    one process, to keep the test short."""
+    from verl_ext.cli import main
+    from verl_ext.inspect import plots
+
+    asked = []
+    spy = job_count_spy(asked)
     monkeypatch.setattr(plots, "summarize", spy(plots.summarize))
     monkeypatch.setattr(plots, "critic_diagnostics", spy(plots.critic_diagnostics))
     assert main(["plot", trace, "--out", str(tmp_path), "--jobs", "2", "--quiet"]) == 1  # step 5 is left out, and said
@@ -103,14 +110,7 @@ def test_the_view_page_reads_its_steps_in_as_many_processes_as_asked(trace, tmp_
     from verl_ext.inspect import summary
 
     asked = []
-
-    def spy(original):
-        def serially(*args, jobs=1, ray_address=None, **kwargs):
-            asked.append((original.__name__, jobs, ray_address))
-            return original(*args, **kwargs)
-
-        return serially
-
+    spy = job_count_spy(asked)
     monkeypatch.setattr(summary, "summarize", spy(summary.summarize))
     monkeypatch.setattr(check_run, "check_trace", spy(check_run.check_trace))
     assert main(["view", trace, "--out", str(tmp_path / "page.html"), "--jobs", "2", "--quiet"]) == 1  # step 5 is left out
