@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -77,3 +78,11 @@ def valid_tokens(frame: pd.DataFrame) -> pd.DataFrame:
     valid = frame[frame["mask"]]
     assert (valid.groupby("sample")["token_index"].max() + 1 == valid.groupby("sample").size()).all()
     return valid
+
+
+def documented_before(row: str) -> float:
+    """The "held-out accuracy before" of a demo's row (``row``: its first cell) in docs/tasks.md's tables."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "tasks.md").read_text(encoding="utf-8")
+    return float(re.search(rf"^\| {re.escape(row)} \| ([\d.]+) \|", text, re.MULTILINE).group(1))

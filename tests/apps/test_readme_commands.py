@@ -8,8 +8,9 @@ seed 0, with fewer steps); ``verl-ext demo --task tool``'s is the tool demo's ru
 (the line runs on both). A line that would serve (``view`` without ``--out``) writes its page
 instead: the page is what the server sends. Each line runs in a scratch working directory, so that
 what it writes (``--out plots/``) lands there. A line whose comment says "a run with a critic" runs
-on make demo's trace (``mc``); on the tool demo's (``grpo``, no critic) it must say why in one line
-and exit 2, as the README says."""
+on both demos' traces (``mc``, and ``turn_gae`` with the tool task's pretrained critic); on a run
+without a critic it must say why in one line and exit 2, as the README says (:func:`run_readme_lines`
+holds a critic-free trace to that when given one)."""
 
 from __future__ import annotations
 
@@ -95,5 +96,5 @@ def test_every_readme_line_runs_on_make_demos_trace(learning_runs, tmp_path, mon
 @pytest.mark.xdist_group(TOOL_DEMO_GROUP)  # the tool demo's worker (tests/apps/conftest.py)
 def test_every_readme_line_runs_on_the_tool_demos_trace(tool_demo, tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
-    run_readme_lines(lines_for(TOOL_DEMO_TRACE), str(tool_demo[0] / "trace"), tmp_path, run_cli, has_critic=False)
+    run_readme_lines(lines_for(TOOL_DEMO_TRACE), str(tool_demo[0] / "trace"), tmp_path, run_cli, has_critic=True)
     assert list((tmp_path / "plots").glob("*.png")) and (tmp_path / "run.html").is_file()

@@ -137,7 +137,7 @@ def test_the_study_runs_the_recipes_then_every_registered_estimator_the_default_
     assert critics("grpo", control=True) == ("none",) and critics("gae", control=False) == ("pretrained",)
     with pytest.raises(UsageError, match="estimator mine_needs_k cannot run with the default recipe .*needs algorithm.k"):
         study_estimators("mc,mine_needs_k")
-    with pytest.raises(UsageError, match="unknown estimator rloo: the study has a recipe for mc, td0, nstep, gae_ext, gae, grpo"):
+    with pytest.raises(UsageError, match="unknown estimator rloo: the study has a recipe for mc, td0, nstep, gae_ext, gae, grpo, turn_gae"):
         study_estimators("rloo")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from tests.apps.conftest import TOOL_DEMO_GROUP
@@ -132,3 +133,54 @@ def test_the_tool_call_rate_and_the_call_decisions_share_by_hand(demo):
         assert credit.call_rate == pytest.approx((first["token_id"] == call).mean(), abs=1e-12)
         assert credit.decision_share == pytest.approx(first["advantage"].abs().sum() / valid["advantage"].abs().sum(), rel=1e-6)
 
+
+
+def test_the_credit_by_turn_is_each_estimator_by_hand(demo):
+    """The demo's credit by turn at the last step: turn_gae at the recipe's λ = 0, mc, gae_ext
+    (λ_critic 1, λ_actor 0.95) and grpo, computed here response by response from the trace's
+    rewards, values, turns and prompt groups (γ = 1; a hole is skipped: the next state is the next
+    written token), then their shares of Σ|A|, as the demo prints them."""
+    from verl_ext.apps.credit import turn_advantages
+    from verl_ext.trace.reader import open_trace
+
+    out, stdout = demo
+    trace = open_trace(str(out / "trace"))
+    step = trace.steps[-1]
+    rows = trace.read_step(step, ["sample", "token_index", "mask", "turn", "reward", "value"]).to_pandas()
+    uid = trace.prompts(step).to_pandas().set_index("sample")["uid"]
+    valid = rows[rows["mask"]].sort_values(["sample", "token_index"])
+    by_hand = {"turn_gae λ=0": [], "mc": [], "gae_ext": [], "grpo": []}
+    returns = valid.groupby("sample")["reward"].sum()
+    for sample, response in valid.groupby("sample", sort=True):
+        r, v, turn = response["reward"].to_numpy(), response["value"].to_numpy(), response["turn"].to_numpy()
+        turns = sorted(set(turn))
+        v_start = [v[turn == k][0] for k in turns] + [0.0]
+        by_hand["turn_gae λ=0"] += [r[turn == k].sum() + v_start[i + 1] - v_start[i] for i, k in enumerate(turns) for _ in range((turn == k).sum())]
+        by_hand["mc"] += list(np.cumsum(r[::-1])[::-1] - v)
+        delta = r + np.append(v[1:], 0.0) - v
+        gae, running = np.zeros(len(r)), 0.0
+        for t in reversed(range(len(r))):
+            running = delta[t] + 0.95 * running
+            gae[t] = running
+        by_hand["gae_ext"] += list(gae)
+        group = returns[[s for s in returns.index if uid[s] == uid[sample]]]
+        by_hand["grpo"] += [(returns[sample] - group.mean()) / (group.std(ddof=1) + 1e-6)] * len(r)
+    advantages = turn_advantages(trace, step, "tool")
+    assert list(advantages.by_estimator) == list(by_hand)
+    for label, expected in by_hand.items():
+        assert advantages.by_estimator[label] == pytest.approx(np.array(expected), abs=1e-6), label
+    # the printed table: each estimator's share of Σ|A| on turn 0 and turn 1, from the sums by hand
+    for label, expected in by_hand.items():
+        magnitude = np.abs(np.array(expected))
+        shares = [magnitude[valid["turn"].to_numpy() == k].sum() / magnitude.sum() for k in (0, 1)]
+        assert re.search(rf"{re.escape(label)} +\d\.\d\d +\d\.\d\d +{shares[0]:.2f} +{shares[1]:.2f}", stdout), label
+
+
+def test_the_documented_accuracy_before_training_is_the_runs(demo):
+    """docs/tasks.md's held-out accuracy before the tool demo trains (seed 0): the warm start's seeded
+    validation, which the per-turn rewards and the step count do not touch."""
+    from tests.apps.conftest import documented_before
+    from verl_ext.apps.learning import read_metrics, validation_accuracy
+
+    before = validation_accuracy(read_metrics(demo[0]))[0]
+    assert before == pytest.approx(documented_before("`verl-ext demo --task tool` (seed 0)"), abs=5e-4)

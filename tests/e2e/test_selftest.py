@@ -88,3 +88,16 @@ def test_a_wrong_estimator_fails_the_selftest_naming_the_identity(selftest_run, 
         assert re.search(r"  (advantage_raw|returns): step 1, sample 0, token 0: ", line), line
         assert "(log: " in line
     assert out.splitlines()[-1].startswith("FAIL: selftest in ")
+
+
+def test_the_documented_lines_for_a_run_with_a_critic_say_why_on_the_grpo_run(selftest_run, run_cli, tmp_path, monkeypatch):
+    """Every README and docs line whose comment says "a run with a critic", on the selftest's grpo run
+    (no critic): one line that says why, exit 2 (tests/apps/test_readme_commands.py runs them on runs
+    with a critic)."""
+    from tests.apps.test_readme_commands import ANY_TRACE, DEMO_TRACE, NEEDS_A_CRITIC, TOOL_DEMO_TRACE, documented_lines, run_readme_lines
+
+    monkeypatch.chdir(tmp_path)
+    traced = {DEMO_TRACE, TOOL_DEMO_TRACE, ANY_TRACE}
+    lines = [line for line in documented_lines() if NEEDS_A_CRITIC in line.partition("#")[2] and traced & set(line.split())]
+    assert len(lines) >= 2  # summary --critic, compare
+    run_readme_lines(lines, str(selftest_run[0] / "grpo" / "trace"), tmp_path, run_cli, has_critic=False)

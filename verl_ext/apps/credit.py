@@ -13,7 +13,9 @@ reward sits on the last token. A response whose token after "，" ends the seque
 * on request, the verdict's share of Σ|raw A| under other estimators, re-estimated from the step's
   recorded rewards and values (what ``verl-ext compare`` computes): mc, GAE(0.95) and td0 by default;
 * on the tool task (:mod:`verl_ext.tasks.tool`), the other decision: the response's first token,
-  ``<tool_call>`` or not. The share of responses that call, and the first tokens' share of Σ|A|.
+  ``<tool_call>`` or not. The share of responses that call, and the first tokens' share of Σ|A|;
+  and, by turn (:func:`turn_advantages`), the share of Σ|raw A| on the call decision, on the verdict
+  and on each turn under turn_gae, mc, gae_ext and grpo, re-estimated from the step's records.
 """
 
 from __future__ import annotations
@@ -152,3 +154,97 @@ def _verdicts(token_ids: np.ndarray, token_index: np.ndarray, layout, mark: int,
             verdicts[int(sample)] = int(token_index[start + index])
             verdict_of_token[start : start + count] = verdicts[int(sample)]
     return verdict_of_token, verdicts
+
+
+# --------------------------------------------------------------------------- by turn (the tool task)
+
+#: The estimators the tool task's credit is set side by side under, on one recorded step: label ->
+#: (registered name, its options). ``turn_gae`` takes the run's settings when the run is turn_gae's
+#: (its label then says its λ); ``grpo`` is computed from the step's rewards and prompt groups
+#: (:func:`grpo_advantages`).
+TURN_CREDIT_ESTIMATORS = {
+    "turn_gae": ("turn_gae", {}),
+    "mc": ("mc", {}),
+    "gae_ext": ("gae_ext", {"lam_critic": 1.0, "lam_actor": 0.95}),
+    "grpo": ("grpo", None),
+}
+
+
+@dataclass(frozen=True)
+class TurnAdvantages:
+    """One step's valid tokens (N,) and their raw advantages under the estimators of
+    :data:`TURN_CREDIT_ESTIMATORS`, re-estimated from the recorded rewards and values."""
+
+    sample: np.ndarray
+    token_index: np.ndarray
+    turn: np.ndarray
+    decision: np.ndarray  # bool: a response's first token (the call decision)
+    verdict: np.ndarray  # bool: a verdict token
+    by_estimator: dict[str, np.ndarray]
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        """label -> the share of the step's Σ|raw A| on the call decision, on the verdict and on each turn."""
+        turns = range(int(self.turn.max()) + 1 if len(self.turn) else 0)
+        out = {}
+        for label, raw in self.by_estimator.items():
+            magnitude = np.abs(raw)
+            out[label] = {
+                "call decision": _share(magnitude, self.decision), "verdict": _share(magnitude, self.verdict),
+                **{f"turn {k}": _share(magnitude, self.turn == k) for k in turns},
+            }  # fmt: skip
+        return out
+
+
+def turn_advantages(trace, step: int, task: str) -> TurnAdvantages:
+    """The step's raw advantages under each estimator of :data:`TURN_CREDIT_ESTIMATORS` (ValueError
+    without recorded values: the critic's estimators need them)."""
+    from verl_ext import registry
+    from verl_ext.check.cuts import reestimate
+
+    table = trace.read_step(step, [*LAYOUT_COLUMNS, "token_id", "turn", "reward", "value"])
+    data = StepData.from_table(step, table, ("reward", "value"))
+    if data.columns["value"] is None:
+        raise ValueError(f"step {step} has no values (a run without a critic): turn_gae, mc and gae_ext need them")
+    layout = data.layout
+    token_index = layout.token_index[layout.valid_rows]
+    token_ids = table.column("token_id").to_numpy()[layout.valid_rows]
+    tokens = _decision_token_ids(task)
+    verdict_of_token, _ = _verdicts(token_ids, token_index, layout, tokens["mark"], tokens["eos"])
+    algorithm = RecordedAlgorithm.from_record(trace.record)
+    by_estimator = {}
+    for label, (name, options) in TURN_CREDIT_ESTIMATORS.items():
+        if options is None:
+            by_estimator[label] = grpo_advantages(data, trace.prompts(step))
+            continue
+        estimator = registry.get(name)
+        settings = algorithm.settings if algorithm.estimator is estimator else estimator.settings({**options, "gamma": algorithm.gamma})
+        if name == "turn_gae":
+            label = f"turn_gae λ={settings['lam']:g}"
+        by_estimator[label] = reestimate(data, estimator, settings).advantages
+    return TurnAdvantages(
+        sample=layout.sample_ids[layout.valid_sample_index()],
+        token_index=token_index,
+        turn=table.column("turn").to_numpy()[layout.valid_rows].astype(np.int64),
+        decision=token_index == 0,
+        verdict=token_index == verdict_of_token,
+        by_estimator=by_estimator,
+    )
+
+
+def grpo_advantages(data: StepData, prompts) -> np.ndarray:
+    """verl's GRPO advantage at each valid token: (G − the mean of its prompt group's G) / (the
+    group's std + 1e-6), G a response's summed reward and the std with n − 1 (a group of one: G /
+    (1 + 1e-6), as verl sets mean 0 and std 1); ``prompts``: the step's prompt table (its ``uid``
+    groups the responses)."""
+    layout = data.layout
+    scores = layout.sample_sums(data.columns["reward"])
+    uid_of = dict(zip(prompts.column("sample").to_pylist(), prompts.column("uid").to_pylist()))
+    groups: dict = {}
+    for position, sample in enumerate(layout.sample_ids):
+        groups.setdefault(uid_of[int(sample)], []).append(position)
+    advantage = np.zeros(len(layout.sample_ids))
+    for members in groups.values():
+        group_scores = scores[members]
+        mean, std = (group_scores.mean(), group_scores.std(ddof=1)) if len(members) > 1 else (0.0, 1.0)
+        advantage[members] = (group_scores - mean) / (std + 1e-6)
+    return np.repeat(advantage, layout.valid_counts)

@@ -16,10 +16,13 @@
    run token by token in a browser (``verl-ext view``).
 
 With ``--task tool`` (:mod:`verl_ext.tasks.tool`) the same five parts on the tool task: verl's own
-tool agent loop, a calculator the policy may call, ``grpo`` by default; every 10 steps the share of
-responses that call the tool, and one response with a call shown token by token, the tool's answer
-inline with mask 0. ``--turn-rewards`` adds the calculator's small reward for a well-formed call to
-the calling turn's last token (``verl_ext.turn_rewards``; off by default).
+tool agent loop, a calculator the policy may call, ``turn_gae`` (λ = 0 between turns) with the
+task's pretrained critic by default; every 10 steps the share of responses that call the tool; at
+the last step the share of Σ|A| on the call decision, on the verdict and on each turn under
+turn_gae, mc, gae_ext and grpo (:func:`verl_ext.apps.credit.turn_advantages`), and one response
+with a call turn by turn, then token by token, the tool's answer inline with mask 0.
+``--turn-rewards`` adds the calculator's small reward for a well-formed call to the calling turn's
+last token (``verl_ext.turn_rewards``; off by default).
 
 Exit code: the trainer's when it fails, else ``verl-ext check``'s (0 when every identity holds).
 """
@@ -86,14 +89,16 @@ def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
     if args.sample is not None:
         sample, why = args.sample, "the one --sample names"
     elif task.call_token is not None:
-        sample, why = _sample_with_a_call(trace, last_step)
+        sample, why = _sample_with_a_call(trace, last_step, verdicts)
     else:
         sample, why = _interesting_sample(trace, last_step, verdicts)
     print(f"  shown token by token below, in plots/ and first in view.html: sample {sample} of step {last_step}, {why}")
-    if credits[last_step].shares_by_estimator:
-        _print_side_by_side(trace, credits, sample)
+    if not credits[last_step].shares_by_estimator:
+        print(f"\n  (no critic in this run: nothing to re-estimate {'turn_gae, mc and gae_ext' if task.call_token else 'mc, GAE and td0'} from)")
+    elif task.call_token is not None:
+        _print_turn_credit(trace, last_step, sample, args.task)
     else:
-        print("\n  (no critic in this run: nothing to re-estimate mc, GAE and td0 from)")
+        _print_side_by_side(trace, credits, sample)
     print()
     _show(trace, last_step, sample)
     _explain_verdict(trace, last_step, sample, args.estimator, verdicts)
@@ -143,13 +148,17 @@ def _plot(trace, directory: Path, sample: int) -> None:
     print("\n".join(map(str, paths)), flush=True)
 
 
-def _sample_with_a_call(trace, step: int) -> tuple[int, str]:
-    """(sample, why): the first response of ``step`` that called the tool (two assistant turns) with
-    a score below 1, else the first that called, else 0."""
+def _sample_with_a_call(trace, step: int, verdicts: dict[int, int]) -> tuple[int, str]:
+    """(sample, why): the first response of ``step`` that called the tool (two assistant turns), has
+    a verdict (``verdicts``: sample -> its token_index) and a score below 1; else the first that
+    called with a score below 1; else the first that called; else 0."""
     prompts = trace.prompts(step).to_pandas().set_index("sample")
     scores = trace.read_step(step, ["sample", "score"]).to_pandas().groupby("sample")["score"].sum()
     called = [int(s) for s in scores.index if prompts.at[s, "assistant_turns"] == 2]
     wrong = [s for s in called if scores[s] < 1.0]
+    judged = [s for s in wrong if s in verdicts]
+    if judged:
+        return judged[0], f"the first that called the tool, wrote a verdict and is not fully right (score {scores[judged[0]]:.1f})"
     if wrong:
         return wrong[0], f"the first that called the tool and is not fully right (score {scores[wrong[0]]:.1f})"
     if called:
@@ -234,6 +243,51 @@ def _print_side_by_side(trace, credits: dict, sample: int) -> None:
     where = f"its verdict is token {verdict}" if verdict is not None else "it has no verdict token"
     print(f"\n  sample {sample} of step {step} ({where}), raw advantages:\n")
     print(render(table.select(columns), "text", 3))
+
+
+def _print_turn_credit(trace, step: int, sample: int, task: str) -> None:
+    """On the tool task: the share of Σ|raw A| on the call decision, on the verdict and on each turn
+    under turn_gae, mc, gae_ext and grpo on ``step`` (re-estimated from its recorded rewards and
+    values; grpo from its scores and prompt groups), and ``sample`` turn by turn with each one's
+    advantage at its call decision and its verdict."""
+    from verl_ext.apps.credit import turn_advantages
+    from verl_ext.inspect.table import decoder_for
+
+    advantages = turn_advantages(trace, step, task)
+    shares = advantages.shares()
+    labels = list(shares)
+    parts = list(next(iter(shares.values())))
+    print(f"\n  the share of Σ|raw advantage| of step {step}, by estimator (re-estimated from the recorded rewards and values; grpo from the scores):")
+    print("    " + " " * 10 + "".join(f"{part:>15}" for part in parts))
+    for label in labels:
+        print(f"    {label:<10}" + "".join(f"{shares[label][part]:>15.2f}" for part in parts))
+    print("  turn_gae gives turn k's tokens Σ_j≥k (γλ)^(j−k)·δ_j with δ_j = r_j + V(next turn's start) − V(turn j's start); mc")
+    print("  gives each token G − V(s_t); gae_ext GAE(λ=0.95) on every token; grpo one number per response, G against its group.")
+
+    table = trace.read_step(step, ["sample", "token_index", "token_id", "mask", "turn"]).to_pandas()
+    rows = table[table["sample"] == sample].sort_values("token_index")
+    decoder = decoder_for(trace)
+    mine = advantages.sample == sample
+    at = {
+        what: {label: raw[mine & flag] for label, raw in advantages.by_estimator.items()}
+        for what, flag in (("call decision", advantages.decision), ("verdict", advantages.verdict))
+    }
+    print(f"\n  sample {sample} of step {step}, turn by turn, with the raw advantage at its decisions:")
+    text = lambda piece: decoder.text(piece["token_id"].tolist()) if decoder.available else " ".join(map(str, piece["token_id"]))  # noqa: E731
+    for turn, tokens in rows.groupby("turn", sort=True):
+        written, hole = tokens[tokens["mask"]], tokens[~tokens["mask"]]  # a turn's hole follows its written tokens
+        print(f"    turn {turn}  {text(written)}")
+        for what, index in (("call decision", 0), ("verdict", _verdict_index(advantages, sample))):
+            if index is not None and index in set(written["token_index"]) and len(at[what]["mc"]):
+                values = "  ".join(f"{label} {at[what][label][0]:+.3f}" for label in labels)
+                print(f"            {what} (token {index}): {values}")
+        if len(hole):
+            print(f"            ⟦{text(hole)}⟧  the tool's answer (mask 0, not trained)")
+
+
+def _verdict_index(advantages, sample: int) -> int | None:
+    flagged = advantages.token_index[(advantages.sample == sample) & advantages.verdict]
+    return int(flagged[0]) if len(flagged) else None
 
 
 def _interesting_sample(trace, step: int, verdicts: dict[int, int]) -> tuple[int, str]:

@@ -61,6 +61,12 @@ ESTIMATOR_OPTIONS: dict[str, list[str]] = {
     "gae": ["algorithm.lam=0.95"],
     # critic-free: the baseline is the mean score of the prompt's group of SAMPLES_PER_PROMPT responses
     "grpo": [],
+    # λ = 0 between turns: a turn's advantage is R_k + V(next turn's start) − V(its start), so the call
+    # turn is credited by the critic's value of having called, apart from how the verdict turn went
+    # (on single-turn responses every λ gives G − V(s_0)); the critic's target stays the Monte-Carlo
+    # return (λ_critic = 1: with λ's 0 it would learn its own bootstrapped targets, as td0's does).
+    # docs/tasks.md, the tool task's critic
+    "turn_gae": ["algorithm.lam=0.0", "algorithm.lam_critic=1.0"],
 }
 
 

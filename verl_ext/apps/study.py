@@ -1,5 +1,8 @@
 """``verl-ext study``: every estimator, every seed, the same task, through verl's real trainer.
 
+The task is the CPU task (``arith``) or, with ``--task tool``, the tool task
+(:data:`verl_ext.tasks.TASKS`); either starts its critic from the task's pretrained one.
+
 Each run is one ``python -m verl_ext.apps.learning`` process (verl's ``RayPPOTrainer.fit()`` in
 process, the recipe and per-estimator options of :mod:`verl_ext.apps.learning`), traced without the
 update tables. The critic starts from the pretrained one of the assets; with ``control``, every
@@ -13,17 +16,25 @@ The study holds its directory's lock (:mod:`verl_ext.apps.output_lock`), each ru
 Outputs, rewritten after every run:
 
 * ``DIR/results.csv``: one row per estimator, critic, seed and step: ``estimator, critic, seed,
-  step, val_acc, score, critic_explained_var, ev_after_verdict, verdict_share`` (``critic``:
+  step, val_acc, score, critic_explained_var, ev_after_verdict, verdict_share`` and, on the tool
+  task, ``call_start, calls_made, decision_share, share_turn1, ev_turn0, ev_after_hole`` (``critic``:
   ``pretrained``, ``fresh`` or ``none``; ``val_acc`` only at validation steps, step 0 being the
   validation before training; ``critic_explained_var`` (verl's) and ``ev_after_verdict`` (the
   critic against the Monte-Carlo return at the states after the verdict,
-  :func:`verl_ext.apps.credit.step_credit`) empty without a critic);
+  :func:`verl_ext.apps.credit.step_credit`) empty without a critic; ``call_start``: the share of
+  responses whose first token is the tool call, ``calls_made``: whose call the tool answered,
+  ``decision_share``: the call decision's (first token's) share of Σ|A|, ``share_turn1``,
+  ``ev_turn0`` and ``ev_after_hole``: the live metrics ``verl_ext/credit/share/turn1`` (the
+  second turn's share of Σ|A|), ``verl_ext/critic/ev_mc/turn0`` and ``…/after_hole``,
+  docs/live_metrics.md);
 * ``DIR/learning_curves.png``: held-out accuracy and training score, the mean over seeds with a
   min–max band, per estimator;
 * ``DIR/summary.md``: per estimator, the held-out accuracy before and after (mean ± std over seeds),
   the steps to reach the threshold, the critic's explained variance (verl's, and after the
   verdict) over the last 10 steps, the verdict token's share of Σ|A| (mean over steps), and the
-  wall time per run.
+  wall time per run; on the tool task also the calls at the last step, the shares of Σ|A| on the
+  call decision and on the second turn and the critic's explained variance at turn 0 and after the
+  hole, over the last 5 steps.
 """
 
 from __future__ import annotations
@@ -51,8 +62,11 @@ from verl_ext.apps.learning import (
 )
 from verl_ext.errors import UsageError
 from verl_ext.options import import_external_modules
+from verl_ext.tasks import DEFAULT_TASK, get_task
 
 COLUMNS = ("estimator", "critic", "seed", "step", "val_acc", "score", "critic_explained_var", "ev_after_verdict", "verdict_share")
+#: More columns on a task with a tool call (module docstring).
+TOOL_COLUMNS = ("call_start", "calls_made", "decision_share", "share_turn1", "ev_turn0", "ev_after_hole")
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,11 @@ class StudySettings:
     steps: int
     test_freq: int
     threshold: float
+    task: str = DEFAULT_TASK
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return COLUMNS + (TOOL_COLUMNS if get_task(self.task).call_token else ())
 
 
 @dataclass(frozen=True)
@@ -209,7 +228,7 @@ def _run_study(
     results: list[RunResult] = []
     started = time.monotonic()
     print(
-        f"[study] {len(runs)} runs ({', '.join(estimators)} x {seeds} seed(s){', with the fresh-critic control' if control else ''}), {settings.steps} steps each, "
+        f"[study] {len(runs)} runs on the {settings.task} task ({', '.join(estimators)} x {seeds} seed(s){', with the fresh-critic control' if control else ''}), {settings.steps} steps each, "
         f"{jobs} at a time, into {out}",
         flush=True,
     )
@@ -252,21 +271,21 @@ def _run_name(estimator: str, critic: str, seed: int) -> str:
 def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, run_dir: Path, stopping: _Stopping) -> RunResult | None:
     done_file = run_dir / "run.json"
     # what decides a run's outcome (the threshold only reads it)
-    from verl_ext.tasks import DEFAULT_TASK, get_task
-
     wanted = {
         "estimator": estimator, "critic": critic, "seed": seed, "steps": settings.steps, "test_freq": settings.test_freq,
-        # the hash of what the warm start and the critic were built from (the runs learn the default task)
-        "assets": get_task(DEFAULT_TASK).build_assets().root.name,
+        # the hash of what the warm start and the critic were built from
+        "assets": get_task(settings.task).build_assets().root.name,
     }  # fmt: skip
+    if settings.task != DEFAULT_TASK:  # a run of an earlier study (arith only) has no task key
+        wanted["task"] = settings.task
     if done_file.exists():
         recorded = json.loads(done_file.read_text())
         if {key: recorded.get(key) for key in wanted} == wanted:
-            return _read_run(estimator, critic, seed, recorded["seconds"], run_dir, reused=True)
+            return _read_run(estimator, critic, seed, recorded["seconds"], run_dir, settings.task, reused=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     done_file.unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "verl_ext.apps.learning", str(run_dir), "--estimator", estimator, "--seed", str(seed),
+        sys.executable, "-m", "verl_ext.apps.learning", str(run_dir), "--task", settings.task, "--estimator", estimator, "--seed", str(seed),
         "--steps", str(settings.steps), "--test-freq", str(settings.test_freq), "--trace",
         *(["--fresh-critic"] if critic == "fresh" else []), "--", "verl_ext.trace.update=false",
     ]  # fmt: skip
@@ -279,39 +298,53 @@ def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, ru
     if status != 0:
         return RunResult(estimator, critic, seed, seconds, [], failed=f"exit {status}")
     done_file.write_text(json.dumps({**wanted, "seconds": round(seconds, 1)}))
-    return _read_run(estimator, critic, seed, seconds, run_dir)
+    return _read_run(estimator, critic, seed, seconds, run_dir, settings.task)
 
 
-def _read_run(estimator: str, critic: str, seed: int, seconds: float, run_dir: Path, reused: bool = False) -> RunResult:
+def _read_run(estimator: str, critic: str, seed: int, seconds: float, run_dir: Path, task: str, reused: bool = False) -> RunResult:
     from verl_ext.apps.credit import step_credit
+    from verl_ext.step_metrics import EV_BUCKET, PREFIX, TURN_SHARE
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(run_dir / "trace"))
-    credits = {step: step_credit(trace, step) for step in trace.steps}
-    shares = {step: credit.verdict_share for step, credit in credits.items()}
-    after_verdict = {step: credit.ev_after_verdict for step, credit in credits.items()}
+    credits = {step: step_credit(trace, step, (), task) for step in trace.steps}
     metrics = read_metrics(run_dir)
     accuracy = validation_accuracy(metrics)
-    rows = [
-        {
+    rows = []
+    for step, data in sorted(metrics.items()):
+        credit = credits.get(step)
+        row = {
             "estimator": estimator, "critic": critic, "seed": seed, "step": step, "val_acc": accuracy.get(step),
             "score": data.get("critic/score/mean"), "critic_explained_var": data.get("critic/vf_explained_var"),
-            "ev_after_verdict": after_verdict.get(step), "verdict_share": shares.get(step),
-        }
-        for step, data in sorted(metrics.items())
-    ]  # fmt: skip
+            "ev_after_verdict": credit and credit.ev_after_verdict, "verdict_share": credit and credit.verdict_share,
+        }  # fmt: skip
+        if get_task(task).call_token:
+            row |= {
+                "call_start": credit and credit.call_rate, "calls_made": credit and _calls_made(trace, step),
+                "decision_share": credit and credit.decision_share,
+                "share_turn1": data.get(PREFIX + TURN_SHARE.format(turn="turn1")),
+                "ev_turn0": data.get(PREFIX + EV_BUCKET.format(bucket="turn0")),
+                "ev_after_hole": data.get(PREFIX + EV_BUCKET.format(bucket="after_hole")),
+            }  # fmt: skip
+        rows.append(row)
     return RunResult(estimator, critic, seed, seconds, rows, reused=reused)
+
+
+def _calls_made(trace, step: int) -> float:
+    """The share of the step's responses whose call the tool answered (the agent loop's ``tool_calls``)."""
+    calls = trace.prompts(step).column("tool_calls").to_numpy()
+    return float((calls > 0).mean())
 
 
 def _write_outputs(results: list[RunResult], settings: StudySettings, out: Path) -> None:
     with open(out / "results.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer = csv.DictWriter(handle, fieldnames=settings.columns)
         writer.writeheader()
         for result in results:
             writer.writerows(result.rows)
     (out / "summary.md").write_text(summary_markdown(results, settings))
     try:
-        learning_curves(results).savefig(out / "learning_curves.png", dpi=120)
+        learning_curves(results, settings.task).savefig(out / "learning_curves.png", dpi=120)
     except ImportError:
         pass  # matplotlib is optional ([plot]); the csv and the summary are written regardless
 
@@ -328,6 +361,13 @@ class EstimatorSummary:
     ev_after_verdict: float | None  # the same, after the verdict
     verdict_share: float | None
     seconds: float
+    #: On the tool task (None elsewhere): at the last step, means over seeds; over the last 5 steps.
+    call_start: float | None = None
+    calls_made: float | None = None
+    decision_share: float | None = None
+    share_turn1: float | None = None
+    ev_turn0: float | None = None
+    ev_after_hole: float | None = None
 
 
 def summarize(results: list[RunResult], settings: StudySettings) -> list[EstimatorSummary]:
@@ -345,30 +385,41 @@ def summarize(results: list[RunResult], settings: StudySettings) -> list[Estimat
         explained = [_mean([row["critic_explained_var"] for row in r.rows[-10:]]) for r in runs]
         after_verdict = [_mean([row["ev_after_verdict"] for row in r.rows[-10:]]) for r in runs]
         shares = [_mean([row["verdict_share"] for row in r.rows]) for r in runs]
+        tool = {}
+        if "call_start" in runs[0].rows[-1]:
+            last = lambda column: _mean([r.rows[-1][column] for r in runs])  # noqa: E731
+            late = lambda column: _mean([_mean([row[column] for row in r.rows[-5:]]) for r in runs])  # noqa: E731
+            tool = {"call_start": last("call_start"), "calls_made": last("calls_made"), "decision_share": late("decision_share"),
+                    "share_turn1": late("share_turn1"), "ev_turn0": late("ev_turn0"), "ev_after_hole": late("ev_after_hole")}  # fmt: skip
         summaries.append(EstimatorSummary(
             estimator, critic, len(runs), _mean_std(before), _mean_std(after), steps_text,
-            _mean(explained), _mean(after_verdict), _mean(shares), statistics.mean(r.seconds for r in runs),
+            _mean(explained), _mean(after_verdict), _mean(shares), statistics.mean(r.seconds for r in runs), **tool,
         ))  # fmt: skip
     return summaries
 
 
 def summary_markdown(results: list[RunResult], settings: StudySettings) -> str:
+    tool = "call_start" in settings.columns
     lines = [
-        "# Estimator study on the CPU task",
+        f"# Estimator study on the {settings.task} task",
         "",
         f"{settings.steps} PPO steps per run, {PROMPTS_PER_STEP} prompts × {SAMPLES_PER_PROMPT} responses per step; "
-        f"held-out accuracy from verl's validation ({validation_setting()}) "
+        f"held-out accuracy from verl's validation ({validation_setting(settings.task)}) "
         f"every {settings.test_freq} steps. Options: "
         + "; ".join(f"{name} {' '.join(_option(o) for o in recipe(name)) or '(none)'}" for name in _recipe_names(results))
         + ".",
         "",
-        f"| estimator | critic | runs | held-out acc before | after | steps to ≥ {settings.threshold:g} | critic explained var (last 10 steps) | EV after the verdict (last 10 steps) | verdict share of Σ\\|A\\| | s per run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| estimator | critic | runs | held-out acc before | after | steps to ≥ {settings.threshold:g} | critic explained var (last 10 steps) | EV after the verdict (last 10 steps) | verdict share of Σ\\|A\\| | "
+        + ("starts a call / calls made (last step) | Σ\\|A\\| share: call decision / turn 1 (last 5 steps) | critic EV at turn 0 / after the hole (last 5 steps) | " if tool else "")
+        + "s per run |",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if tool else "") + "---|",
     ]
     for s in summarize(results, settings):
+        calls = (f"{_fmt(s.call_start)} / {_fmt(s.calls_made)} | {_fmt(s.decision_share)} / {_fmt(s.share_turn1)} | "
+                 f"{_fmt(s.ev_turn0)} / {_fmt(s.ev_after_hole)} | ") if tool else ""  # fmt: skip
         lines.append(
             f"| {s.estimator} | {s.critic} | {s.runs} | {_pm(s.before)} | {_pm(s.after)} | {s.steps_to_threshold} | "
-            f"{_fmt(s.explained_var)} | {_fmt(s.ev_after_verdict)} | {_fmt(s.verdict_share)} | {s.seconds:.0f} |"
+            f"{_fmt(s.explained_var)} | {_fmt(s.ev_after_verdict)} | {_fmt(s.verdict_share)} | {calls}{s.seconds:.0f} |"
         )
     failed = [f"{_run_name(r.estimator, r.critic, r.seed)} ({r.failed})" for r in results if r.failed]
     if failed:
@@ -381,7 +432,7 @@ def _recipe_names(results: list[RunResult]) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*ESTIMATOR_OPTIONS, *(r.estimator for r in results))))
 
 
-def learning_curves(results: list[RunResult]):
+def learning_curves(results: list[RunResult], task: str = DEFAULT_TASK):
     """Held-out accuracy and training score per estimator: the mean over seeds and the min–max band."""
     import numpy as np
     from matplotlib.figure import Figure
@@ -404,7 +455,7 @@ def learning_curves(results: list[RunResult]):
     for axes in (accuracy_axes, score_axes):
         axes.grid(alpha=0.3)
         axes.legend(frameon=False, fontsize=8)
-    fig.suptitle("Estimators on the CPU task: mean over seeds, min–max band")
+    fig.suptitle(f"Estimators on the {task} task: mean over seeds, min–max band")
     return fig
 
 

@@ -67,10 +67,9 @@ TASKS = {
         Task("arith", "请问a+b=c？ with digits a and b: the sum, then the verdict",
              "verl_ext.tasks.arith.assets", "build_tokenizer",
              steps=40, estimator="mc", pretrained_critic=True, verdict_mark=VERDICT_MARK),  # fmt: skip
-        # 25 steps take the demo (seed 0) from 0.333 to 0.575 held-out accuracy (docs/tasks.md)
         Task("tool", "the same question with a calculator the policy may call through verl's tool agent loop",
              "verl_ext.tasks.tool.assets", "build_tool_tokenizer",
-             steps=25, estimator="grpo", pretrained_critic=False, verdict_mark=VERDICT_MARK, call_token=CALL_START),  # fmt: skip
+             steps=25, estimator="turn_gae", pretrained_critic=True, verdict_mark=VERDICT_MARK, call_token=CALL_START),  # fmt: skip
     )
 }
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from verl_ext.tasks.arith import reward
 from verl_ext.tasks.arith.task import Problem, balanced_sample, problem_sets
-from verl_ext.tasks.arith.value_pretraining import ValuePretrainingSettings
+from verl_ext.tasks.value_pretraining import ValuePretrainingSettings
 from verl_ext.tasks.arith.warm_start import WarmStartSettings
 from verl_ext.tasks.assets import TaskAssetSpec
 from verl_ext.tasks.common import BOS, EOS, PAD, ROLE_TOKENS, UNK, cached_build, character_tokenizer, tiny_llama
@@ -114,6 +114,7 @@ def build_tokenizer():
 
 def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Problem], val: list[Problem]) -> None:
     from verl_ext.tasks.arith.value_pretraining import pretrain_value
+    from verl_ext.tasks.value_pretraining import save_critic
     from verl_ext.tasks.arith.warm_start import evaluate, supervised_fine_tune
 
     tokenizer = build_tokenizer()
@@ -138,16 +139,7 @@ def _write_model_and_tokenizer(directory: Path, spec: AssetSpec, train: list[Pro
     )
     print("[verl-ext] pretraining the critic on the warm start's own answers ...", file=sys.stderr, flush=True)
     critic, report = pretrain_value(model, tokenizer, train, val, spec.value_pretraining, seed=spec.seed)
-    critic.save_pretrained(directory / "critic")
-    tokenizer.save_pretrained(directory / "critic")
-    (directory / "value_pretraining.json").write_text(json.dumps(report, indent=2))
-    fit = report["held_out_fit"]
-    print(
-        f"[verl-ext] critic pretrained in {report['seconds']:.0f} s ({report['updates']} updates); held-out explained "
-        f"variance after the verdict {fit['ev_after_verdict']:.2f}, before it {fit['ev_before_verdict']:.2f}",
-        file=sys.stderr,
-        flush=True,
-    )
+    save_critic(directory, critic, tokenizer, report)
 
 
 def prompt_row(problem: Problem, split: str, index: int) -> dict:

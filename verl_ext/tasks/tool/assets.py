@@ -7,6 +7,10 @@
   (:mod:`verl_ext.tasks.tool.warm_start`), with the tokenizer below;
 * ``warm_start.json``: its settings, loss, time, and the held-out evaluation (how often it calls,
   how often its head and the tool path get the answer right);
+* ``critic/``: the pretrained critic (:mod:`verl_ext.tasks.tool.value_pretraining`): the warm start
+  with verl's value head, trained on the warm start's own rollouts through the agent loop's steps,
+  tool holes included; ``value_pretraining.json`` reports its held-out fit at the first token, after
+  the tool's answer and after the verdict, and the time;
 * ``train.parquet`` / ``val.parquet``: verl RLHFDataset rows with ``agent_name: tool_agent``, so
   verl's own ``ToolAgentLoop`` runs every prompt.
 
@@ -46,8 +50,9 @@ from verl_ext.tasks.tool.task import (
     CALL_END, CALL_PREFIX, CALL_SEPARATOR, CALL_START, CALL_SUFFIX, RESPONSE_END, RESPONSE_START, call_text, problem_sets,
 )  # fmt: skip
 from verl_ext.tasks.tool.warm_start import WarmStartSettings
+from verl_ext.tasks.value_pretraining import ValuePretrainingSettings
 
-ASSETS_FORMAT = 1
+ASSETS_FORMAT = 2
 #: The file verl loads by path to register the calculator. Never imported here: verl's loader
 #: returns only the tools a load newly registers, so a process that imported it first gets none.
 TOOLS_FILE = Path(__file__).resolve().parent / "tools.py"
@@ -73,6 +78,7 @@ class AssetSpec(TaskAssetSpec):
     #: Distinct problems the warm start sees (fewer than there are pairs: the head cannot memorise).
     warm_start_problems: int = 8192
     warm_start: WarmStartSettings = field(default_factory=WarmStartSettings)
+    value_pretraining: ValuePretrainingSettings = field(default_factory=ValuePretrainingSettings)
     format: int = ASSETS_FORMAT
     KEY_PREFIX: ClassVar[str] = "tool-"
 
@@ -88,6 +94,8 @@ class ToolAssets:
     reward_file: Path
     tools_file: Path
     warm_start_report: Path
+    critic_dir: Path
+    value_pretraining_report: Path
     reward_name: str = "compute_score"
     #: "<|user|>请问123+456=579？<|assistant|>": 17 tokens.
     max_prompt_length: int = 20
@@ -121,6 +129,8 @@ def build_assets(cache_dir=None, spec: AssetSpec = AssetSpec()) -> ToolAssets:
         reward_file=Path(reward.__file__).resolve(),
         tools_file=TOOLS_FILE,
         warm_start_report=target / "warm_start.json",
+        critic_dir=target / "critic",
+        value_pretraining_report=target / "value_pretraining.json",
     )
 
 
@@ -171,6 +181,21 @@ def _build(staging: Path, spec: AssetSpec) -> None:
         f"{held_out.head_acc:.2f} from its head (sum right {held_out.tool_sum:.2f} / {held_out.head_sum:.2f})",
         file=sys.stderr, flush=True,
     )  # fmt: skip
+    _pretrain_critic(staging, spec, model, tokenizer, train, sets.val)
+
+
+def _pretrain_critic(staging: Path, spec: AssetSpec, model, tokenizer, train: list[Problem], val: list[Problem]) -> None:
+    from verl_ext.tasks.tool.value_pretraining import RolloutLimits, pretrain_value
+    from verl_ext.tasks.value_pretraining import save_critic
+
+    print("[verl-ext] pretraining the critic on the warm start's own rollouts, tool holes included ...", file=sys.stderr, flush=True)
+    limits = RolloutLimits(ToolAssets.max_prompt_length, ToolAssets.max_response_length)
+    critic, report = pretrain_value(model, tokenizer, train, val, spec.value_pretraining, spec.seed, limits)
+    save_critic(staging, critic, tokenizer, report)
+
+
+def _ev(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def describe() -> None:
@@ -188,4 +213,16 @@ def describe() -> None:
         f"  warm start ({settings['steps']} supervised steps; tool prior {settings['tool_prior']}, verdict prior "
         f"{settings['verdict_prior']}): held out, it calls the tool with probability {held_out['call_probability']:.2f};"
         f" greedy sum right {held_out['tool_sum']:.2f} through the tool, {held_out['head_sum']:.2f} from its head"
+    )
+    critic = json.loads(assets.value_pretraining_report.read_text())
+    fit, paths = critic["held_out_fit"], critic["after_decision"]
+    print(
+        f"  critic pretrained on the warm start's own rollouts ({critic['updates']} updates): held-out explained variance "
+        f"{_ev(fit['ev_first_token'])} at the first token, {_ev(fit['ev_after_decision'])} once the call decision is made, "
+        f"{_ev(fit['ev_after_tool'])} after the tool's answer (at most {_ev(critic['ev_ceiling_after_tool'])} for any critic: "
+        f"the verdict is still to be sampled), {_ev(fit['ev_after_verdict'])} after the verdict;"
+    )
+    print(
+        f"    value once it has called {paths['call']['mean_value']:.2f} (return {paths['call']['mean_return']:.2f}), "
+        f"once it has answered at once {paths['answer']['mean_value']:.2f} (return {paths['answer']['mean_return']:.2f})"
     )

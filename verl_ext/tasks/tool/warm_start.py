@@ -58,12 +58,10 @@ def call_ids(tokenizer, p: Problem) -> list[int]:
     return tokenizer.encode(call_text(p), add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
-def tool_message_ids(tokenizer, p: Problem) -> list[int]:
-    """What the agent loop appends after a call (mask 0): the tool's message as the chat template
-    renders it, and the next assistant header."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "tool", "content": str(p.a + p.b)}], tokenize=False, add_generation_prompt=True
-    )
+def tool_message_ids(tokenizer, content: str) -> list[int]:
+    """What the agent loop appends after a call (mask 0): the tool's message ``content`` as the
+    chat template renders it, and the next assistant header."""
+    text = tokenizer.apply_chat_template([{"role": "tool", "content": content}], tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -72,7 +70,7 @@ def example(tokenizer, p: Problem, use_tool: bool, right_verdict: bool) -> tuple
     answer = answer_ids(tokenizer, p, right_verdict)
     if not use_tool:
         return prompt_ids(tokenizer, p), answer, [1.0] * len(answer)
-    call, message = call_ids(tokenizer, p), tool_message_ids(tokenizer, p)
+    call, message = call_ids(tokenizer, p), tool_message_ids(tokenizer, str(p.a + p.b))
     return prompt_ids(tokenizer, p), call + message + answer, [1.0] * len(call) + [0.0] * len(message) + [1.0] * len(answer)
 
 
@@ -100,7 +98,7 @@ def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int = 12
     with torch.no_grad(), one_torch_thread():
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
         call_probability = torch.softmax(logits[:, -1].double(), -1)[:, call_token].mean().item()
-    tool_prefixes = [call_ids(tokenizer, p) + tool_message_ids(tokenizer, p) for p in problems]
+    tool_prefixes = [call_ids(tokenizer, p) + tool_message_ids(tokenizer, str(p.a + p.b)) for p in problems]
     tool = _scores(model, tokenizer, problems, prompts, tool_prefixes, max_new_tokens)
     head = _scores(model, tokenizer, problems, prompts, [head_start] * len(problems), max_new_tokens, head_start)
     n = len(problems)
