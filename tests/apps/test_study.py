@@ -156,4 +156,4 @@ def test_the_summary_lists_the_default_recipe_of_a_studied_estimator():
              "critic_explained_var": None, "ev_after_verdict": None, "verdict_share": 0.1}]  # fmt: skip
     text = summary_markdown([RunResult("mine", "none", 0, 1.0, rows)], StudySettings(1, 1, 0.8))
     assert ("Options: mc (none); td0 (none); nstep n_step=3; gae_ext lam_critic=1.0 lam_actor=0.95; gae lam=0.95; "
-            "grpo (none); mine (none).") in text  # fmt: skip
+            "grpo (none); turn_gae lam=0.0 lam_critic=1.0; mine (none).") in text  # fmt: skip

@@ -184,3 +184,28 @@ def test_the_documented_accuracy_before_training_is_the_runs(demo):
 
     before = validation_accuracy(read_metrics(demo[0]))[0]
     assert before == pytest.approx(documented_before("`verl-ext demo --task tool` (seed 0)"), abs=5e-4)
+
+
+def test_the_study_reads_a_tool_run_with_its_calls_and_credit_by_turn(demo):
+    """`verl-ext study --task tool` reads each run as it reads this one: the calls made per step are
+    the responses with a hole (the tool's answer), counted here; the turn metrics are verl's logged
+    ones; the summary has the tool's columns."""
+    from verl_ext.apps.learning import read_metrics
+    from verl_ext.apps.study import RunResult, StudySettings, _read_run, summary_markdown
+    from verl_ext.trace.reader import open_trace
+
+    out = demo[0]
+    result = _read_run("turn_gae", "pretrained", 0, 1.0, out, "tool")
+    trace, metrics = open_trace(str(out / "trace")), read_metrics(out)
+    by_step = {row["step"]: row for row in result.rows}
+    assert sorted(by_step) == [0, *trace.steps]
+    for step in trace.steps:
+        rows = trace.read_step(step, ["sample", "mask"]).to_pandas()
+        with_hole = rows.groupby("sample")["mask"].apply(lambda mask: not mask.all())
+        assert by_step[step]["calls_made"] == pytest.approx(with_hole.mean(), abs=1e-12)
+        assert by_step[step]["share_turn1"] == metrics[step].get("verl_ext/credit/share/turn1")
+        assert by_step[step]["ev_after_hole"] == metrics[step].get("verl_ext/critic/ev_mc/after_hole")
+    summary = summary_markdown([RunResult("turn_gae", "pretrained", 0, 1.0, result.rows)], StudySettings(STEPS, STEPS, 0.8, "tool"))
+    assert "# Estimator study on the tool task" in summary and "starts a call / calls made (last step)" in summary
+    (line,) = [line for line in summary.splitlines() if line.startswith("| turn_gae ")]
+    assert f"{by_step[STEPS]['call_start']:.2f} / {by_step[STEPS]['calls_made']:.2f}" in line

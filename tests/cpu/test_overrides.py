@@ -38,6 +38,7 @@ def test_overrides_name_each_key_once(assets, tmp_path):
     tool = ToolAssets(
         root=tmp_path, model_dir=tmp_path / "model", train_file=tmp_path / "train.parquet", val_file=tmp_path / "val.parquet",
         reward_file=tmp_path / "reward.py", tools_file=TOOLS_FILE, warm_start_report=tmp_path / "warm_start.json",
+        critic_dir=tmp_path / "critic", value_pretraining_report=tmp_path / "value_pretraining.json",
     )  # fmt: skip
     for task_assets, rollout, use_v1, use_ray in itertools.product((assets, tool), ("hf_generate", "vllm"), (False, True), (False, True)):
         settings = parsed(
