@@ -1,4 +1,4 @@
-"""``verl-ext study``: a tiny study (two estimators, one seed, two steps) writes well-formed outputs and
+"""``verl-ext study``: a tiny study (two estimators, one seed, one step) writes well-formed outputs and
 reuses its finished runs; every bad input is refused with one line and exit 2, before any training."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def study(tmp_path_factory, cpu_env):
     # its own runs: what is tested is the `study` command, which starts (and reuses) its trainers itself
     out = tmp_path_factory.mktemp("study")
     command = [sys.executable, "-m", "verl_ext.cli", "study", "--estimators", "mc,grpo", "--seeds", "1",
-               "--steps", "2", "--test-freq", "1", "--out", str(out)]  # fmt: skip
+               "--steps", "1", "--test-freq", "1", "--out", str(out)]  # fmt: skip
     first = subprocess.run(command, env=cpu_env(out), capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     again = subprocess.run(command, env=cpu_env(out), capture_output=True, text=True, timeout=600)
@@ -34,7 +34,7 @@ def test_results_csv_has_a_row_per_estimator_seed_and_step(study):
         rows = list(csv.DictReader(handle))
     assert tuple(rows[0]) == COLUMNS
     assert [(r["estimator"], r["seed"], r["step"]) for r in rows] == [
-        (e, "0", str(step)) for e in ("mc", "grpo") for step in (0, 1, 2)
+        (e, "0", str(step)) for e in ("mc", "grpo") for step in (0, 1)
     ]
     for row in rows:
         assert 0.0 <= float(row["val_acc"]) <= 1.0  # validated before training and after each step

@@ -217,7 +217,10 @@ def turn_advantages(trace, step: int, task: str) -> TurnAdvantages:
             by_estimator[label] = grpo_advantages(data, trace.prompts(step))
             continue
         estimator = registry.get(name)
-        settings = algorithm.settings if algorithm.estimator is estimator else estimator.settings({**options, "gamma": algorithm.gamma})
+        if name == "turn_gae" and algorithm.estimator is estimator:
+            settings = algorithm.settings
+        else:
+            settings = estimator.settings({**options, "gamma": algorithm.gamma})
         if name == "turn_gae":
             label = f"turn_gae λ={settings['lam']:g}"
         by_estimator[label] = reestimate(data, estimator, settings).advantages

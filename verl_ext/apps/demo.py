@@ -258,9 +258,9 @@ def _print_turn_credit(trace, step: int, sample: int, task: str) -> None:
     labels = list(shares)
     parts = list(next(iter(shares.values())))
     print(f"\n  the share of Σ|raw advantage| of step {step}, by estimator (re-estimated from the recorded rewards and values; grpo from the scores):")
-    print("    " + " " * 10 + "".join(f"{part:>15}" for part in parts))
+    print("    " + " " * 14 + "".join(f"{part:>15}" for part in parts))
     for label in labels:
-        print(f"    {label:<10}" + "".join(f"{shares[label][part]:>15.2f}" for part in parts))
+        print(f"    {label:<14}" + "".join(f"{shares[label][part]:>15.2f}" for part in parts))
     print("  turn_gae gives turn k's tokens Σ_j≥k (γλ)^(j−k)·δ_j with δ_j = r_j + V(next turn's start) − V(turn j's start); mc")
     print("  gives each token G − V(s_t); gae_ext GAE(λ=0.95) on every token; grpo one number per response, G against its group.")
 
