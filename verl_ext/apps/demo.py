@@ -278,7 +278,7 @@ def _print_turn_credit(trace, step: int, sample: int, task: str) -> None:
         written, hole = tokens[tokens["mask"]], tokens[~tokens["mask"]]  # a turn's hole follows its written tokens
         print(f"    turn {turn}  {text(written)}")
         for what, index in (("call decision", 0), ("verdict", _verdict_index(advantages, sample))):
-            if index is not None and index in set(written["token_index"]) and len(at[what]["mc"]):
+            if index is not None and index in set(written["token_index"]):
                 values = "  ".join(f"{label} {at[what][label][0]:+.3f}" for label in labels)
                 print(f"            {what} (token {index}): {values}")
         if len(hole):

@@ -457,7 +457,7 @@ def replay_report(replay: Replay, fmt: str = "text", top: int = 10) -> str:
         return "\n".join(lines)
     lines.append(f"with {' '.join(replay.overrides.given)}:")
     lines.append(f"  mini-batch policy loss (verl's agg_loss, summed over micro-batches): {replay.recorded_loss:.6g} → {replay.replayed_loss:.6g}")
-    lines.append("  clip codes changed: " + (", ".join(f"{k} on {v}" for k, v in sorted(transitions.items())) or "none"))
+    lines.append(clip_changes_line(transitions))
     if not moved_rows:
         lines.append("  no token's loss moved (in this mini-batch the ratio is 1 up to recomputation noise, so a clip range changes nothing)")
         return "\n".join(lines)
@@ -476,6 +476,11 @@ def clip_transitions(recorded: np.ndarray, replayed: np.ndarray) -> dict[str, in
     changed = recorded != replayed
     codes, counts = np.unique(np.char.add(np.char.add(recorded[changed].astype(str), "→"), replayed[changed].astype(str)), return_counts=True)
     return {str(code): int(count) for code, count in zip(codes, counts)}
+
+
+def clip_changes_line(transitions: dict[str, int]) -> str:
+    """The reports' line of :func:`clip_transitions`' counts."""
+    return "  clip codes changed: " + (", ".join(f"{k} on {v}" for k, v in sorted(transitions.items())) or "none")
 
 
 def _plain(values) -> list:

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl_ext.apps.replay import Overrides, ReplayError
+from verl_ext.apps.replay import Overrides, ReplayError, clip_changes_line
 
 #: The columns of each update table the replay must reproduce; the rest are keys or copies of inputs.
 COMPARED = {
@@ -279,7 +279,7 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
     lines.append(f"with {' '.join(replay.overrides.given)}:")
     for kind, metrics in logged.items():
         lines.append(f"  {kind}: " + ", ".join(f"{key} {_number(a)} → {_number(b)}" for key, (a, b) in metrics.items()))
-    lines.append("  clip codes changed: " + (", ".join(f"{k} on {v}" for k, v in sorted(clip.items())) or "none"))
+    lines.append(clip_changes_line(clip))
     if replay.after["recorded"] is not None:
         mask = replay.after["mask"]
         delta = (replay.after["replayed"] - replay.after["recorded"])[mask]

@@ -310,6 +310,7 @@ def _read_run(estimator: str, critic: str, seed: int, seconds: float, run_dir: P
     credits = {step: step_credit(trace, step, (), task) for step in trace.steps}
     metrics = read_metrics(run_dir)
     accuracy = validation_accuracy(metrics)
+    has_calls = get_task(task).call_token is not None
     rows = []
     for step, data in sorted(metrics.items()):
         credit = credits.get(step)
@@ -318,7 +319,7 @@ def _read_run(estimator: str, critic: str, seed: int, seconds: float, run_dir: P
             "score": data.get("critic/score/mean"), "critic_explained_var": data.get("critic/vf_explained_var"),
             "ev_after_verdict": credit and credit.ev_after_verdict, "verdict_share": credit and credit.verdict_share,
         }  # fmt: skip
-        if get_task(task).call_token:
+        if has_calls:
             row |= {
                 "call_start": credit and credit.call_rate, "calls_made": credit and _calls_made(trace, step),
                 "decision_share": credit and credit.decision_share,
@@ -386,7 +387,7 @@ def summarize(results: list[RunResult], settings: StudySettings) -> list[Estimat
         after_verdict = [_mean([row["ev_after_verdict"] for row in r.rows[-10:]]) for r in runs]
         shares = [_mean([row["verdict_share"] for row in r.rows]) for r in runs]
         tool = {}
-        if "call_start" in runs[0].rows[-1]:
+        if "call_start" in settings.columns:
             last = lambda column: _mean([r.rows[-1][column] for r in runs])  # noqa: E731
             late = lambda column: _mean([_mean([row[column] for row in r.rows[-5:]]) for r in runs])  # noqa: E731
             tool = {"call_start": last("call_start"), "calls_made": last("calls_made"), "decision_share": late("decision_share"),

@@ -19,10 +19,13 @@ Deterministic given the seed (one CPU thread, seeded sampling and initialisation
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from verl_ext.tasks.common import left_padded, position_ids
 from verl_ext.torch_threads import one_torch_thread
@@ -123,10 +126,6 @@ def pretrain_value(policy, train_set: ScoredResponses, held_out: ScoredResponses
 def save_critic(directory, critic, tokenizer, report: dict) -> None:
     """Write the critic (``critic/``, with the tokenizer) and ``value_pretraining.json`` (``report``)
     under ``directory``; print one line of the report's held-out fit."""
-    import json
-    import sys
-    from pathlib import Path
-
     directory = Path(directory)
     critic.save_pretrained(directory / "critic")
     tokenizer.save_pretrained(directory / "critic")
@@ -184,11 +183,8 @@ def held_out_fit(critic, responses: ScoredResponses) -> dict:
     digits; ``mean_abs_error``: mean |V − G| over every written response token."""
     import torch
 
-    input_ids, attention_mask, response_mask, returns = responses.tensors()
-    with torch.no_grad(), one_torch_thread():
-        critic.eval()
-        predicted = values(critic, input_ids, attention_mask, response_mask)
-    width = input_ids.shape[1]
+    predicted, response_mask, returns = predicted_values(critic, responses)
+    width = response_mask.shape[1]
     fit = {}
     for name, per_response in responses.states.items():
         chosen = torch.zeros_like(response_mask, dtype=torch.bool)
@@ -198,6 +194,16 @@ def held_out_fit(critic, responses: ScoredResponses) -> dict:
     valid = response_mask.bool()
     fit["mean_abs_error"] = round(float((predicted[valid] - returns[valid]).abs().mean()), 4)
     return fit
+
+
+def predicted_values(critic, responses: ScoredResponses):
+    """(V(s_t), response_mask, returns), each (B, W), of ``responses`` under ``critic`` in eval mode."""
+    import torch
+
+    input_ids, attention_mask, response_mask, returns = responses.tensors()
+    with torch.no_grad(), one_torch_thread():
+        critic.eval()
+        return values(critic, input_ids, attention_mask, response_mask), response_mask, returns
 
 
 def _explained_variance(values, returns) -> float | None:

@@ -80,15 +80,10 @@ def value_after_decision(critic, responses: ScoredResponses, call_token: int) ->
     """What the critic makes of the call decision, on held-out rollouts: for the responses that start
     a call (``call``) and those that answer at once (``answer``), their number, mean return G and mean
     V(s_1), the value of the state that has seen the decision."""
-    import torch
+    from verl_ext.tasks.value_pretraining import predicted_values
 
-    from verl_ext.tasks.value_pretraining import values
-
-    input_ids, attention_mask, response_mask, returns = responses.tensors()
-    with torch.no_grad(), one_torch_thread():
-        critic.eval()
-        predicted = values(critic, input_ids, attention_mask, response_mask)
-    width = input_ids.shape[1]
+    predicted, response_mask, returns = predicted_values(critic, responses)
+    width = response_mask.shape[1]
     paths = {"call": [], "answer": []}
     for row, (_, response, _) in enumerate(responses.rows):
         if len(response) > 1:
