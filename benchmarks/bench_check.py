@@ -8,7 +8,8 @@ and as Ray tasks.
 One line per setting: the end-to-end time of checking every step, workers' start included (each
 imports torch: about 2.5 s), as a command's would be; then ``jobs=N tokens_per_s=X`` (``ray jobs=N …``
 for Ray, on a cluster of N CPUs the script starts here), the rate once the workers run: the tokens of
-the steps that finish after the first one, over the time from the first to the last.
+the steps that finish after the N-th one (by then each worker has finished its first), over the time
+from the N-th to the last.
 
 The trace is written with the real TraceWriter from batches shaped like a GAE run with KL in the
 reward: 1024 responses per step of 500 to 1500 tokens, interior masked spans, whitened advantages
@@ -102,13 +103,13 @@ def main() -> None:
         build_trace(directory, int(args.tokens), args.steps, args.samples)
         print(f"trace written to {directory} in {time.perf_counter() - started:.1f} s")
     try:
-        settings = [(f"jobs={jobs}", {"jobs": jobs}) for jobs in map(int, args.jobs.split(","))]
+        settings = [(f"jobs={jobs}", jobs, {"jobs": jobs}) for jobs in map(int, args.jobs.split(","))]
         if args.ray:
             import ray
 
             ray.init(num_cpus=args.ray, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-            settings.append((f"ray jobs={args.ray}", {"ray_address": "auto"}))
-        for label, how in settings:
+            settings.append((f"ray jobs={args.ray}", args.ray, {"ray_address": "auto"}))
+        for label, workers, how in settings:
             best, steady = None, 0.0
             for _ in range(args.repeat):
                 trace = open_trace(str(directory))
@@ -123,14 +124,16 @@ def main() -> None:
                 elapsed = time.perf_counter() - started
                 assert report.passed, [str(r.first) for r in report.identities if r.first]
                 best = elapsed if best is None else min(best, elapsed)
-                # once running: the tokens of the steps after the first one finished, over the time they took
-                (first_at, first_tokens), (last_at, last_tokens) = seen[0], seen[-1]
+                # once running: the tokens of the steps that finished after each worker's first one, over
+                # the time they took (from the first finished step on, the others' first steps would count
+                # work done before it)
+                (first_at, first_tokens), (last_at, last_tokens) = seen[min(workers, len(seen)) - 1], seen[-1]
                 steady = max(steady, (last_tokens - first_tokens) / max(last_at - first_at, 1e-9))
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(
                 f"check: {report.tokens:,} valid tokens in {len(report.steps)} steps, best of {args.repeat}: "
                 f"{best:.2f} s = {report.tokens / best / 1e6:.1f} M tokens/s end to end (workers' start included); "
-                f"peak RSS of this process {peak_mib:.0f} MiB; once the first step is done: {label} tokens_per_s={steady:.0f}",
+                f"peak RSS of this process {peak_mib:.0f} MiB; once each worker has finished a step: {label} tokens_per_s={steady:.0f}",
                 flush=True,
             )
     finally:

@@ -336,6 +336,42 @@ def test_catches_a_wrong_turn_and_skips_a_trace_without_turns(tmp_path):
     assert check_trace(path)["turns"].status == "skipped"
 
 
+def test_catches_a_hole_written_as_the_assistants_and_a_valid_token_without_a_role(tmp_path):
+    """The first hole token of sample 1 given the role "assistant", then also a valid token of sample
+    2 a null role: each is one violation, found at the first in row order."""
+    algo = algorithm("mc")
+    batch = by_definition(random_batch(1, T=30, holes=3), "mc", 1.0)
+    path = write_trace(tmp_path / "trace", algo, {1: batch})
+    mask = batch.mask[1].bool().tolist()
+    hole = next(t for t in range(1, len(mask)) if mask[t - 1] and not mask[t])
+    written = next(t for t, valid in enumerate(batch.mask[2].bool().tolist()) if valid)
+    role_index = TOKEN_SCHEMA.get_field_index("role")
+
+    def at(table, sample, token):
+        return pc.and_(pc.equal(table["sample"], sample), pc.equal(table["token_index"], token))
+
+    def hole_as_assistant(table):
+        return table.set_column(role_index, "role", pc.if_else(at(table, 1, hole), "assistant", table["role"]))
+
+    def and_no_role(table):
+        return table.set_column(role_index, "role", pc.if_else(at(table, 2, written), pa.scalar(None, pa.string()), table["role"]))
+
+    assert check_trace(path)["roles"].status == "pass"
+    rewrite_step(path, 1, table=hole_as_assistant)
+    result = check_trace(path)["roles"]
+    assert (result.status, result.violations) == ("fail", 1)
+    assert (result.first.location.sample, result.first.location.token_index) == (1, hole)
+    assert result.first.detail == "role 'assistant', expected not assistant (mask false)"
+    rewrite_step(path, 1, table=and_no_role)
+    result = check_trace(path)["roles"]
+    assert (result.status, result.violations) == ("fail", 2) and result.first.location.sample == 1
+    rewrite_step(path, 1, table=lambda table: table.set_column(role_index, "role", pc.if_else(at(table, 1, hole), "tool", table["role"])))
+    result = check_trace(path)["roles"]
+    assert (result.status, result.violations) == ("fail", 1)
+    assert (result.first.location.sample, result.first.location.token_index) == (2, written)
+    assert result.first.detail == "role None, expected assistant (mask true)"
+
+
 def test_catches_a_tool_reward_off_its_turn_end_and_rewards_without_it(tmp_path):
     """Sample 1's tool reward moved one token before its turn's last token (the rewards moved with it:
     rewards still = scores + turn rewards), then the rewards alone left without it."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import numpy as np
+import pyarrow.compute as pc
 
 from verl_ext.check.cuts import SECTION as TRUNCATION_SECTION
 from verl_ext.check.cuts import STOPPED_AT_LENGTH, StepCuts, reestimate
@@ -423,16 +424,16 @@ class TokenStep:
         column = self.data.table.column("role")
         if column.null_count == len(column):
             return Finding("skipped", note=f"no role column (a trace written before format {since('role')})")
-        roles = column.to_numpy(zero_copy_only=False)
-        assistant = roles == ROLE_ASSISTANT
+        # compared in Arrow: a Python string per row would cost a fifth of the step's check
+        assistant = pc.equal(column, ROLE_ASSISTANT).fill_null(False).to_numpy()
         wrong = np.flatnonzero(assistant != self.data.layout.mask)  # a null role on a valid token is wrong too
         first = None
         if len(wrong):
             row = int(wrong[0])
             sample, token = self.data.row_location(row)
             due = "assistant (mask true)" if self.data.layout.mask[row] else "not assistant (mask false)"
-            first = Violation(Location(self.step, sample, token), "role", detail=f"role {roles[row]!r}, expected {due}")
-        return Finding("fail" if len(wrong) else "pass", checked=len(roles), violations=len(wrong), first=first)
+            first = Violation(Location(self.step, sample, token), "role", detail=f"role {column[row].as_py()!r}, expected {due}")
+        return Finding("fail" if len(wrong) else "pass", checked=len(column), violations=len(wrong), first=first)
 
     def finite(self) -> Finding:
         a = self.algorithm

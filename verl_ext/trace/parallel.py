@@ -22,7 +22,7 @@ StepFn = Callable[[Any, int], tuple[Any, int]]
 Progress = Callable[[int, int, int], None]
 #: Below this many token rows in all the steps asked for, workers cost more to start than they save (two
 #: spawned workers importing torch at once took about 3 s on 2 cores, while one process checks about
-#: 2.6 M rows/s and two about 4 M/s: break-even near 25 M rows, benchmarks/bench_check.py), and the
+#: 3.3 M rows/s and two about 6 M/s: break-even near 25 M rows, benchmarks/bench_check.py), and the
 #: steps run in this process.
 MIN_PARALLEL_ROWS = 30_000_000
 
@@ -97,15 +97,16 @@ def _in_worker(fn: StepFn, path: str, step: int) -> tuple[int, Any, int]:
     return _outcome(trace, fn, step)
 
 
-def _share_cores(jobs: int) -> None:
-    """Each of ``jobs`` workers takes its share of the cores for torch's and Arrow's threads, rather
-    than every worker starting a thread per core."""
+def _share_cores(threads: int) -> None:
+    """torch's and Arrow's threads in this worker: its share of the cores, rather than every worker
+    starting a thread per core."""
     import pyarrow
     import torch
 
-    threads = max(1, default_jobs() // jobs)
-    torch.set_num_threads(threads)
-    pyarrow.set_cpu_count(threads)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if pyarrow.cpu_count() != threads:
+        pyarrow.set_cpu_count(threads)
 
 
 def _in_processes(path: str, steps: Sequence[int], fn: StepFn, jobs: int) -> Iterator[tuple[int, Any, int]]:
@@ -116,7 +117,7 @@ def _in_processes(path: str, steps: Sequence[int], fn: StepFn, jobs: int) -> Ite
     # which they keep from their first instruction: the parent stops them, and none prints a traceback.
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_share_cores, initargs=(jobs,))
+        pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_share_cores, initargs=(max(1, default_jobs() // jobs),))
     finally:
         signal.signal(signal.SIGINT, interrupt)
     try:
@@ -147,7 +148,7 @@ def _on_ray(path: str, steps: Sequence[int], fn: StepFn, address: str) -> Iterat
             ray.init(address=None if address == "auto" else address, logging_level="ERROR", log_to_driver=False)
         except ConnectionError as error:
             raise UsageError(f"--ray: no Ray cluster at {address} ({error})") from None
-    task = ray.remote(_in_worker)
+    task = ray.remote(_in_ray_task)  # one CPU each, Ray's default
     pending = [task.remote(fn, path, step) for step in steps]
     try:
         while pending:
@@ -160,6 +161,11 @@ def _on_ray(path: str, steps: Sequence[int], fn: StepFn, address: str) -> Iterat
     finally:
         if started:
             ray.shutdown()
+
+
+def _in_ray_task(fn: StepFn, path: str, step: int) -> tuple[int, Any, int]:
+    _share_cores(1)
+    return _in_worker(fn, path, step)
 
 
 def _require_listening(address: str) -> None:

@@ -81,7 +81,7 @@ from verl_ext.trace.schema import (
 TOKEN_PARQUET_OPTIONS = {
     "compression": "zstd",
     "compression_level": 1,
-    "use_dictionary": ["step", "uid", "token_id"],
+    "use_dictionary": ["step", "uid", "token_id", "role"],
     "use_byte_stream_split": list(FLOAT_COLUMN_NAMES),
     "row_group_size": 128 * 1024,
 }
