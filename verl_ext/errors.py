@@ -23,6 +23,10 @@ class StepFileError(TraceError):
         return type(self), (str(self), self.step, self.file)
 
 
+class WorkerLost(UsageError):
+    """A worker process that ended before returning its step (killed: out of memory, by a signal)."""
+
+
 def one_line(error: BaseException) -> str:
     """The first line of an exception's message (file errors can span many lines)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -219,6 +219,53 @@ def _workers(pid: int) -> set[int]:
     return workers
 
 
+def _killed_at_step_3(trace, step: int) -> tuple[None, int]:
+    """A worker's step as the kernel's out-of-memory killer ends it, at step 3."""
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return None, 1
+
+
+def test_a_worker_that_dies_is_one_error_not_a_wait(trace, every_trace_in_parallel):
+    """A worker killed in its step: map_steps raises WorkerLost (a usage error: one line from the CLI)
+    within seconds, rather than waiting for the step."""
+    from verl_ext.errors import UsageError, WorkerLost
+    from verl_ext.trace.reader import open_trace
+
+    def waited(*_):
+        raise AssertionError("no answer in 60 s: the parent waits for the dead worker's step")
+
+    previous = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(60)
+    try:
+        with pytest.raises(WorkerLost, match="a worker process ended before returning its step") as raised:
+            list(parallel.map_steps(open_trace(trace), [1, 2, 3, 4, 5], _killed_at_step_3, jobs=2))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert isinstance(raised.value, UsageError)
+
+
+UNGUARDED_SCRIPT = """
+from verl_ext.check.run import check_trace
+from verl_ext.trace import parallel
+parallel.MIN_PARALLEL_ROWS = 0
+print(check_trace(TRACE, jobs=2).verdict)
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_so(trace, tmp_path):
+    """check_trace(jobs=2) at a script's top level: each spawned worker imports the script and cannot
+    start workers of its own; the script ends with WorkerLost naming the guard, not a hang."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT.replace("TRACE", repr(trace)))
+    done = subprocess.run(
+        [real_python(), str(script)], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("verl_ext.errors.WorkerLost: ")
+    assert 'if __name__ == "__main__":' in done.stderr
+
+
 def test_a_trace_being_written_is_checked_on_whole_steps(tmp_path, every_trace_in_parallel):
     """While a writer adds steps (and their update tables), checks in two processes see whole steps
     only: every step they list passes, none is unreadable, and the run reads as not finished."""

@@ -6,8 +6,9 @@ worker opens the trace once and reads one step at a time, so its memory is one s
 about 420 bytes per token row of its largest step) on top of the libraries it imports (about 300 MB
 with torch; docs/performance.md#many-steps-at-once). :func:`map_steps` yields (step, value) in the
 order of ``steps``, whatever order the workers finish in, so a command's output is the serial run's. A step whose file does not read comes back as
-its :class:`~verl_ext.errors.StepFileError` in place of the value. Ctrl-C stops every worker: pool
-processes are terminated, Ray tasks cancelled.
+its :class:`~verl_ext.errors.StepFileError` in place of the value. Ctrl-C stops every worker: worker
+processes are terminated, Ray tasks cancelled; a worker process that dies is a
+:class:`~verl_ext.errors.WorkerLost`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import signal
 from typing import Any, Callable, Iterator, Sequence
 
-from verl_ext.errors import StepFileError, UsageError
+from verl_ext.errors import StepFileError, UsageError, WorkerLost
 
 StepFn = Callable[[Any, int], tuple[Any, int]]
 Progress = Callable[[int, int, int], None]
@@ -110,24 +111,38 @@ def _share_cores(threads: int) -> None:
 
 
 def _in_processes(path: str, steps: Sequence[int], fn: StepFn, jobs: int) -> Iterator[tuple[int, Any, int]]:
-    import functools
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
-    # Spawned, not forked: the parent holds Arrow's and torch's threads. Started with Ctrl-C ignored,
-    # which they keep from their first instruction: the parent stops them, and none prints a traceback.
+    # Spawned, not forked: the parent holds Arrow's and torch's threads. An executor, not a Pool: a
+    # Pool replaces a worker that dies and waits forever for its step; the executor says it broke.
+    executor = ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_share_cores, initargs=(max(1, default_jobs() // jobs),)
+    )
+    # The workers start within the first submits, with Ctrl-C ignored, which they keep from their
+    # first instruction: the parent stops them, and none prints a traceback.
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_share_cores, initargs=(max(1, default_jobs() // jobs),))
+        futures = [executor.submit(_in_worker, fn, path, step) for step in steps]
     finally:
         signal.signal(signal.SIGINT, interrupt)
     try:
-        yield from pool.imap_unordered(functools.partial(_in_worker, fn, path), steps)
-        pool.close()
+        for future in as_completed(futures):
+            yield future.result()
+    except BrokenProcessPool:
+        raise WorkerLost(
+            f"a worker process ended before returning its step (killed, e.g. out of memory: each holds one step, "
+            f"about 420 bytes per token row; fewer --jobs need less). From a script, call this under "
+            f"`if __name__ == \"__main__\":`: each spawned worker imports the script's module"
+        ) from None
     except BaseException:
-        pool.terminate()
+        # Python 3.14's terminate_workers(); before it, the executor's own list of its processes
+        for process in list(getattr(executor, "_processes", {}).values()):
+            process.terminate()
         raise
     finally:
-        pool.join()
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- Ray tasks
