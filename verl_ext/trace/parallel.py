@@ -132,9 +132,9 @@ def _in_processes(path: str, steps: Sequence[int], fn: StepFn, jobs: int) -> Ite
             yield future.result()
     except BrokenProcessPool:
         raise WorkerLost(
-            f"a worker process ended before returning its step (killed, e.g. out of memory: each holds one step, "
-            f"about 420 bytes per token row; fewer --jobs need less). From a script, call this under "
-            f"`if __name__ == \"__main__\":`: each spawned worker imports the script's module"
+            "a worker process ended before returning its step (killed, e.g. out of memory: each holds one step, "
+            "about 420 bytes per token row; fewer jobs use less memory). From a script, call this under "
+            '`if __name__ == "__main__":`: each spawned worker imports the script\'s module.'
         ) from None
     except BaseException:
         # Python 3.14's terminate_workers(); before it, the executor's own list of its processes
