@@ -247,16 +247,21 @@ def test_a_worker_that_dies_is_one_error_not_a_wait(trace, every_trace_in_parall
 
 
 UNGUARDED_SCRIPT = """
-from verl_ext.check.run import check_trace
 from verl_ext.trace import parallel
+from verl_ext.trace.reader import open_trace
 parallel.MIN_PARALLEL_ROWS = 0
-print(check_trace(TRACE, jobs=2).verdict)
+
+def tokens(trace, step):
+    return None, 0
+
+print(list(parallel.map_steps(open_trace(TRACE), [1, 2, 3], tokens, jobs=2)))
 """
 
 
 def test_a_script_without_a_main_guard_is_told_so(trace, tmp_path):
-    """check_trace(jobs=2) at a script's top level: each spawned worker imports the script and cannot
-    start workers of its own; the script ends with WorkerLost naming the guard, not a hang."""
+    """Steps in two processes from a script's top level (check_trace(jobs=2) and the others go through
+    map_steps): each spawned worker imports the script and cannot start workers of its own; the script
+    ends with WorkerLost naming the guard, not a hang."""
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED_SCRIPT.replace("TRACE", repr(trace)))
     done = subprocess.run(
