@@ -199,6 +199,26 @@ def test_ctrl_c_stops_every_worker_and_says_so_in_one_line(trace, tmp_path):
     assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "a process of the command is left"
 
 
+def test_workers_end_with_a_parent_killed_outright(trace):
+    """SIGKILL to the command alone once its workers run (the out-of-memory killer's way): no Ctrl-C
+    reaches them and the parent cannot stop them, yet none is left (Linux: PR_SET_PDEATHSIG)."""
+    command = subprocess.Popen(
+        [real_python(), "-c", INTERRUPTED, trace], env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(_workers(command.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = _descendants(command.pid)
+    assert len(_workers(command.pid)) == 2, "the two workers did not start"
+    command.kill()
+    assert command.wait(timeout=60) == -signal.SIGKILL  # killed while its workers ran, not done before
+    deadline = time.monotonic() + 10
+    while [pid for pid in started if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "a worker outlived its parent"
+
+
 def _ignores_interrupts(pid: int) -> bool:
     """Whether ``pid`` ignores SIGINT (its SigIgn mask in /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

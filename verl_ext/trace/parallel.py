@@ -8,7 +8,7 @@ with torch; docs/performance.md#many-steps-at-once). :func:`map_steps` yields (s
 order of ``steps``, whatever order the workers finish in, so a command's output is the serial run's. A step whose file does not read comes back as
 its :class:`~verl_ext.errors.StepFileError` in place of the value. Ctrl-C stops every worker: worker
 processes are terminated, Ray tasks cancelled; a worker process that dies is a
-:class:`~verl_ext.errors.WorkerLost`.
+:class:`~verl_ext.errors.WorkerLost`; worker processes end with a parent killed outright (Linux).
 """
 
 from __future__ import annotations
@@ -110,6 +110,29 @@ def _share_cores(threads: int) -> None:
         pyarrow.set_cpu_count(threads)
 
 
+def _start_worker(parent: int, threads: int) -> None:
+    """A worker process's start: it ends with its parent, then takes its share of the cores."""
+    _end_with_parent(parent)
+    _share_cores(threads)
+
+
+def _end_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent ends (Linux's PR_SET_PDEATHSIG): a parent killed outright
+    (``kill -9``, the out-of-memory killer) would leave its workers waiting for steps forever, each
+    holding its memory. Elsewhere, nothing."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    PR_SET_PDEATHSIG = 1
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the line above
+        os._exit(1)
+
+
 def _in_processes(path: str, steps: Sequence[int], fn: StepFn, jobs: int) -> Iterator[tuple[int, Any, int]]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -118,7 +141,7 @@ def _in_processes(path: str, steps: Sequence[int], fn: StepFn, jobs: int) -> Ite
     # Spawned, not forked: the parent holds Arrow's and torch's threads. An executor, not a Pool: a
     # Pool replaces a worker that dies and waits forever for its step; the executor says it broke.
     executor = ProcessPoolExecutor(
-        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_share_cores, initargs=(max(1, default_jobs() // jobs),)
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker, initargs=(os.getpid(), max(1, default_jobs() // jobs)),
     )
     # The workers start within the first submits, with Ctrl-C ignored, which they keep from their
     # first instruction: the parent stops them, and none prints a traceback.
