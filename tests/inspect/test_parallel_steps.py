@@ -42,12 +42,16 @@ def test_the_check_in_two_processes_is_the_check_in_one(trace, every_trace_in_pa
     from verl_ext.check.run import check_trace
     from verl_ext.inspect.render import format_report
 
-    serial, in_two = check_trace(trace), check_trace(trace, jobs=2)
+    seen = []
+    serial, in_two = check_trace(trace), check_trace(trace, jobs=2, progress=lambda *counts: seen.append(counts))
     assert serial.verdict == "fail" and serial.unreadable == (5,)  # the trace has something to find
     assert {r.identity for r in serial.identities if r.status == "fail"} >= {"returns", "finite", "steps_on_disk"}
     assert json.dumps(in_two.to_dict()) == json.dumps(serial.to_dict())
     assert format_report(in_two) == format_report(serial)
     assert in_two.to_arrow().to_pandas().equals(serial.to_arrow().to_pandas())  # NaN where NaN
+    # the progress counts every step and, at the end, every valid token
+    assert [done for done, _, _ in seen] == [1, 2, 3, 4, 5] and {total for _, total, _ in seen} == {5}
+    assert seen[-1][2] == in_two.tokens > 0
 
 
 def test_the_summary_in_two_processes_is_the_summary_in_one(trace, every_trace_in_parallel):
@@ -117,15 +121,6 @@ def test_the_view_page_reads_its_steps_in_as_many_processes_as_asked(trace, tmp_
     assert sorted(asked) == [("check_trace", 2, None), ("summarize", 2, None)] and (tmp_path / "page.html").is_file()
     capsys.readouterr()
     assert main(["view", trace, "--ray", "127.0.0.1:1"]) == 2 and "--ray reads the steps of a file's page" in capsys.readouterr().err
-
-
-def test_the_progress_counts_every_step_and_its_tokens(trace, every_trace_in_parallel):
-    from verl_ext.check.run import check_trace
-
-    seen = []
-    report = check_trace(trace, jobs=2, progress=lambda done, total, tokens: seen.append((done, total, tokens)))
-    assert [done for done, _, _ in seen] == [1, 2, 3, 4, 5] and {total for _, total, _ in seen} == {5}
-    assert seen[-1][2] == report.tokens > 0
 
 
 def test_a_small_trace_stays_in_one_process(trace, monkeypatch):
