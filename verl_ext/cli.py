@@ -732,7 +732,6 @@ def study_arguments(parser: argparse.ArgumentParser) -> None:
 def study(args: argparse.Namespace) -> int:
     """Run every estimator with every seed on the CPU task through verl's real trainer; compare them."""
     from verl_ext.apps.study import StudySettings, run_study, study_estimators
-
     from verl_ext.tasks import get_task
 
     estimators = study_estimators(args.estimators)

@@ -272,13 +272,15 @@ def _print_turn_credit(trace, step: int, sample: int, task: str) -> None:
         what: {label: raw[mine & flag] for label, raw in advantages.by_estimator.items()}
         for what, flag in (("call decision", advantages.decision), ("verdict", advantages.verdict))
     }
+    decisions = (("call decision", 0), ("verdict", _verdict_index(advantages, sample)))
     print(f"\n  sample {sample} of step {step}, turn by turn, with the raw advantage at its decisions:")
     text = lambda piece: decoder.text(piece["token_id"].tolist()) if decoder.available else " ".join(map(str, piece["token_id"]))  # noqa: E731
     for turn, tokens in rows.groupby("turn", sort=True):
         written, hole = tokens[tokens["mask"]], tokens[~tokens["mask"]]  # a turn's hole follows its written tokens
         print(f"    turn {turn}  {text(written)}")
-        for what, index in (("call decision", 0), ("verdict", _verdict_index(advantages, sample))):
-            if index is not None and index in set(written["token_index"]):
+        written_at = set(written["token_index"])
+        for what, index in decisions:
+            if index is not None and index in written_at:
                 values = "  ".join(f"{label} {at[what][label][0]:+.3f}" for label in labels)
                 print(f"            {what} (token {index}): {values}")
         if len(hole):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 from verl_ext.errors import StepFileError, UsageError, WorkerLost
@@ -101,15 +102,13 @@ def _in_worker(fn: StepFn, path: str, step: int) -> tuple[int, Any, int]:
 def _share_cores(threads: int) -> None:
     """torch's and Arrow's threads in this worker: its share of the cores, rather than every worker
     starting a thread per core."""
-    import sys
-
     import pyarrow
 
-    if "torch" in sys.modules:
-        if sys.modules["torch"].get_num_threads() != threads:
-            sys.modules["torch"].set_num_threads(threads)
-    else:  # taken by torch when the step's function imports it (not imported here: about 2 s)
+    torch = sys.modules.get("torch")
+    if torch is None:  # taken by torch when the step's function imports it (not imported here: about 2 s)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    elif torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     if pyarrow.cpu_count() != threads:
         pyarrow.set_cpu_count(threads)
 
