@@ -59,14 +59,15 @@ def test_importing_every_module_activates_nothing():
 # imports only itself. verl_ext.cli is the top. Imports inside functions count as well.
 ALLOWED = {
     "trace": set(),
-    "check": {"trace"},  # the checker reads a trace; it never imports the analysis (inspect) above it
-    "inspect": {"trace", "check"},  # the analysis shows and renders what the checker finds
+    "steps": {"trace"},  # the model of a traced step, which the checker, the inspection and the view share
+    "check": {"trace", "steps"},  # the checker reads a trace; it never imports the analysis (inspect) above it
+    "inspect": {"trace", "steps", "check"},  # the analysis shows and renders what the checker finds
     "integration": {"trace"},  # plugin.py activates the CPU backend only when its switch is set
-    "view": {"trace", "check", "inspect"},  # the browser view shows what the checker and the inspection compute
+    "view": {"trace", "steps", "check", "inspect"},  # the browser view shows what the checker and the inspection compute
     "cpu": set(),  # the backend knows verl, not the tasks nor the apps that run on it
     "tasks": {"cpu"},  # a task's assets feed a CPU run; it never reads traces nor imports check or inspect
     # they call the checker and the inspection directly, never the CLI; they check a run's config as its driver will (integration)
-    "apps": {"trace", "check", "inspect", "view", "cpu", "tasks", "integration"},
+    "apps": {"trace", "steps", "check", "inspect", "view", "cpu", "tasks", "integration"},
 }
 #: Activation, behind its switches: VERL_USE_EXTERNAL_MODULES=verl_ext, VERL_EXT_CPU=1.
 ACTIVATION = {

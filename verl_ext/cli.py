@@ -101,7 +101,7 @@ def _say(lines) -> None:
 
 def _run_header(trace, fmt: str) -> str:
     """The run's rollout engine and whether it finished, as a header of the output ("" for CSV)."""
-    from verl_ext.check.stepdata import RecordedRun
+    from verl_ext.steps.recorded import RecordedRun
 
     if fmt == "csv":
         return ""
@@ -242,7 +242,7 @@ def _one_step(trace, step: int | None, read: Callable):
 def show(args: argparse.Namespace) -> int:
     """One sample's per-token table with decoded tokens."""
     from verl_ext.inspect.render import render
-    from verl_ext.check.stepdata import RecordedAlgorithm
+    from verl_ext.steps.recorded import RecordedAlgorithm
     from verl_ext.inspect.table import decoder_for, first_sample_with_tool_call, sample_view
 
     trace = _open_run(args.run)
@@ -302,7 +302,7 @@ def summary(args: argparse.Namespace) -> int:
 def _critic_summary(trace, args: argparse.Namespace, unread) -> int:
     """``summary --critic``: steps × position buckets, EV then mean |V − G| (CSV: the long table)."""
     from verl_ext.inspect.critic import critic_diagnostics, critic_report
-    from verl_ext.check.stepdata import RecordedAlgorithm
+    from verl_ext.steps.recorded import RecordedAlgorithm
 
     diagnostics = critic_diagnostics(trace, progress=_progress(args, "summary --critic"), unread=unread, **_parallel(args))
     gamma = RecordedAlgorithm.from_record(trace.record).gamma
@@ -403,7 +403,7 @@ def _truncation_mode(text: str) -> str:
 def compare(args: argparse.Namespace) -> int:
     """Re-estimate one traced step with every estimator (no retraining) and show them side by side."""
     from verl_ext.inspect.comparison import compare as compare_step, comparison_report
-    from verl_ext.check.cuts import last_step_with_cuts
+    from verl_ext.steps.cuts import last_step_with_cuts
 
     trace = _open_run(args.run)
     about_truncation = hasattr(args, "truncation")  # --truncation given, with or without a mode

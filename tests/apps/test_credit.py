@@ -124,7 +124,7 @@ def test_the_pretrained_critic_sees_the_outcome_after_the_verdict_at_step_1(lear
 def test_the_verdict_positions_by_hand_on_a_made_up_step():
     """No trace needed: the token after the first valid "，", unless it is EOS or not valid."""
     from verl_ext.apps.credit import _verdicts
-    from verl_ext.check.stepdata import StepLayout
+    from verl_ext.steps.layout import StepLayout
     from verl_ext.tasks.arith.assets import token_id
 
     ids = lambda text: [token_id(ch) for ch in text]  # noqa: E731

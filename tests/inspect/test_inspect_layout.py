@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_ext.check.stepdata import StepLayout
+from verl_ext.steps.layout import StepLayout
 
 
 def long_format(rows_mask: list[list[bool]]):

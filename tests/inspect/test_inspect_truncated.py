@@ -21,8 +21,9 @@ import torch
 from tests.inspect.inspect_helpers import algorithm
 from verl_ext import registry
 from verl_ext.inspect import compare, summarize
-from verl_ext.check.cuts import StepCuts, reestimate
-from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout
+from verl_ext.steps.cuts import StepCuts, reestimate
+from verl_ext.steps.layout import StepData, StepLayout
+from verl_ext.steps.recorded import RecordedAlgorithm
 
 GAMMA, LAM, EOS, LIMIT = 0.9, 0.5, 3, 3
 MASK = [[1, 1, 1], [1, 1, 0], [1, 1, 1]]

@@ -21,7 +21,7 @@ import pytest
 from tests.inspect.inspect_helpers import good_batches, good_trace
 from verl_ext.errors import StepFileError
 from verl_ext.check.run import check_trace
-from verl_ext.check.stepdata import RecordedRun
+from verl_ext.steps.recorded import RecordedRun
 from verl_ext.inspect.summary import summarize
 from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.trace.reader import open_trace

@@ -2,7 +2,7 @@
 ``verl-ext check`` holds ``truncated`` to "the engine stopped at the length limit" on every response the
 engine said why it ended, on the runs whose rollout says it (verl's vLLM rollout).
 
-Covers: verl_ext.trace.capture's ``stop_reason`` column, verl_ext.check.cuts, the ``stop_reason``
+Covers: verl_ext.trace.capture's ``stop_reason`` column, verl_ext.steps.cuts, the ``stop_reason``
 identity of verl_ext.check.identities and verl_ext.check.token_checks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""verl_ext.check.update_rows: an update table's rows by (epoch, sample) and their flags, against the
+"""verl_ext.steps.update_rows: an update table's rows by (epoch, sample) and their flags, against the
 rows themselves read as Python values (pyarrow's to_pylist), on a table in no particular order with
 null, NaN, infinite and unknown entries."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from verl_ext.check.update_rows import UpdateRows
+from verl_ext.steps.update_rows import UpdateRows
 
 ROWS = [
     # epoch, sample, token_index, clip, ratio, entropy (null everywhere: a column the run lacks)

@@ -28,7 +28,8 @@ import numpy as np
 
 from verl_ext.inspect.comparison import DEFAULT_N, step_estimates
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
-from verl_ext.check.stepdata import LAYOUT_COLUMNS, RecordedAlgorithm, StepData
+from verl_ext.steps.layout import LAYOUT_COLUMNS, StepData
+from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.tasks import DEFAULT_TASK, get_task
 
 #: λ of the GAE the demo sets between td0 (λ = 0) and mc (λ = 1).
@@ -199,7 +200,7 @@ def turn_advantages(trace, step: int, task: str) -> TurnAdvantages:
     """The step's raw advantages under each estimator of :data:`TURN_CREDIT_ESTIMATORS` (ValueError
     without recorded values: the critic's estimators need them)."""
     from verl_ext import registry
-    from verl_ext.check.cuts import reestimate
+    from verl_ext.steps.cuts import reestimate
 
     table = trace.read_step(step, [*LAYOUT_COLUMNS, "token_id", "turn", "reward", "value"])
     data = StepData.from_table(step, table, ("reward", "value"))

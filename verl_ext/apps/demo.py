@@ -120,7 +120,7 @@ def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
 def _show(trace, step: int, sample: int) -> None:
     """What ``verl-ext show TRACE --step STEP --sample SAMPLE`` prints."""
     from verl_ext.inspect.render import render
-    from verl_ext.check.stepdata import RecordedAlgorithm
+    from verl_ext.steps.recorded import RecordedAlgorithm
     from verl_ext.inspect.table import decoder_for, sample_view
 
     decoder = decoder_for(trace)

@@ -294,14 +294,15 @@ def _first_difference(rows: pa.Table, columns: Mapping[str, np.ndarray], setting
 def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.Table) -> tuple[pa.Table, dict | None, np.ndarray]:
     """The step's token table with ``algorithm``'s returns and advantages (raw, then whitened as the
     run whitened, over the step's valid tokens), its whitening statistics, and the advantages at
-    ``rows``. Re-estimated by the checker's function (verl_ext.check.cuts.reestimate)."""
+    ``rows``. Re-estimated by the checker's function (verl_ext.steps.cuts.reestimate)."""
     from types import SimpleNamespace
 
     import torch
 
     from verl_ext import estimators
-    from verl_ext.check.cuts import StepCuts, reestimate, whitened
-    from verl_ext.check.stepdata import LAYOUT_COLUMNS, RecordedAlgorithm, StepData, join_keys, locate
+    from verl_ext.steps.cuts import StepCuts, reestimate, whitened
+    from verl_ext.steps.layout import LAYOUT_COLUMNS, StepData, join_keys, locate
+    from verl_ext.steps.recorded import RecordedAlgorithm
 
     try:
         recorded = RecordedAlgorithm.from_record(SimpleNamespace(algorithm=dict(algorithm), rollout=trace.record.rollout))

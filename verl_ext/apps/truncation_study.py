@@ -77,8 +77,8 @@ def train(run_dir: Path, option: str, steps: int, seed: int) -> float:
 
 def read_result(run_dir: Path, option: str, seconds: float) -> OptionResult:
     from verl_ext.apps.learning import read_metrics, validation_accuracy
-    from verl_ext.check.cuts import StepCuts
-    from verl_ext.check.stepdata import StepData
+    from verl_ext.steps.cuts import StepCuts
+    from verl_ext.steps.layout import StepData
     from verl_ext.inspect.summary import summarize
     from verl_ext.trace.reader import open_trace
 
@@ -119,8 +119,8 @@ def cut_where_the_answer_fits(trace, step: int) -> float:
     two-digit sum or by not stopping after "！"."""
     import re
 
-    from verl_ext.check.cuts import StepCuts
-    from verl_ext.check.stepdata import StepData
+    from verl_ext.steps.cuts import StepCuts
+    from verl_ext.steps.layout import StepData
     from verl_ext.tasks.arith.assets import build_tokenizer
     from verl_ext.tasks.arith.task import Problem
 
@@ -215,8 +215,8 @@ def treatments_on_one_step(run_dir: Path, step: int) -> str:
 
 def first_cut(run_dir: Path, step: int) -> int:
     """The first cut sample of ``step`` (0 when none is): compare then shows it under the three treatments."""
-    from verl_ext.check.cuts import StepCuts
-    from verl_ext.check.stepdata import StepData
+    from verl_ext.steps.cuts import StepCuts
+    from verl_ext.steps.layout import StepData
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(run_dir / "trace"))

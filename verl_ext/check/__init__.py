@@ -7,13 +7,11 @@ For: recomputing what a trace records and saying where it disagrees, within stat
 Not for: tables, summaries, comparisons, plots or rendering; those are :mod:`verl_ext.inspect`'s,
 which may import this package (never the other way round). The commands are in :mod:`verl_ext.cli`.
 
-Modules: ``stepdata`` (a step as arrays, and what the run record says about its estimator);
-``cuts`` (the responses cut at the length limit, and the estimators under each
-``algorithm.truncation``); ``identities`` (the identities of docs/definitions.md §8, one record
-each); ``results`` (what a check finds, the one comparison, tolerances); ``token_checks`` (the token
-table's checks, recomputation and tolerances); ``update_rows`` (the update tables' rows, joined to
-the token table); ``update_checks`` (the update tables' checks and statistics); ``run`` (runs them
-all, the report as data).
+Modules: ``identities`` (the identities of docs/definitions.md §8, one record each); ``results``
+(what a check finds, the one comparison, tolerances); ``token_checks`` (the token table's checks,
+recomputation and tolerances); ``update_checks`` (the update tables' checks and statistics); ``run``
+(runs them all, the report as data). The step they read (its layout, the recorded run, the cut
+responses, the update rows) is :mod:`verl_ext.steps`'s.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from verl_ext.check import update_checks
 from verl_ext.check.results import ELEMENTWISE, EXACT, Tolerance
-from verl_ext.check.stepdata import RecordedAlgorithm
+from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.check.token_checks import ACCUMULATED, STATISTICS, WHITENING, TokenStep, steps_on_disk
 
 __all__ = ["IDENTITIES", "Identity"]

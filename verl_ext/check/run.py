@@ -12,7 +12,7 @@ that does not apply (no critic, whitening off, ...) is ``skipped`` and leaves th
 
 A step whose file does not read (cut short, moved, another write's) is not checked; the identity
 ``steps_on_disk`` fails it, naming the file, and every other step is checked. Whether the run
-finished is the run record's (:class:`~verl_ext.check.stepdata.RecordedRun`): a run that did not
+finished is the run record's (:class:`~verl_ext.steps.recorded.RecordedRun`): a run that did not
 finish can pass, and its report says how far it got.
 """
 
@@ -26,10 +26,11 @@ import pyarrow as pa
 
 from verl_ext.errors import StepFileError
 from verl_ext.check import update_checks
-from verl_ext.check.cuts import StepCuts
+from verl_ext.steps.cuts import StepCuts
 from verl_ext.check.identities import IDENTITIES, RUN, TOKEN, UPDATE, Identity
 from verl_ext.check.results import NOT_CHECKED, IdentityResult, StepResult, aggregate
-from verl_ext.check.stepdata import Progress, RecordedAlgorithm, RecordedRun, StepData, as_trace
+from verl_ext.steps.layout import Progress, StepData, as_trace
+from verl_ext.steps.recorded import RecordedAlgorithm, RecordedRun
 from verl_ext.check.token_checks import QUANTITIES, RunScope, TokenStep
 from verl_ext.trace.parallel import map_steps
 

@@ -17,10 +17,11 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import pyarrow.compute as pc
 
-from verl_ext.check.cuts import SECTION as TRUNCATION_SECTION
-from verl_ext.check.cuts import STOPPED_AT_LENGTH, StepCuts, reestimate
+from verl_ext.steps.cuts import SECTION as TRUNCATION_SECTION
+from verl_ext.steps.cuts import STOPPED_AT_LENGTH, StepCuts, reestimate
 from verl_ext.check.results import ATOL, DTYPE_EPS, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
-from verl_ext.check.stepdata import RecordedAlgorithm, StepData, floats, step_beta
+from verl_ext.steps.layout import StepData, floats
+from verl_ext.steps.recorded import RecordedAlgorithm, step_beta
 from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import ROLE_ASSISTANT, since
 

@@ -56,8 +56,8 @@ from verl_ext.check.results import (
     compare,
     skipped,
 )
-from verl_ext.check.stepdata import StepData, floats, join_keys, locate
-from verl_ext.check.update_rows import UpdateRows
+from verl_ext.steps.layout import StepData, floats, join_keys, locate
+from verl_ext.steps.update_rows import UpdateRows
 from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 #: How far the first mini-batch's ratio may be from 1: the recomputation noise of the log-probs

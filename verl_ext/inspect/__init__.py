@@ -16,7 +16,7 @@
     check_trace(trace, jobs=4)                     # the steps in 4 processes (summarize too; ray_address=...)
 
 Every function takes an open trace or a path. The checker (``check_trace`` and its report, exported
-here too) and the step data both read (``stepdata``, ``cuts``) are in :mod:`verl_ext.check`. Modules:
+here too) is in :mod:`verl_ext.check`; the step both read is :mod:`verl_ext.steps`'s. Modules:
 ``table`` (the per-token table, decoded tokens); ``summary`` (one row per step); ``comparison`` (the
 estimators side by side on one step); ``critic`` (the critic's values against the Monte-Carlo return,
 by position); ``sql`` (DuckDB views over every table); ``unread`` (the steps a scan could not read: missing on disk, or whose files do not

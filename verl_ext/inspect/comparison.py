@@ -34,8 +34,9 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import UsageError
-from verl_ext.check.cuts import SECTION, StepCuts, reestimate, whitened
-from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout, as_trace
+from verl_ext.steps.cuts import SECTION, StepCuts, reestimate, whitened
+from verl_ext.steps.layout import StepData, StepLayout, as_trace
+from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.inspect.render import render
 from verl_ext.step_metrics import prompt_groups
 from verl_ext.trace.reader import listing

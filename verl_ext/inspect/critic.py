@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import UsageError
-from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, StepLayout, as_trace
+from verl_ext.steps.layout import Progress, StepData, StepLayout, as_trace
+from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.inspect.render import render
 from verl_ext.inspect.unread import UnreadSteps, readable
 from verl_ext.trace.parallel import map_steps

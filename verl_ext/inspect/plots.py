@@ -48,11 +48,12 @@ from matplotlib.ticker import MaxNLocator
 from verl_ext.errors import UsageError
 from verl_ext.inspect.critic import MIN_EV_TOKENS, critic_diagnostics, explained_variance, steps_by_bucket
 from verl_ext.inspect.render import display_width
-from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
+from verl_ext.steps.layout import Progress, StepData, as_trace
+from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.inspect.summary import summarize
 from verl_ext.inspect.table import CONTINUATION, EMPTY, decoder_for, sample_view
 from verl_ext.inspect.unread import UnreadSteps, last_step_that_reads
-from verl_ext.check.update_rows import UpdateRows
+from verl_ext.steps.update_rows import UpdateRows
 from verl_ext.trace.schema import CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 VALUE_COLOR, RETURN_COLOR, RAW_COLOR, ADVANTAGE_COLOR = "#1f77b4", "#d62728", "#2ca02c", "#9467bd"

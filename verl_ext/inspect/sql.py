@@ -24,7 +24,7 @@ import os
 
 import pyarrow as pa
 
-from verl_ext.check.stepdata import as_trace
+from verl_ext.steps.layout import as_trace
 from verl_ext.errors import UsageError
 from verl_ext.trace.schema import PROMPT_SCHEMA, TOKEN_SCHEMA, UPDATE_SCHEMAS
 

@@ -37,12 +37,13 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
-from verl_ext.check.cuts import SECTION, StepCuts
-from verl_ext.check.stepdata import Progress, RecordedAlgorithm, StepData, as_trace
+from verl_ext.steps.cuts import SECTION, StepCuts
+from verl_ext.steps.layout import Progress, StepData, as_trace
+from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.trace.parallel import map_steps
 from verl_ext.inspect.unread import UnreadSteps, readable
 from verl_ext.check.update_checks import update_statistics, why_no_correlation
-from verl_ext.check.update_rows import UpdateRows
+from verl_ext.steps.update_rows import UpdateRows
 from verl_ext.step_metrics import critic_by_position, turn_shares
 
 SUMMARY_SCHEMA = pa.schema(

@@ -35,8 +35,9 @@ import torch
 
 from verl_ext import estimators
 from verl_ext.errors import UsageError, one_line
-from verl_ext.check.stepdata import RecordedAlgorithm, as_trace, join_keys, locate
-from verl_ext.check.update_rows import UpdateRows
+from verl_ext.steps.layout import as_trace, join_keys, locate
+from verl_ext.steps.recorded import RecordedAlgorithm
+from verl_ext.steps.update_rows import UpdateRows
 from verl_ext.trace.reader import listing
 
 

@@ -118,7 +118,7 @@ def select_steps(
 
 
 def _sample_rows(trace, step: int) -> dict[int, int]:
-    from verl_ext.check.stepdata import StepLayout
+    from verl_ext.steps.layout import StepLayout
 
     layout = StepLayout.read(trace, step)
     return dict(zip(layout.sample_ids.tolist(), layout.row_counts.tolist()))
@@ -255,7 +255,7 @@ def write_page(
     (an unknown step or sample, a ``step`` that does not read, an unwritable path) is a UsageError;
     the file is written under a temporary name and renamed, so a failure leaves nothing behind."""
     from verl_ext.errors import StepFileError
-    from verl_ext.check.stepdata import as_trace
+    from verl_ext.steps.layout import as_trace
     from verl_ext.inspect.table import decoder_for
     from verl_ext.inspect.unread import UnreadSteps, last_step_that_reads, step_reads
 

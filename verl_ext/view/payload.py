@@ -41,9 +41,10 @@ import pyarrow.compute as pc
 from verl_ext.errors import UsageError
 from verl_ext.inspect import summary as summary_module
 from verl_ext.inspect.summary import sample_flags, whitening
-from verl_ext.check.cuts import BOOTSTRAP_COLUMN
-from verl_ext.check.stepdata import RecordedAlgorithm, StepData, StepLayout, floats, join_keys, locate
-from verl_ext.check.update_rows import UpdateRows
+from verl_ext.steps.cuts import BOOTSTRAP_COLUMN
+from verl_ext.steps.layout import StepData, StepLayout, floats, join_keys, locate
+from verl_ext.steps.recorded import RecordedAlgorithm
+from verl_ext.steps.update_rows import UpdateRows
 from verl_ext.trace import schema
 from verl_ext.trace.reader import listing
 
@@ -202,7 +203,7 @@ def run_info(trace, decoder, unread=None) -> dict:
     """What the page says about the run; ``unread``: the steps left out (:class:`UnreadSteps`; by
     default those the run record lists and the disk lacks), said in ``notes`` with whether the run
     finished."""
-    from verl_ext.check.stepdata import RecordedRun
+    from verl_ext.steps.recorded import RecordedRun
     from verl_ext.inspect.unread import UnreadSteps
 
     record = trace.record

@@ -295,7 +295,7 @@ def serve(trace_or_path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, tok
     """A bound, not yet running, server of the trace (``serve_forever()`` runs it). ``tokenizer``: a
     TokenDecoder, a Hugging Face tokenizer or a path (default: the run record's). A port in use or
     an address that cannot be bound is a UsageError."""
-    from verl_ext.check.stepdata import as_trace
+    from verl_ext.steps.layout import as_trace
     from verl_ext.inspect.table import decoder_for
 
     if not 0 <= port <= 65535:

@@ -5,7 +5,7 @@ and the estimators re-run under each treatment of ``algorithm.truncation``
 The prompt table says which responses were cut (``truncated``), for a run that bootstrapped the
 critic's value after each cut response's last token (``bootstrap_value``, null elsewhere), and, where
 the rollout engine said it (verl's vLLM rollout), why the engine ended each response (``stop_reason``).
-:class:`StepCuts` aligns both with a step's :class:`~verl_ext.check.stepdata.StepLayout`;
+:class:`StepCuts` aligns both with a step's :class:`~verl_ext.steps.layout.StepLayout`;
 :func:`reestimate` recomputes an estimator under one treatment (:meth:`StepData.estimate`, through
 :func:`verl_ext.registry.run`, the code path of training): the one re-estimation of a step that the
 checker, the comparison and the view share (each asks for the treatment it shows).
@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from verl_ext.check.stepdata import StepData, StepLayout, floats
+from verl_ext.steps.layout import StepData, StepLayout, floats
 
 #: The prompt table's columns read here.
 CUT_COLUMN = "truncated"

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from verl_ext.check.stepdata import floats
+from verl_ext.steps.layout import floats
 from verl_ext.trace.schema import CLIP_CODES, CLIP_NONE
 
 #: The columns that place a row: which token it trained, and in which PPO epoch.
