@@ -254,6 +254,51 @@ def test_masked_whiten_equals_verl(batch):
     assert_valid_close(E.masked_whiten(rewards, mask), ref.whiten(rewards, mask), mask)
 
 
+EPS64 = float(np.finfo(np.float64).eps)
+
+
+def test_whitening_is_verls_with_verls_integer_mask_to_float64_precision():
+    """verl's masked_mean divides by mask.sum() + 1e-8; verl's trainer passes its response mask as an
+    integer tensor, whose sum plus 1e-8 is a float32 number: n exactly, for any n ≥ 1 (1e-8 is below
+    half of float32's spacing there), so μ = Σx/n (docs/definitions.md §6). verl-ext's statistics and
+    whitened values against verl's own functions in float64, on a batch with holes and padding, with
+    the trainer's mask dtypes. Tolerances: float64 sums of n terms (n·ε·mean|x|); σ² also carries
+    verl's Bessel factor n/(n − 1), an int64 division verl rounds to float32 (2⁻²⁴ of σ²), and the
+    whitened values half of that, plus the project's whitening rule with float64's ε (§8,
+    Tolerances). A mean far from 0 against σ makes a 1e-8 in the count show: μ would move by
+    μ·1e-8/n = 4e-9, the whitened values by that over σ (4e-7, against at most 1e-7 here). With a
+    float64 mask verl's own function does divide by n + 1e-8 (what an outside cross-check saw)."""
+    from verl.utils.torch_functional import masked_mean, masked_var
+    from verl.utils.torch_functional import masked_whiten as verl_masked_whiten
+
+    rng = np.random.default_rng(5)
+    x = torch.tensor(100.0 + 0.01 * rng.normal(size=(6, 70)))
+    mask = torch.ones(6, 70, dtype=torch.int64)
+    mask[:, 50:] = 0  # padding
+    mask[torch.tensor(rng.random((6, 70)) < 0.2)] = 0  # holes
+    x[mask == 0] = 1e3  # what a masked position holds must not matter
+    valid = mask.bool()
+    n = int(valid.sum())
+    x_valid = x[valid].numpy()
+    assert 150 < n < 300
+    for verl_mask in (mask, mask.bool()):  # attention_mask[:, -T:] (int64), and a bool mask alike
+        count, mean, var = E.whitening_moments(x, mask)
+        verl_mean, verl_var = masked_mean(x, verl_mask).item(), masked_var(x, verl_mask).item()
+        assert count == n
+        assert abs(mean - verl_mean) <= EPS64 * n * np.abs(x_valid).mean()
+        centered = np.abs(x_valid - verl_mean)
+        float64_sums = 4 * EPS64 * ((np.abs(x_valid) + abs(verl_mean)) * centered).sum() / (n - 1) + EPS64 * n * verl_var
+        assert abs(var - verl_var) <= 2**-24 * verl_var + float64_sums
+        expected = verl_masked_whiten(x, verl_mask)[valid].numpy()
+        tolerance = 2**-25 * np.abs(expected) + 16 * EPS64 * (np.abs(expected) + (np.abs(x_valid) + abs(verl_mean)) / math.sqrt(verl_var))
+        np.testing.assert_array_less(np.abs(E.masked_whiten(x, mask)[valid].numpy() - expected), tolerance)
+        # and the definitions' direct sums (tests/support/reference.py) say the same
+        np.testing.assert_array_less(np.abs(E.masked_whiten(x, mask)[valid].numpy() - ref.whiten(x, mask)[valid.numpy()]), tolerance)
+    # a float64 mask, which verl's trainer does not pass: there verl's masked_mean keeps the 1e-8
+    assert masked_mean(x, mask.double()).item() == pytest.approx(x_valid.sum() / (n + 1e-8), rel=4 * EPS64 * n, abs=0)
+    assert abs(masked_mean(x, mask.double()).item() - x_valid.sum() / n) > 1e-9
+
+
 # --------------------------------------------------------------------------- estimate(): options
 
 
@@ -272,7 +317,27 @@ def test_length_adaptive_lambda_by_hand():
     mask = torch.zeros(4, 1000, dtype=torch.int64)
     for row, length in enumerate([100, 1000, 10, 0]):
         mask[row, :length] = 1
-    torch.testing.assert_close(E.length_adaptive_lam(mask, 0.05), torch.tensor([0.8, 0.98, 0.0, 0.0]))
+    torch.testing.assert_close(E.length_adaptive_lam(mask, 0.05), torch.tensor([0.8, 0.98, 0.0, 0.0], dtype=torch.float64))
+
+
+def test_length_adaptive_lambda_in_float64_is_the_direct_sum_at_512_tokens():
+    """Float64 inputs get float64's precision: λ_b = 1 − 1/(α·L) and γ·λ_b were float32 (1e-6
+    from the direct float64 sum at L = 512). Tolerance: identity 8.3's rule (§8, Tolerances) with
+    float64's ε, 4ε·|expected| + ε·L·m, m the row's largest |r|, |V|, |A|."""
+    rng = np.random.default_rng(3)
+    length = 512
+    rewards, values = torch.tensor(rng.normal(size=(2, length))), torch.tensor(rng.normal(size=(2, length)))
+    mask = torch.ones(2, length, dtype=torch.int64)
+    mask[1, 400:] = 0
+    result = estimate(rewards, values, mask, "gae_ext", whiten_advantages=False, gamma=0.99, lam=0.9, lam_length_alpha=0.05)
+    assert result.advantage_raw.dtype == torch.float64
+    expected = ref.gae_advantages(rewards, values, mask, 0.99, 1 - 1 / (0.05 * np.array([512.0, 400.0])))
+    eps = float(np.finfo(np.float64).eps)
+    for row in range(2):
+        valid = mask[row].bool().numpy()
+        got, want = result.advantage_raw[row].numpy()[valid], expected[row][valid]
+        m = max(np.abs(rewards[row].numpy()[valid]).max(), np.abs(values[row].numpy()[valid]).max(), np.abs(want).max())
+        np.testing.assert_array_less(np.abs(got - want), 4 * eps * np.abs(want) + eps * valid.sum() * m)
 
 
 def test_length_adaptive_lambda_is_used_for_advantages_only():

@@ -155,20 +155,25 @@ def turn_gae(
 def length_adaptive_lam(mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """λ_b = clamp(1 − 1/(α·L_b), 0, 1), L_b the number of valid tokens (VAPO, arXiv 2504.05118).
 
-    mask (B, T) -> (B,) float32. A response with no valid token gets λ = 0.
+    mask (B, T) -> (B,) float64, whatever the rewards' dtype: the discount γ·λ_b is formed from it in
+    float64 and rounded once, to the dtype the discounted sum runs in (λ_b and γ·λ_b each rounded to
+    float32 were 1e-6 from the float64 formula at L = 512, for float64 inputs too). A response with
+    no valid token gets λ = 0.
     """
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
-    lengths = (mask != 0).sum(dim=1).to(torch.float32)
+    lengths = (mask != 0).sum(dim=1).to(torch.float64)
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(x − μ) / sqrt(σ² + 1e-8), μ and the unbiased σ² over the valid entries of the whole batch.
+    """(x − μ) / sqrt(σ² + 1e-8), μ = Σx/n and σ² = Σ(x − μ)²/(n − 1) over the n valid entries of
+    the whole batch.
 
-    x, mask: (B, T) -> (B, T). The formula of verl's ``verl.utils.torch_functional.masked_whiten``,
-    with its errors for fewer than two valid entries; the moments are accumulated in float64, so
-    results agree with verl's to float32 rounding.
+    x, mask: (B, T) -> (B, T). What verl's ``verl.utils.torch_functional.masked_whiten`` computes with
+    verl's integer response mask (:data:`verl_ext.kernels.WHITEN_EPS` says why its 1e-8 in the means'
+    count vanishes), with its errors for fewer than two valid entries; the moments are accumulated
+    in float64, so results agree with verl's to float32 rounding.
     """
     count, mean, m2 = masked_moments(x, mask)
     if count == 0:

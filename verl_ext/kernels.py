@@ -302,7 +302,10 @@ def scaled(x: torch.Tensor, shift: float, scale: float) -> torch.Tensor:
     return out
 
 
-#: The ε of verl's ``masked_whiten`` (verl.utils.torch_functional), in σ and in the mean's count.
+#: The ε of verl's ``masked_whiten`` (verl.utils.torch_functional), in sqrt(σ² + ε). Its masked means
+#: divide by mask.sum() + 1e-8 too, but verl's response mask is an integer tensor, and that sum plus
+#: 1e-8 is a float32 number, n exactly (1e-8 is below half of float32's spacing at any n ≥ 1): μ is
+#: Σx/n, σ² is Σ(x − μ)²/(n − 1) (docs/definitions.md#6-whitening-and-why-it-comes-after-the-returns).
 WHITEN_EPS = 1e-8
 
 

@@ -141,7 +141,8 @@ def turn_gae_advantages(rewards, values, mask, gamma, lam):
 
 
 def whiten(x, mask):
-    """(x - mean) / sqrt(var + 1e-8) with the unbiased variance over all valid entries."""
+    """(x − μ) / sqrt(σ² + 1e-8) over all valid entries, as docs/definitions.md §6 writes verl's
+    masked_whiten with verl's integer response mask: μ = Σx/n, σ² = Σ(x − μ)²/(n − 1)."""
     x = np.asarray(x, dtype=np.float64)
     sel = x[np.asarray(mask) != 0]
     return (x - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8)

@@ -188,8 +188,8 @@ def test_prompt_table_without_mask_or_without_prompts():
 def numpy_whiten_stats(x: np.ndarray, valid: np.ndarray) -> tuple[float, float]:
     values = x[valid].astype(np.float64)
     n = values.size
-    mean = values.sum() / (n + 1e-8)
-    return mean, ((values - mean) ** 2).sum() / (n + 1e-8) * n / (n - 1)
+    mean = values.sum() / n  # verl's masked_whiten with its integer mask (docs/definitions.md §6)
+    return mean, ((values - mean) ** 2).sum() / (n - 1)
 
 
 def test_whiten_stats_follow_masked_whiten():

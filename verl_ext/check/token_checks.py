@@ -460,12 +460,11 @@ class TokenStep:
 
 
 def _whitening_stats(x: np.ndarray) -> tuple[float, float]:
-    """verl's masked_whiten statistics: μ = Σx/(n+ε), σ² = Σ(x−μ)²/(n+ε)·n/(n−1), ε = WHITEN_EPS."""
-    from verl_ext.kernels import WHITEN_EPS
-
+    """verl's masked_whiten statistics with verl's integer response mask: μ = Σx/n, σ² = Σ(x−μ)²/(n−1)
+    (the 1e-8 verl adds to the means' count vanishes there: :data:`verl_ext.kernels.WHITEN_EPS`)."""
     n = len(x)
-    mean = float(x.sum() / (n + WHITEN_EPS))
-    var = float(np.square(x - mean).sum() / (n + WHITEN_EPS) * (n / (n - 1)))
+    mean = float(x.sum() / n)
+    var = float(np.square(x - mean).sum() / (n - 1))
     return mean, var
 
 
