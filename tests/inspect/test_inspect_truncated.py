@@ -13,6 +13,8 @@ limit. Every expected number is a hand calculation, written beside it (γ = 0.9,
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -21,7 +23,8 @@ import torch
 from tests.inspect.inspect_helpers import algorithm
 from verl_ext import registry
 from verl_ext.inspect import compare, summarize
-from verl_ext.steps.cuts import StepCuts, reestimate
+from verl_ext.steps.as_run import as_run
+from verl_ext.steps.cuts import StepCuts
 from verl_ext.steps.layout import StepData, StepLayout
 from verl_ext.steps.recorded import RecordedAlgorithm
 
@@ -93,24 +96,32 @@ def step_data(directory) -> tuple[StepData, RecordedAlgorithm]:
 
 def test_each_treatment_against_the_hand_calculation(tmp_path):
     """bootstrap from a prompt table that holds V(s_L) (the recorded ``bootstrap_value``, 0.8 for the cut
-    response, null elsewhere), terminal and mask from the trace's own flags."""
+    response, null elsewhere), terminal and mask from the trace's own flags; the whitening as the run's
+    (gae_ext whitens): over every valid token, under mask over the responses not cut, 0 on the cut one."""
     data, run = step_data(tmp_path / "t")
     prompts = pa.table({"sample": pa.array([0, 1, 2], pa.int32()), "truncated": [True, False, False],
                         "bootstrap_value": pa.array([0.8, None, None], pa.float32())})  # fmt: skip
     cuts = StepCuts.of(prompts, data.layout)
     assert cuts.cut.tolist() == [True, False, False] and cuts.why_not("bootstrap") is None
-    terminal = reestimate(data, run.estimator, run.settings, cuts, "terminal")
+    terminal = as_run(data, run, cuts, mode="terminal")
     np.testing.assert_allclose(terminal.advantage_raw, TERMINAL, atol=TOL)
-    without_cuts = reestimate(data, run.estimator, run.settings, None, "mask")  # no cuts known: every response ended
-    np.testing.assert_allclose(without_cuts.advantages, TERMINAL, atol=TOL)
     np.testing.assert_allclose(terminal.returns[CUT], TERMINAL_RETURNS_CUT, atol=TOL)
-    bootstrap = reestimate(data, run.estimator, run.settings, cuts, "bootstrap")
-    np.testing.assert_allclose(bootstrap.advantages[CUT], BOOTSTRAP_CUT, atol=TOL)
+    np.testing.assert_allclose(terminal.advantages, whiten(np.array(TERMINAL)), atol=TOL)
+    assert terminal.whitening.mean == pytest.approx(np.mean(TERMINAL), abs=TOL) and terminal.notes == ()
+    # a masking run whose step does not say which responses were cut: every response ended, said in a note
+    without_cuts = as_run(data, dataclasses.replace(run, truncation="mask"), None)
+    np.testing.assert_allclose(without_cuts.before_whitening, TERMINAL, atol=TOL)
+    assert without_cuts.mode == "terminal" and without_cuts.notes[0].startswith("re-estimated as terminal:")
+    bootstrap = as_run(data, run, cuts, mode="bootstrap")
+    np.testing.assert_allclose(bootstrap.before_whitening[CUT], BOOTSTRAP_CUT, atol=TOL)
     np.testing.assert_allclose(bootstrap.returns[CUT], BOOTSTRAP_RETURNS_CUT, atol=TOL)
-    np.testing.assert_allclose(bootstrap.advantages[~CUT], TERMINAL[3:], atol=TOL)  # only the cut response moves
-    masked = reestimate(data, run.estimator, run.settings, cuts, "mask")
-    np.testing.assert_allclose(masked.advantages, [0, 0, 0, *TERMINAL[3:]], atol=TOL)
+    np.testing.assert_allclose(bootstrap.before_whitening[~CUT], TERMINAL[3:], atol=TOL)  # only the cut response moves
+    masked = as_run(data, run, cuts, mode="mask")
+    np.testing.assert_allclose(masked.advantage_raw, TERMINAL, atol=TOL)  # the estimator's output is terminal's
+    np.testing.assert_allclose(masked.before_whitening, [0, 0, 0, *TERMINAL[3:]], atol=TOL)
     np.testing.assert_allclose(masked.returns[CUT], TERMINAL_RETURNS_CUT, atol=TOL)  # the critic's target is terminal's
+    np.testing.assert_allclose(masked.advantages, [0, 0, 0, *whiten(np.array(TERMINAL[3:]))], atol=TOL)
+    assert masked.whitening.tokens.tolist() == (~CUT).tolist()
 
 
 def test_a_trace_without_the_recorded_value_cannot_bootstrap(tmp_path):
@@ -118,7 +129,11 @@ def test_a_trace_without_the_recorded_value_cannot_bootstrap(tmp_path):
     cuts = StepCuts.of(pa.table({"sample": pa.array([0, 1, 2], pa.int32()), "truncated": [True, False, False]}), data.layout)
     assert "bootstrap_value" in cuts.why_not("bootstrap") and cuts.why_not("mask") is None
     with pytest.raises(ValueError, match="truncation=bootstrap cannot be recomputed"):
-        reestimate(data, run.estimator, run.settings, cuts, "bootstrap")
+        as_run(data, run, cuts, mode="bootstrap")
+    # the run's own treatment falls back to terminal, and says why
+    fallback = as_run(data, dataclasses.replace(run, truncation="bootstrap"), cuts)
+    np.testing.assert_allclose(fallback.before_whitening, TERMINAL, atol=TOL)
+    assert "bootstrap_value" in fallback.notes[0]
     no_flags = StepCuts.of(pa.table({"sample": pa.array([0, 1, 2], pa.int32()), "truncated": pa.nulls(3, pa.bool_())}), data.layout)
     assert not no_flags.recorded and "no truncated flags" in no_flags.why_not("mask")
 

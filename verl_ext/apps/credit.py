@@ -28,6 +28,8 @@ import numpy as np
 
 from verl_ext.inspect.comparison import DEFAULT_N, step_estimates
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
+from verl_ext.steps.as_run import as_run
+from verl_ext.steps.cuts import StepCuts
 from verl_ext.steps.layout import LAYOUT_COLUMNS, StepData
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.tasks import DEFAULT_TASK, get_task
@@ -94,7 +96,8 @@ def step_credit(trace, step: int, labels: tuple[str, ...] = (), task: str = DEFA
         ev_after, ev_before = explained_variance(values[after], returns[after]), explained_variance(values[before], returns[before])
     shares = {}
     if labels and data.columns["value"] is not None:  # without a critic there is nothing to re-estimate from
-        estimates, _ = step_estimates(data, algorithm, DEFAULT_N, (SIDE_BY_SIDE_LAMBDA,), labels)
+        cuts = StepCuts.read(trace, step, layout)
+        estimates, _ = step_estimates(data, algorithm, DEFAULT_N, (SIDE_BY_SIDE_LAMBDA,), labels, cuts)
         shares = {label: _share(np.abs(raw), at_verdict) for label, raw in estimates.items()}
     call_rate = decision_share = None
     if "call" in tokens:
@@ -200,7 +203,6 @@ def turn_advantages(trace, step: int, task: str) -> TurnAdvantages:
     """The step's raw advantages under each estimator of :data:`TURN_CREDIT_ESTIMATORS` (ValueError
     without recorded values: the critic's estimators need them)."""
     from verl_ext import registry
-    from verl_ext.steps.cuts import reestimate
 
     table = trace.read_step(step, [*LAYOUT_COLUMNS, "token_id", "turn", "reward", "value"])
     data = StepData.from_table(step, table, ("reward", "value"))
@@ -212,6 +214,7 @@ def turn_advantages(trace, step: int, task: str) -> TurnAdvantages:
     tokens = _decision_token_ids(task)
     verdict_of_token, _ = _verdicts(token_ids, token_index, layout, tokens["mark"], tokens["eos"])
     algorithm = RecordedAlgorithm.from_record(trace.record)
+    cuts = StepCuts.read(trace, step, layout)
     by_estimator = {}
     for label, (name, options) in TURN_CREDIT_ESTIMATORS.items():
         if options is None:
@@ -224,7 +227,7 @@ def turn_advantages(trace, step: int, task: str) -> TurnAdvantages:
             settings = estimator.settings({**options, "gamma": algorithm.gamma})
         if name == "turn_gae":
             label = f"turn_gae λ={settings['lam']:g}"
-        by_estimator[label] = reestimate(data, estimator, settings).advantages
+        by_estimator[label] = as_run(data, algorithm, cuts, estimator, settings).before_whitening
     return TurnAdvantages(
         sample=layout.sample_ids[layout.valid_sample_index()],
         token_index=token_index,

@@ -294,13 +294,11 @@ def _first_difference(rows: pa.Table, columns: Mapping[str, np.ndarray], setting
 def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.Table) -> tuple[pa.Table, dict | None, np.ndarray]:
     """The step's token table with ``algorithm``'s returns and advantages (raw, then whitened as the
     run whitened, over the step's valid tokens), its whitening statistics, and the advantages at
-    ``rows``. Re-estimated by the checker's function (verl_ext.steps.cuts.reestimate)."""
+    ``rows``, made as the run made its own (:func:`verl_ext.steps.as_run.as_run`)."""
     from types import SimpleNamespace
 
-    import torch
-
-    from verl_ext import estimators
-    from verl_ext.steps.cuts import StepCuts, reestimate, whitened
+    from verl_ext.steps.as_run import as_run
+    from verl_ext.steps.cuts import StepCuts
     from verl_ext.steps.layout import LAYOUT_COLUMNS, StepData, join_keys, locate
     from verl_ext.steps.recorded import RecordedAlgorithm
 
@@ -320,22 +318,15 @@ def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.
     if recorded.estimator.needs_critic and table["value"].filter(table["mask"]).null_count:
         raise ReplayError(f"algorithm.adv_estimator={recorded.name} needs the critic's values, and step {step} has none (a critic-free run)")
     data = StepData.from_table(step, table, [*LAYOUT_COLUMNS, "reward", "value"])
-    cuts = StepCuts.read(trace, step, data.layout)
-    mode = recorded.truncation
     try:
-        treated = reestimate(data, recorded.estimator, recorded.settings, cuts, mode)
+        treated = as_run(data, recorded, StepCuts.read(trace, step, data.layout), mode=recorded.truncation)
     except ValueError as error:
         raise ReplayError(str(error)) from None
     advantages, whiten = treated.advantages, None
-    if recorded.whitened:
-        # the tokens whitening leaves out: the cut responses' under truncation=mask (as the run's masked_whiten)
-        left_out = cuts.at_tokens(data.layout) if mode == "mask" and cuts.cut is not None else np.zeros(len(advantages), bool)
-        white = whitened(advantages, left_out, mode)
-        if white is None:
+    if treated.whitened_tokens is not None:
+        if treated.whitening is None:
             raise ReplayError(f"step {step}: fewer than two tokens to whiten the advantages over")
-        _, mean, var = estimators.whitening_moments(torch.from_numpy(advantages)[None], torch.from_numpy(~left_out)[None])
-        whiten = {"mean": mean, "var": var}
-        advantages = white
+        whiten = treated.whitening.statistics()
     valid = data.layout.valid_rows
     columns = {"advantage_raw": treated.advantage_raw, "advantage": advantages, "return": treated.returns}
     for name, values in columns.items():

@@ -17,9 +17,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import pyarrow.compute as pc
 
-from verl_ext.steps.cuts import SECTION as TRUNCATION_SECTION
-from verl_ext.steps.cuts import STOPPED_AT_LENGTH, StepCuts, reestimate
 from verl_ext.check.results import ATOL, DTYPE_EPS, ELEMENTWISE, EPS32, Finding, Location, Tolerance, Violation, compare, skipped, unchecked
+from verl_ext.steps.as_run import as_run
+from verl_ext.steps.cuts import SECTION as TRUNCATION_SECTION
+from verl_ext.steps.cuts import STOPPED_AT_LENGTH, StepCuts
 from verl_ext.steps.layout import StepData, floats
 from verl_ext.steps.recorded import RecordedAlgorithm, step_beta
 from verl_ext.torch_threads import one_torch_thread
@@ -71,11 +72,10 @@ def recompute(algorithm: RecordedAlgorithm, data: StepData, cuts: StepCuts | Non
 def _recompute_groups(algorithm: RecordedAlgorithm, data: StepData, cuts: StepCuts | None) -> Recomputed:
     layout = data.layout
     reward, value = data.columns["reward"], data.columns["value"]
-    # the run's treatment where the step says what it needs (a bootstrap that cannot is never recomputed:
-    # TokenStep; a mask without cut flags has the terminal returns and raw advantages)
-    usable = cuts if cuts is not None and cuts.why_not(algorithm.truncation) is None else None
-    treated = reestimate(data, algorithm.estimator, algorithm.settings, usable, algorithm.truncation)
-    returns, raw = treated.returns, treated.advantage_raw
+    # as the run made them (a bootstrap the step cannot give is never recomputed: TokenStep; a mask
+    # without cut flags has the terminal returns and raw advantages, which are the mask's)
+    estimate = as_run(data, algorithm, cuts)
+    returns, raw = estimate.returns, estimate.advantage_raw
     # tolerances: the largest magnitude in each row (inputs and outputs) and the terms summed per row
     magnitude = np.maximum(np.abs(returns), np.abs(raw))
     for column in (reward, value):

@@ -34,11 +34,12 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import UsageError
-from verl_ext.steps.cuts import SECTION, StepCuts, reestimate, whitened
-from verl_ext.steps.layout import StepData, StepLayout, as_trace
-from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.inspect.render import render
 from verl_ext.step_metrics import prompt_groups
+from verl_ext.steps.as_run import as_run
+from verl_ext.steps.cuts import SECTION, StepCuts
+from verl_ext.steps.layout import StepData, StepLayout, as_trace
+from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.trace.reader import listing
 from verl_ext.truncation import TRUNCATION_MODES
 
@@ -237,14 +238,13 @@ def treatment_comparison(data: StepData, algorithm: RecordedAlgorithm, cuts: Ste
         return TreatmentComparison(None, None, cut_samples, [f"truncated responses are not compared: {algorithm.why_not}"])
     on_cut = cuts.at_tokens(layout)
     notes, rows, by_token = [], [], {}
-    whitens = bool(algorithm.settings["whiten_advantages"])
     for mode in TRUNCATION_MODES:
         problem = cuts.why_not(mode)
         if problem:
             notes.append(f"truncation={mode} is not compared: {problem}")
             continue
-        treated = reestimate(data, algorithm.estimator, algorithm.settings, cuts, mode)
-        advantages = treated.advantages
+        treated = as_run(data, algorithm, cuts, mode=mode)
+        advantages = treated.before_whitening
         total = np.abs(advantages).sum()
         row = {
             "treatment": mode,
@@ -252,8 +252,8 @@ def treatment_comparison(data: StepData, algorithm: RecordedAlgorithm, cuts: Ste
             "cut_mean_adv": float(advantages[on_cut].mean()),
             "cut_share_abs": float(np.abs(advantages[on_cut]).sum() / total) if total > 0 else None,
         }
-        if whitens:
-            white = whitened(treated.advantage_raw, on_cut, mode)
+        if treated.whitened_tokens is not None:
+            white = None if treated.whitening is None else treated.advantages
             row["cut_adv_whitened"] = None if white is None else float(white[on_cut].mean())
             row["rest_adv_whitened"] = None if white is None or on_cut.all() else float(white[~on_cut].mean())
         rows.append(row)
@@ -275,35 +275,22 @@ def step_estimates(
     lambdas: tuple[float, ...] = DEFAULT_LAMBDAS,
     labels: tuple[str, ...] | None = None,
     cuts: StepCuts | None = None,
-    mode: str = "terminal",
+    mode: str | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """label -> raw advantage (float64) at the valid tokens of ``data`` (which holds ``reward`` and
-    ``value``), one entry per estimator of :func:`estimator_columns`, or per one of ``labels`` in
-    that order (ValueError for a label that is not a column); and notes on what was left out. Cut
-    responses (``cuts``, of ``data``'s layout) are treated as ``mode`` says (without ``cuts``: terminal)."""
+    """label -> advantage before whitening (float64) at the valid tokens of ``data`` (which holds
+    ``reward`` and ``value``), one entry per estimator of :func:`estimator_columns`, or per one of
+    ``labels`` in that order (ValueError for a label that is not a column); and notes on what was left
+    out. Each estimator as the run would have trained on it (:func:`verl_ext.steps.as_run.as_run`): cut
+    responses (``cuts``, of ``data``'s layout) treated as the run did, or as ``mode`` says."""
     columns, notes = estimator_columns(algorithm, n, tuple(lambdas))
     if labels is not None:
         unknown = [label for label in labels if label not in columns]
         if unknown:
             raise ValueError(f"no estimator column {', '.join(unknown)} at λ = {lambdas}; columns: {', '.join(columns)}")
         columns = {label: columns[label] for label in labels}
-    # the advantage before whitening: under ``mask`` a cut response's is 0, not its raw advantage
-    return {label: reestimate(data, estimator, settings, cuts, mode).advantages for label, (estimator, settings) in columns.items()}, notes
-
-
-def estimates_as_run(data: StepData, algorithm: RecordedAlgorithm, prompts: pa.Table) -> tuple[dict[str, np.ndarray], list[str]]:
-    """:func:`step_estimates` with the step's cut responses treated as the run treated them when it
-    made its raw advantages: a bootstrap run's from their recorded V(s_L) (as terminal, with a note,
-    where the trace cannot say it), any other run's as terminal, since ``mask`` changes what the actor
-    trains on, not the raw advantage. ``prompts``: the step's prompt table."""
-    if algorithm.truncation != "bootstrap":
-        return step_estimates(data, algorithm)
-    cuts = StepCuts.of(prompts, data.layout)
-    problem = cuts.why_not("bootstrap")
-    if problem:
-        raw, notes = step_estimates(data, algorithm)
-        return raw, [*notes, f"re-estimated as terminal: {problem}"]
-    return step_estimates(data, algorithm, cuts=cuts, mode="bootstrap")
+    estimates = {label: as_run(data, algorithm, cuts, estimator, settings, mode) for label, (estimator, settings) in columns.items()}
+    notes += dict.fromkeys(note for estimate in estimates.values() for note in estimate.notes)  # the same for every column
+    return {label: estimate.before_whitening for label, estimate in estimates.items()}, notes
 
 
 def estimator_statistics(raw: dict[str, np.ndarray], uid: np.ndarray, sample_ids: np.ndarray) -> tuple[pa.Table, list[str]]:

@@ -1,24 +1,20 @@
-"""The responses of a traced step that were cut at the length limit, V(s_L) where the run kept it,
-and the estimators re-run under each treatment of ``algorithm.truncation``
+"""The responses of a traced step that were cut at the length limit, and V(s_L) where the run kept it
 (docs/definitions.md#truncated-responses).
 
 The prompt table says which responses were cut (``truncated``), for a run that bootstrapped the
 critic's value after each cut response's last token (``bootstrap_value``, null elsewhere), and, where
 the rollout engine said it (verl's vLLM rollout), why the engine ended each response (``stop_reason``).
-:class:`StepCuts` aligns both with a step's :class:`~verl_ext.steps.layout.StepLayout`;
-:func:`reestimate` recomputes an estimator under one treatment (:meth:`StepData.estimate`, through
-:func:`verl_ext.registry.run`, the code path of training): the one re-estimation of a step that the
-checker, the comparison and the view share (each asks for the treatment it shows).
+:class:`StepCuts` aligns both with a step's :class:`~verl_ext.steps.layout.StepLayout`; what each treatment
+of ``algorithm.truncation`` makes of them is :mod:`verl_ext.steps.as_run`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 import numpy as np
 
-from verl_ext.steps.layout import StepData, StepLayout, floats
+from verl_ext.steps.layout import StepLayout, floats
 
 #: The prompt table's columns read here.
 CUT_COLUMN = "truncated"
@@ -103,46 +99,6 @@ class StepCuts:
             values = np.zeros(len(samples)) if self.bootstrap_value is None else self.bootstrap_value[samples]
             bootstrap = torch.from_numpy(np.where(np.isfinite(values), values, 0.0))
         return Truncation(mode, cut, bootstrap)
-
-
-@dataclass(frozen=True)
-class Treated:
-    """An estimator under one treatment at a step's valid tokens (float64): the critic's target, the
-    raw advantage, and the advantage before whitening the actor would get (0 on cut rows under ``mask``)."""
-
-    returns: np.ndarray
-    advantage_raw: np.ndarray
-    advantages: np.ndarray
-
-
-def reestimate(data: StepData, estimator, settings: Mapping[str, Any], cuts: StepCuts | None = None, mode: str = "terminal") -> Treated:
-    """``estimator`` recomputed from ``data``'s reward and value with cut responses treated as ``mode``;
-    ``terminal``, or no ``cuts``: every response as if it ended (ValueError, with
-    :meth:`StepCuts.why_not`'s reason, when ``cuts`` cannot say what ``mode`` needs)."""
-    if cuts is None or mode == "terminal":
-        returns, raw = data.estimate(estimator, settings)
-        return Treated(returns, raw, raw)
-    problem = cuts.why_not(mode)
-    if problem:
-        raise ValueError(f"truncation={mode} cannot be recomputed: {problem}")
-    returns, raw = data.estimate(estimator, settings, lambda samples: cuts.truncation(mode, samples))
-    # Truncation.advantages before whitening: under mask, 0 on every token of a cut response
-    advantages = np.where(cuts.at_tokens(data.layout), 0.0, raw) if mode == "mask" else raw
-    return Treated(returns, raw, advantages)
-
-
-def whitened(advantages: np.ndarray, cut_tokens: np.ndarray, mode: str) -> np.ndarray | None:
-    """The step's advantages whitened over its valid tokens as ``mode`` says (cut tokens left out of
-    the statistics and 0 after under ``mask``); None with fewer than two tokens in the statistics."""
-    import torch
-
-    from verl_ext import estimators
-
-    keep = ~cut_tokens if mode == "mask" else np.ones(len(advantages), bool)
-    if keep.sum() < 2:
-        return None
-    white = estimators.masked_whiten(torch.from_numpy(advantages)[None], torch.from_numpy(keep.astype(np.float64))[None])[0].numpy()
-    return np.where(keep, white, 0.0)
 
 
 def last_step_with_cuts(trace) -> int | None:

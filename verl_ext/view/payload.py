@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 from verl_ext.errors import UsageError
 from verl_ext.inspect import summary as summary_module
 from verl_ext.inspect.summary import sample_flags, whitening
-from verl_ext.steps.cuts import BOOTSTRAP_COLUMN
+from verl_ext.steps.cuts import BOOTSTRAP_COLUMN, StepCuts
 from verl_ext.steps.layout import StepData, StepLayout, floats, join_keys, locate
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.steps.update_rows import UpdateRows
@@ -412,11 +412,12 @@ class StepSource:
         return self._estimates
 
     def _estimate(self, table: pa.Table, layout: StepLayout | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
-        from verl_ext.inspect.comparison import estimates_as_run
+        from verl_ext.inspect.comparison import step_estimates
 
         if "reward" not in self.present or "value" not in self.present:
             return {}, ["no rewards or values to re-estimate from (a run without a critic?)"]
-        return estimates_as_run(StepData.from_table(self.step, table, ("reward", "value"), layout), self.algorithm, self._prompts)
+        data = StepData.from_table(self.step, table, ("reward", "value"), layout)
+        return step_estimates(data, self.algorithm, cuts=StepCuts.of(self._prompts, data.layout))
 
     def _chunk_estimates(self, rows: np.ndarray, part: pa.Table) -> dict[str, np.ndarray]:
         """The raw advantages at the chunk's rows (NaN at masked rows): from the step's, once they
