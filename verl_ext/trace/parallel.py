@@ -7,7 +7,7 @@ about 420 bytes per token row of its largest step) on top of the libraries it im
 with torch; docs/performance.md#many-steps-at-once). :func:`map_steps` yields (step, value) in the
 order of ``steps``, whatever order the workers finish in, so a command's output is the serial run's. A step whose file does not read comes back as
 its :class:`~verl_ext.errors.StepFileError` in place of the value. Ctrl-C stops every worker: worker
-processes are terminated, Ray tasks cancelled; a worker process that dies is a
+processes are terminated, Ray tasks cancelled; a worker process or Ray worker that dies is a
 :class:`~verl_ext.errors.WorkerLost`; worker processes end with a parent killed outright (Linux).
 """
 
@@ -189,12 +189,26 @@ def _on_ray(path: str, steps: Sequence[int], fn: StepFn, address: str) -> Iterat
             ray.init(address=None if address == "auto" else address, logging_level="ERROR", log_to_driver=False)
         except ConnectionError as error:
             raise UsageError(f"--ray: no Ray cluster at {address} ({error})") from None
-    task = ray.remote(_in_ray_task)  # one CPU each, Ray's default
-    pending = [task.remote(fn, path, step) for step in steps]
+    from ray.exceptions import LocalRayletDiedError, NodeDiedError, OutOfMemoryError, WorkerCrashedError
+
+    # One CPU each, Ray's default. Not retried: a step's function is deterministic, and a task whose
+    # worker died (killed, out of memory) would die again, three times by Ray's default, before the error.
+    task = ray.remote(max_retries=0)(_in_ray_task)
+    step_of = {}
+    for step in steps:
+        step_of[task.remote(fn, path, step)] = step
+    pending = list(step_of)
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            yield ray.get(ready[0])
+            try:
+                outcome = ray.get(ready[0])
+            except (WorkerCrashedError, OutOfMemoryError, NodeDiedError, LocalRayletDiedError) as error:
+                raise WorkerLost(
+                    f"a Ray worker ended before returning step {step_of[ready[0]]} ({type(error).__name__}: killed, e.g. "
+                    "out of memory: each holds one step, about 420 bytes per token row)"
+                ) from None
+            yield outcome
     except BaseException:
         for ref in pending:
             ray.cancel(ref, force=True)
