@@ -117,6 +117,23 @@ def test_any_v1_mode_with_several_updates_per_step_stops_when_traced(tmp_path):
     check_config(compose_config([*SEPARATE_ASYNC, "trainer.use_v1=false", trace]))
 
 
+@requires_verl("0.9.0", "no V1 trainer")
+def test_a_command_that_checks_the_overrides_first_says_the_refusal_with_one_prefix(tmp_path, assets, capsys):
+    """Issue 59: recipes/cpu_demo.sh's check of its overrides (verl_ext.apps.overrides, as the recipe runs it)
+    and the selftest print a refused config after their own prefix: it read "verl-ext: verl-ext: …"."""
+    from verl_ext.apps import overrides
+
+    sub_steps = ["trainer.v1.trainer_mode=colocate_async", "+trainer.v1.colocate_async.parameter_sync_step=2"]
+    with pytest.raises(SystemExit) as refused:
+        overrides.main(["--output-dir", str(tmp_path), "--v1", "--", *sub_steps, f"+verl_ext.trace.dir={tmp_path / 'trace'}"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (
+        "verl-ext: trainer.v1.trainer_mode=colocate_async runs 2 updates per step under one step number "
+        "(trainer.v1.colocate_async.parameter_sync_step=2) and the trace keeps one per step, so 1 of every 2 would be "
+        "missing from it: set trainer.v1.colocate_async.parameter_sync_step=1 or turn the trace off (remove verl_ext.trace.dir)\n"
+    )
+
+
 # --------------------------------------------------------------------------- trainers that run their own fit
 
 

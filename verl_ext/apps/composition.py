@@ -37,7 +37,9 @@ def checked_config(overrides: list[str], config_dir: str | os.PathLike | None = 
     try:
         check_config(config)
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        # the commands print a UsageError after their own prefix ("verl-ext: ", "verl-ext selftest: "); a
+        # message written for a run's traceback may carry verl-ext's: one prefix, not two
+        raise UsageError(str(error).removeprefix("verl-ext: ")) from None
     return config
 
 
