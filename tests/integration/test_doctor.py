@@ -9,11 +9,12 @@ import sys
 from packaging.version import Version
 
 from tests.integration.conftest import verl_version
+from tests.support.forkserver import real_python
 
 
-def doctor(env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def doctor(env_extra: dict | None = None, python: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "verl_ext.cli", "doctor"],
+        [python or sys.executable, "-m", "verl_ext.cli", "doctor"],
         capture_output=True, text=True, env={**os.environ, **(env_extra or {})}, timeout=300,
     )  # fmt: skip
 
@@ -21,7 +22,9 @@ def doctor(env_extra: dict | None = None) -> subprocess.CompletedProcess:
 def test_doctor_on_this_installation():
     # verl < 0.9 loads plugins only through VERL_USE_EXTERNAL_MODULES (the documented way there)
     plugins = {} if verl_version() >= Version("0.9.0") else {"VERL_USE_EXTERNAL_MODULES": "verl_ext"}
-    result = doctor({**plugins, "VERL_EXT_CPU": ""})  # the backend's switch off, as the lines below say
+    # the backend's switch off, as the lines below say; a real interpreter, as a user's shell starts it: the
+    # suite's fork server has imported vLLM already, whose first import prints an INFO line (issue 59)
+    result = doctor({**plugins, "VERL_EXT_CPU": ""}, real_python())
     assert result.returncode == 0, result.stdout
     lines = result.stdout.splitlines()
     assert lines[-1].endswith(" ok, 0 broken")
@@ -32,6 +35,8 @@ def test_doctor_on_this_installation():
         "gae_ext: registered",
         "critic.enable=null switches the critic on for: mc, td0, nstep, gae_ext",
         "fresh import verl  plugin loaded",
+        "ppo path           legacy trainer: every module imports: verl.trainer.main_ppo_v0, ",
+        "ppo path           V1 trainer: every module imports: ",
     ):
         assert any(expected in line for line in lines), expected
     import torch
@@ -47,6 +52,41 @@ def test_doctor_on_this_installation():
     assert "WARNING:" not in result.stderr and "UserWarning" not in result.stderr, result.stderr
     notes = [line for line in result.stderr.splitlines() if line.startswith("note: not shown: ")]
     assert len(notes) <= 1 and len(result.stderr.splitlines()) == len(notes), result.stderr
+
+
+def test_doctor_names_a_package_verl_imports_without_declaring_it_and_the_extra_that_brings_it():
+    """Issue 59: verl's rollout router imports cachetools, which verl does not declare; a venv with
+    verl and verl-ext alone lacked it, doctor said "0 broken" and the selftest failed on it. Here
+    cachetools cannot be imported (a ``None`` in ``sys.modules``, as for a package not installed)."""
+    blocked = "import sys\nsys.modules['cachetools'] = None\nfrom verl_ext.cli import main\nsys.exit(main(['doctor', '--no-subprocess']))"
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout
+    bad = [" ".join(line.split()) for line in result.stdout.splitlines() if line.startswith("BAD")]
+    hint = "verl needs cachetools without declaring it; verl-ext's verl-runtime extra brings it: pip install 'verl-ext[verl-runtime]'"
+    assert bad == [
+        f"BAD ppo path legacy trainer: verl.trainer.main_ppo_v0 imports cachetools, which is not installed: {hint}",
+        f"BAD ppo path V1 trainer: verl.trainer.ppo.v1 imports cachetools, which is not installed: {hint}",
+    ], result.stdout
+    assert result.stdout.splitlines()[-1].endswith(" ok, 2 broken")
+
+
+def test_the_extra_doctor_names_brings_the_packages_it_says():
+    """What doctor says to install (diagnosis.RUNTIME_IMPORTS) is setup.cfg's verl-runtime extra, and each
+    import name is its distribution's (the installed packages' own metadata)."""
+    import configparser
+    from importlib.metadata import packages_distributions
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    from verl_ext.integration.diagnosis import RUNTIME_EXTRA, RUNTIME_IMPORTS
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    extra = [Requirement(line).name for line in setup.get("options.extras_require", RUNTIME_EXTRA).splitlines() if line.strip()]
+    assert sorted(extra) == sorted(RUNTIME_IMPORTS.values())
+    provides = packages_distributions()
+    assert {name: provides[name][0] for name in RUNTIME_IMPORTS} == RUNTIME_IMPORTS
 
 
 def test_doctor_notices_that_a_fresh_import_verl_does_not_load_the_plugin():

@@ -5,7 +5,9 @@ would otherwise surface only at the first training step. :func:`diagnose` checks
 verl version against the supported range, the plugin in this process, every touch of verl listed
 in :mod:`verl_ext.touches` (its state here; for the CPU backend's touches when the backend is off,
 that their targets exist in this verl), the estimators in verl's registry, the critic rule, whether
-a fresh ``import verl`` loads the plugin on its own, and the CPU backend's switch.
+a fresh ``import verl`` loads the plugin on its own, whether the modules of verl's PPO path import
+(both trainers: verl imports packages there it does not declare, which verl-ext's ``verl-runtime``
+extra brings), and the CPU backend's switch.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def diagnose(fresh_import: bool = True):
         yield _touch_finding(touch, states.get(touch.name), verl.__version__)
     yield from _registry_findings()
     yield from _critic_findings()
+    yield from _ppo_path_findings()
     if fresh_import:
         yield _fresh_import_finding()
     gpus = _gpu_count()
@@ -68,6 +71,52 @@ def diagnose(fresh_import: bool = True):
     state = "on" if active else ("requested, not active" if requested else "off")
     hint = f": training on this machine needs it, {CPU_SWITCH}=1" if not gpus and not active and not requested else ""
     yield Finding(active or not requested, "cpu backend", f"{state} ({CPU_SWITCH}={os.environ.get(CPU_SWITCH, '')!r}){hint}")
+
+
+#: The modules ``python -m verl.trainer.main_ppo`` imports on its way to training, per trainer: the legacy
+#: trainer's task runner (main_ppo_v0), RayPPOTrainer, its workers, the rollout servers' manager and
+#: router, the agent and reward loops; the V1 trainer's main and trainers. Their imports reach every package
+#: verl 0.9.1 imports there without declaring it.
+PPO_PATH = {
+    "legacy trainer": (
+        "verl.trainer.main_ppo_v0", "verl.trainer.ppo.ray_trainer", "verl.workers.engine_workers",
+        "verl.workers.rollout.llm_server", "verl.experimental.agent_loop", "verl.experimental.reward_loop",
+    ),
+    "V1 trainer": ("verl.trainer.main_ppo", "verl.trainer.ppo.v1"),
+}  # fmt: skip
+
+#: The extra of verl-ext that brings what verl's PPO path imports without declaring it (setup.cfg).
+RUNTIME_EXTRA = "verl-runtime"
+#: Each import name of that extra's packages -> its distribution (tests/integration/test_doctor.py holds it
+#: to setup.cfg's extra and to the installed packages' metadata).
+RUNTIME_IMPORTS = {"cachetools": "cachetools", "uvicorn": "uvicorn", "fastapi": "fastapi", "transfer_queue": "TransferQueue"}
+
+
+def _ppo_path_findings():
+    """One finding per trainer: every module of its path imports, or the first that does not and why (a
+    missing package named with what installs it)."""
+    for trainer, modules in PPO_PATH.items():
+        problem = next(filter(None, map(_import_problem, modules)), None)
+        yield Finding(problem is None, "ppo path", f"{trainer}: {problem or 'every module imports: ' + ', '.join(modules)}")
+
+
+def _import_problem(module: str) -> str | None:
+    """Why ``module`` does not import here; None when it does."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if not missing or missing == module.split(".")[0]:
+            return f"{module} does not import: {one_line(error)}"
+        if missing in RUNTIME_IMPORTS:
+            return (
+                f"{module} imports {missing}, which is not installed: verl needs {RUNTIME_IMPORTS[missing]} without "
+                f"declaring it; verl-ext's {RUNTIME_EXTRA} extra brings it: pip install 'verl-ext[{RUNTIME_EXTRA}]'"
+            )
+        return f"{module} imports {missing}, which is not installed: install the package that provides it"
+    except Exception as error:  # noqa: BLE001 - any failure of verl's import is this finding
+        return f"{module} does not import: {type(error).__name__}: {one_line(error)}"
+    return None
 
 
 def _gpu_count() -> int:
@@ -86,12 +135,16 @@ def _gpu_finding(gpus: int) -> Finding:
     return Finding(True, "gpu", f"{gpus} CUDA device(s): {', '.join(names)}")
 
 
+#: Read by vLLM when first imported: whether it gives its logger a handler of its own.
+_VLLM_CONFIGURE_LOGGING = "VLLM_CONFIGURE_LOGGING"
+
+
 @contextlib.contextmanager
 def verl_noise() -> Iterator[list[str]]:
     """Collects, instead of printing, what importing verl says on a machine it was not set up for
-    (no accelerator found, optional engines such as megatron not installed): Python warnings and
-    the log records of verl's loggers. Yields the list of their sources (module or logger names),
-    filled when the block ends."""
+    (no accelerator found, optional engines such as megatron not installed, vLLM's "Triton not
+    installed"): Python warnings and the log records of verl's and vLLM's loggers. Yields the list of
+    their sources (module or logger names), filled when the block ends."""
     sources: list[str] = []
     records: list[logging.LogRecord] = []
 
@@ -99,17 +152,30 @@ def verl_noise() -> Iterator[list[str]]:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(record)
 
-    verl_logger = logging.getLogger("verl")
-    handler, propagate = Collect(logging.WARNING), verl_logger.propagate
-    verl_logger.addHandler(handler)
-    verl_logger.propagate = False
+    handler = Collect(logging.WARNING)
+    loggers = [logging.getLogger(name) for name in ("verl", "vllm")]
+    propagates = [each.propagate for each in loggers]
+    # vLLM, when first imported, gives its logger a handler of its own that prints from INFO on (the
+    # INFO line "Triton not installed or not compatible" on a machine without a GPU); unconfigured, its
+    # records reach the handler here, which keeps warnings and drops the rest
+    configure_vllm = os.environ.get(_VLLM_CONFIGURE_LOGGING)
+    if "vllm" not in sys.modules:
+        os.environ[_VLLM_CONFIGURE_LOGGING] = "0"
+    for each in loggers:
+        each.addHandler(handler)
+        each.propagate = False
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield sources
     finally:
-        verl_logger.removeHandler(handler)
-        verl_logger.propagate = propagate
+        for each, propagate in zip(loggers, propagates):
+            each.removeHandler(handler)
+            each.propagate = propagate
+        if configure_vllm is None:
+            os.environ.pop(_VLLM_CONFIGURE_LOGGING, None)
+        else:
+            os.environ[_VLLM_CONFIGURE_LOGGING] = configure_vllm
     sources += [record.name for record in records]
     for warning in caught:
         module = _module_of(warning.filename)
