@@ -175,12 +175,17 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     count vanishes), with its errors for fewer than two valid entries; the moments are accumulated
     in float64, so results agree with verl's to float32 rounding.
     """
+    return whitened_with_moments(x, mask)[0]
+
+
+def whitened_with_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    """(:func:`masked_whiten`'s result, μ, σ²): the statistics it whitened with, computed once."""
     count, mean, m2 = masked_moments(x, mask)
     if count == 0:
         raise ValueError("At least one element in the mask has to be 1.")
     if count == 1:
         raise ValueError("The sum of the mask is one, which can cause a division by zero.")
-    return scaled(x, mean, inverse_std(m2, count))
+    return scaled(x, mean, inverse_std(m2, count)), mean, m2 / (count - 1)
 
 
 def whitening_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[int, float, float]:

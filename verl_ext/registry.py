@@ -137,11 +137,13 @@ class MissingCriticValues(ValueError):
 @dataclass(frozen=True)
 class Estimate:
     """What an estimator produces, all (B, T): the critic's target, the raw advantage, and the
-    advantage the actor trains on (whitened when ``whiten_advantages`` is on)."""
+    advantage the actor trains on (whitened when ``whiten_advantages`` is on); and ``whitening``, the
+    statistics it was whitened with, {"mean": μ, "var": σ²} (None when it was not)."""
 
     returns: torch.Tensor
     advantage_raw: torch.Tensor
     advantages: torch.Tensor
+    whitening: dict[str, float] | None = None
 
 
 _ESTIMATORS: dict[str, Estimator] = {}
@@ -305,11 +307,14 @@ def run(
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"estimator {estimator.name!r} returned {label} of shape {shape}, expected {tuple(rewards.shape)}")
     whitened = settings["whiten_advantages"] if whiten is None else whiten
-    if truncation is None:
-        return Estimate(returns, raw, estimators.masked_whiten(raw, response_mask) if whitened else raw)
-    if whitened:
-        return Estimate(returns, raw, truncation.whiten(raw, response_mask, estimators.masked_whiten))
-    return Estimate(returns, raw, truncation.advantages(raw))
+    if not whitened:
+        return Estimate(returns, raw, raw if truncation is None else truncation.advantages(raw))
+    kept = response_mask if truncation is None else truncation.whitened_mask(response_mask)
+    if truncation is not None and truncation.mode == "mask" and int((kept != 0).sum()) < 2:
+        return Estimate(returns, raw, torch.zeros_like(raw))  # no statistics, no advantage (Truncation.whiten)
+    advantages, mean, var = estimators.whitened_with_moments(raw, kept)
+    advantages = advantages if truncation is None else truncation.advantages(advantages)
+    return Estimate(returns, raw, advantages, {"mean": mean, "var": var})
 
 
 def whitening_statistics(raw: torch.Tensor | None, response_mask: torch.Tensor, truncation: Truncation | None = None) -> dict[str, float] | None:

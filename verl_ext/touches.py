@@ -94,8 +94,15 @@ PLUGIN_TOUCHES = (
     ),
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "apply_kl_penalty", "plugin",
-        why="the trace records kld_t and the β actually applied at each step; verl keeps neither",
+        why="the trace records kld_t and the β actually applied at each step; verl keeps neither: on a traced step "
+        "the kld_t that verl's kl_penalty returns inside this call, and β read before the controller updates",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_apply_kl_penalty",
+    ),
+    Touch(
+        "patch", "verl.trainer.ppo.core_algos", "kl_penalty", "plugin",
+        why="the kld_t of a traced step is the one verl computed, not a second computation: inside apply_kl_penalty "
+        "on a traced step, the value it returns is kept for the trace; everywhere else it passes through untouched",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_kl_penalty",
     ),
     Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.fit", "plugin",

@@ -59,7 +59,7 @@ def config_of(compose, estimator, truncation, *overrides):
 
 
 def legacy_run(compose, estimator, truncation, tensors=None, *overrides):
-    """One legacy advantage step; returns (the batch after, the Step)."""
+    """One legacy advantage step; returns (the batch after, what the step estimated: step.Estimated)."""
     from verl.trainer.ppo import ray_trainer
 
     from verl_ext.integration import step
@@ -68,7 +68,7 @@ def legacy_run(compose, estimator, truncation, tensors=None, *overrides):
     tensors = make_batch() if tensors is None else tensors
     trainer = SimpleNamespace(config=config, global_steps=STEP, batch=data_proto(tensors), tokenizer=SimpleNamespace(eos_token_id=EOS))
     seen = {}
-    advantage = step.Step.advantage
+    advantage = step.advantage
 
     def legacy_fit(self):
         algorithm = self.config.algorithm
@@ -77,12 +77,12 @@ def legacy_run(compose, estimator, truncation, tensors=None, *overrides):
             num_repeat=2, norm_adv_by_std_in_grpo=True, config=algorithm,
         )  # fmt: skip
 
-    def keep(self, arguments, verl_compute_advantage):
-        seen["step"] = self
-        return advantage(self, arguments, verl_compute_advantage)
+    def keep(*arguments):
+        seen["step"] = advantage(*arguments)
+        return seen["step"]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step.Step, "advantage", keep)
+        patch.setattr(step, "advantage", keep)
         patches.wrap_legacy_fit(legacy_fit)(trainer)
     return trainer.batch, seen["step"]
 

@@ -5,10 +5,10 @@ the Monte-Carlo return (overall, at each response's last token, by decile and, o
 at the start of each assistant turn), the advantage's spread and whitening, the spread of the
 scores within prompt groups, and where the credit lands (on multi-turn steps also per turn); named
 ``verl_ext/…`` in verl's metrics, so every logger of ``trainer.logger`` shows them
-(docs/definitions.md §9). :meth:`verl_ext.integration.step.Step.compute_metrics` calls
+(docs/definitions.md §9). The advantage step (:func:`verl_ext.integration.step.advantage`) calls
 :func:`live_metrics` with the raw advantage of the step's estimator (for verl's ``gae``, returns −
 values); where there is none (``grpo``, whose normalization is its own) the advantage itself stands
-for it. The step holds them until the trainer takes them (:mod:`verl_ext.integration.step`).
+for it. The step returns them to the trainer's call that merges them (:mod:`verl_ext.integration.step`).
 
 Cost: one Monte-Carlo return (the ``mc`` kernel), the compaction of four (B, T) tensors to their valid
 tokens (one index, then a take each), and a few passes over those in float64, all on the CPU tensors the driver holds

@@ -1,6 +1,6 @@
 """The non-finite check (:mod:`verl_ext.nonfinite`) on verl's batch, trace or no trace.
 
-:meth:`verl_ext.integration.step.Step.check_nonfinite` calls :func:`check` at the end of
+:func:`verl_ext.integration.step.advantage` calls :func:`check` at the end of
 every advantage step: rewards, values, returns, advantages and the log-probs of the batch are checked
 on its valid tokens. warn prints the finding's line on stderr
 (through tqdm, so that it is not glued to verl's progress bar) and training goes on; raise hands back

@@ -104,12 +104,23 @@ def wrap_apply_kl_penalty(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def apply_kl_penalty(data, kl_ctrl, *args, **kwargs):
-        beta = kl_ctrl.value  # read before the call: the adaptive controller updates itself inside
-        data, metrics = original(data, kl_ctrl, *args, **kwargs)
-        step.record_kl(data, beta=beta, kl_penalty=kwargs.get("kl_penalty", args[0] if args else "kl"))
-        return data, metrics
+        # β read before the call: the adaptive controller updates itself inside
+        with step.kl_applied(data, kl_ctrl.value):
+            return original(data, kl_ctrl, *args, **kwargs)
 
     return apply_kl_penalty
+
+
+def wrap_kl_penalty(original: Callable) -> Callable:
+    from verl_ext.integration import step
+
+    @functools.wraps(original)
+    def kl_penalty(*args, **kwargs):
+        kld = original(*args, **kwargs)
+        step.kl_penalty_returned(kld)
+        return kld
+
+    return kl_penalty
 
 
 def _wrap_fit(original: Callable, trainer_kind: str, check: Callable[[Any], None] | None = None) -> Callable:

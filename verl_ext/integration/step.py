@@ -3,31 +3,38 @@
 verl's trainers reach verl-ext at their advantage step: the legacy trainer calls ``compute_advantage``;
 the V1 trainer calls its ``_compute_advantage``, which reads the batch from TransferQueue, calls
 ``compute_advantage`` and stores the results. :mod:`verl_ext.integration.patches` hands both here. A
-step is this story, one :class:`Step` object per training step:
+step is this story, told by :func:`advantage` with locals and returned as a frozen :class:`Estimated`:
 
 1. place the per-turn rewards on the token rewards (``verl_ext.turn_rewards``), before any estimator;
 2. estimate: verl-ext's estimator with the critic's values, or verl's own; the responses cut at the
-   length limit treated as ``algorithm.truncation`` says;
-3. capture the step into the trace (``verl_ext.trace``; on V1 once verl has stored it);
-4. compute the live metrics (``verl_ext.step_metrics``; the option ``verl_ext.metrics`` turns them off), held until
-   the trainer takes them;
-5. check for non-finite values (``verl_ext.nonfinite``).
+   length limit treated as ``algorithm.truncation`` says; the whitening's statistics are those of the
+   whitening that happened (verl's own estimators: computed apart, over what verl whitened);
+3. the live metrics (``verl_ext.step_metrics``; the option ``verl_ext.metrics`` turns them off);
+4. the non-finite check (``verl_ext.nonfinite``), raised once the step is captured and written.
+
+Then :func:`captured` makes the trace's capture of the step from that result, a pure function (on V1
+once verl has stored the batch), and the caller hands the writer the capture and the metrics to the
+one that merges them: V1's ``_compute_advantage`` takes its step's metrics dict; the legacy trainer
+merges its step's metrics in ``compute_data_metrics``, later in its ``fit()``.
 
 The step reads verl's batch from a source and writes what it adds back to it: on the legacy trainer
 the batch itself (:class:`LegacyBatch`); on the V1 trainer TransferQueue (:class:`TransferQueueBatch`),
 read once before verl's ``_compute_advantage`` and written once after it (the rewards the estimator
 used, where verl stores none, and the trace's row key). The V1 trainer's capture takes the batch verl
-stores where verl computed it (:func:`v1_batch_advantaged`) rather than reading it back. Non-finite
-values raise once the step is captured and written, so that a traced step is kept.
+stores where verl computed it (:func:`v1_batch_advantaged`) rather than reading it back.
 
-A :class:`Run` holds what lasts one ``fit()`` (the options, the trace writer) and what passes between
-the calls of one step (the KL recorded before the estimate, the metrics until the trainer takes them).
-Everything returns at once when its option is off.
+Where verl's own call chain passes between calls that verl-ext cannot give arguments to, a context
+variable carries it, set once and taken once: the KL ``apply_kl_penalty`` computed (:func:`kl_applied`),
+to the step that captures it; the legacy step's live metrics, to ``compute_data_metrics``; the V1
+step, to the ``compute_advantage`` call inside verl's ``_compute_advantage`` (:class:`V1Call`).
+A :class:`Run` holds what lasts one ``fit()``: its options and the trace writer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -35,7 +42,6 @@ from verl_ext import stopping
 from verl_ext.integration import estimate, metrics_hook, nonfinite_hook, trace_hook, truncation_hook, turn_rewards_hook
 from verl_ext.integration.agent_turns import TURNS_KEY
 from verl_ext.integration.stop_reasons import STOP_REASON_KEY
-from verl_ext.trace.batch_keys import ROW_KEY
 from verl_ext.options import (
     NONFINITE_DEFAULT,
     TRUNCATION_DEFAULT,
@@ -44,64 +50,12 @@ from verl_ext.options import (
     nonfinite_mode,
     turn_rewards_enabled,
 )
-
-# --------------------------------------------------------------------------- the step's story
-
-
-def advantage_step(arguments: dict[str, Any], verl_compute_advantage: Callable[[], Any]) -> Any:
-    """verl's ``compute_advantage`` with verl-ext. ``arguments``: the call's, by name;
-    ``verl_compute_advantage()`` runs verl's own. Returns the batch with its advantages. A run asked to
-    stop (Ctrl-C, SIGTERM: :mod:`verl_ext.stopping`) stops here, before the step records anything."""
-    if _v1_step is not None:  # called inside the V1 trainer's _compute_advantage: part of its step
-        _v1_step.advantage(arguments, verl_compute_advantage)
-        return _v1_step.data
-    run = current_run()
-    if run.trainer is not None:
-        stopping.raise_if_requested(int(run.trainer.global_steps))
-    step = Step(run, LegacyBatch())
-    step.advantage(arguments, verl_compute_advantage)
-    step.capture()
-    step.write()
-    step.raise_if_nonfinite()
-    return step.data
-
-
-def v1_advantage_step(batch_meta: Any, metrics: dict, verl_step: Callable[[], Any]) -> Any:
-    """The V1 trainer's ``_compute_advantage`` with verl-ext; ``verl_step()`` runs verl's own, which
-    calls ``compute_advantage`` (:func:`advantage_step`) on the batch it reads. Returns the batch meta
-    the updates use."""
-    global _v1_step
-    run = current_run()
-    stopping.raise_if_requested(int(run.trainer.global_steps))
-    step = Step(run, TransferQueueBatch(batch_meta))
-    step.read()
-    outer, _v1_step = _v1_step, step
-    try:
-        step.source.meta = verl_step()
-    finally:
-        _v1_step = outer
-    step.capture()
-    metrics.update(run.take_metrics())  # V1 hands this method its step's metrics
-    batch_meta = step.write()
-    step.raise_if_nonfinite()  # once stored and captured
-    return batch_meta
-
-
-def v1_batch_advantaged(data: Any) -> None:
-    """The V1 trainer's batch once ``compute_advantage_for_multi_trajectories`` has put the advantages
-    on all its rows (on grpo, ``compute_advantage`` sees only each session's last output)."""
-    if _v1_step is not None:
-        _v1_step.source.advantaged = data
-
-
-#: The V1 trainer's step while verl's ``_compute_advantage`` runs, which the calls inside it join.
-_v1_step: Step | None = None
-
+from verl_ext.trace.batch_keys import ROW_KEY
 
 # --------------------------------------------------------------------------- the run
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     """One ``fit()`` of a trainer, or (``trainer`` None) the calls of ``compute_advantage`` outside any."""
 
@@ -113,30 +67,22 @@ class Run:
     truncation: str = TRUNCATION_DEFAULT  # algorithm.truncation
     trace: TraceOptions = field(default_factory=TraceOptions)
     writer: Any = None  # the TraceWriter, while the run traces
-    #: apply_kl_penalty's kld_t and β of a traced step, until its capture
-    kl: dict[str, Any] = field(default_factory=dict)
-    #: the live metrics of the last step, until the trainer takes them
-    held_metrics: dict[str, float] = field(default_factory=dict)
+
+    def global_step(self) -> int | None:
+        steps = getattr(self.trainer, "global_steps", None)
+        return None if steps is None else int(steps)
 
     def traces_current_step(self) -> bool:
-        return self.writer is not None and self.trace.traces_step(int(self.trainer.global_steps))
+        return self.writer is not None and self.trace.traces_step(self.global_step())
 
     def fit_returned(self) -> None:
         """The trainer's ``fit()`` returned after its last step: the trace's run record says the run finished."""
         if self.writer is not None:
             self.writer.finish()
 
-    def take_kl(self) -> dict[str, Any]:
-        kl, self.kl = self.kl, {}
-        return kl
-
-    def take_metrics(self) -> dict[str, float]:
-        """The metrics of the step whose advantages were computed last, once (then {})."""
-        held, self.held_metrics = self.held_metrics, {}
-        return held
-
 
 _OUTSIDE_FIT = Run()
+#: The run whose fit() is in progress: the process's, whatever thread verl calls from.
 _current: Run | None = None
 
 
@@ -148,7 +94,6 @@ def current_run() -> Run:
 def fit_session(trainer: Any, kind: str) -> Iterator[Run]:
     """The run's options for the duration of ``fit()`` (``kind``: "legacy" or "v1"); its trace opened
     before the first step and flushed at the end, also when training fails."""
-    global _current
     config = trainer.config
     run = Run(
         trainer,
@@ -159,154 +104,259 @@ def fit_session(trainer: Any, kind: str) -> Iterator[Run]:
         truncation=truncation_hook.mode_of(config.get("algorithm")),
         trace=TraceOptions.from_config(config),
     )
-    outer, _current = _current, run
-    try:
-        if not run.trace.enabled:
+    global _current
+    with contextlib.ExitStack() as stack:
+        if run.trace.enabled:
+            run = dataclasses.replace(run, writer=stack.enter_context(trace_hook.open_trace(trainer, kind, run.trace)))
+        outer, _current = _current, run
+        try:
             yield run
-            return
-        with trace_hook.open_trace(trainer, kind, run.trace) as run.writer:
-            yield run
-    finally:
-        _current = outer
+        finally:
+            _current = outer
 
 
-# --------------------------------------------------------------------------- one step
+# --------------------------------------------------------------------------- the step's story
 
 
-class Step:
-    """One step's advantage computation on either trainer: verl's batch, read from and written to its
-    ``source`` (:class:`LegacyBatch` or :class:`TransferQueueBatch`), and what verl-ext adds to it."""
+@dataclass(frozen=True)
+class Estimated:
+    """What one call of ``compute_advantage`` made of verl's batch (steps 1–4 of the module's story)."""
 
-    def __init__(self, run: Run, source: LegacyBatch | TransferQueueBatch):
-        self.run = run
-        self.source = source
-        self.traced = run.traces_current_step()
-        self.arguments: dict[str, Any] = {}
-        #: the batch compute_advantage returns
-        self.data: Any = None
-        self.placed: turn_rewards_hook.PlacedTurnRewards | None = None
-        #: the advantage before whitening: the estimator's, or returns − values of verl's GAE; None
-        #: where there is none (verl's grpo, …)
-        self.advantage_raw: Any = None
-        #: what the estimate did at the cut responses (algorithm.truncation); None under terminal
-        self.truncation: Any = None
-        #: {"mean", "var"} of advantage_raw over the tokens whitening uses (registry.whitening_statistics)
-        self.whitening: dict[str, float] | None = None
-        #: the first non-finite value's error, raised once the step is captured
-        self.nonfinite: Exception | None = None
+    #: the batch compute_advantage returns
+    data: Any
+    #: the step is traced
+    traced: bool
+    placed: turn_rewards_hook.PlacedTurnRewards | None
+    #: the advantage before whitening: the estimator's, or returns − values of verl's GAE; None where
+    #: there is none (verl's grpo, …)
+    advantage_raw: Any
+    #: what the estimate did at the cut responses (algorithm.truncation); None under terminal
+    truncation: Any
+    #: {"mean", "var"} the advantages were whitened with, over the tokens whitening used; None where not
+    whitening: dict[str, float] | None
+    #: the live metrics of the step ({} when they are off)
+    metrics: dict[str, float]
+    #: the first non-finite value's error, raised once the step is captured
+    nonfinite: Exception | None
 
-    def read(self) -> None:
-        """What the step needs and verl's batch at its advantage step lacks, in one read (V1 only)."""
-        run = self.run
-        if not (run.turn_rewards or self.traced or run.truncation != TRUNCATION_DEFAULT):
-            return
-        fields = self.source.meta.fields
-        with_extra_fields = fields is not None and "extra_fields" in fields
-        wanted = []
-        if run.turn_rewards and with_extra_fields:
-            wanted += ["extra_fields", "response_mask"]  # the mask's lengths, to store the rewards placed
-        if self.traced:
-            wanted += [name for name in trace_hook.V1_TOKEN_FIELDS if fields is None or name in fields]
-            wanted += ["extra_fields"] if with_extra_fields else []
-        wanted += truncation_hook.v1_fields(run.truncation, fields)  # the cut's token ids, V(s_L)
-        self.source.read(list(dict.fromkeys(wanted)))
 
-    def advantage(self, arguments: dict[str, Any], verl_compute_advantage: Callable[[], Any]) -> None:
-        """One call of ``compute_advantage``, in the order of the module's story (steps 1, 2, 4, 5)."""
-        self.arguments, self.data = arguments, arguments["data"]
-        self.place_turn_rewards()
-        self.estimate(verl_compute_advantage)
-        self.compute_metrics()
-        self.check_nonfinite()
+def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dict[str, Any], verl_compute_advantage: Callable[[], Any]) -> Estimated:
+    """One call of ``compute_advantage`` (``arguments``: the call's, by name; ``verl_compute_advantage()``
+    runs verl's own), in the order of the module's story."""
+    from verl_ext import registry
 
-    def place_turn_rewards(self) -> None:
-        if self.run.turn_rewards:
-            self.placed = turn_rewards_hook.place(self.data, *turn_rewards_hook.sources(self.data, self.source.extra_fields))
-
-    def estimate(self, verl_compute_advantage: Callable[[], Any]) -> None:
-        from verl_ext import registry
-
-        arguments = self.arguments
-        name = registry.name_of(arguments["adv_estimator"])
-        settings = (arguments["gamma"], arguments["lam"], arguments.get("config"))
-        self.truncation = self.cut_responses()
-        if name in registry.names():
-            result = estimate.compute_registered_advantage(self.data, name, *settings, truncation=self.truncation)
-            self.advantage_raw = result.advantage_raw
+    data, traced = arguments["data"], run.traces_current_step()
+    placed = turn_rewards_hook.place(data, *turn_rewards_hook.sources(data, source.extra_fields)) if run.turn_rewards else None
+    mode = truncation_hook.mode_of(arguments.get("config"))
+    truncation = None if mode == TRUNCATION_DEFAULT else truncation_hook.truncation_of(data, mode, run.trainer, source.stored)
+    name = registry.name_of(arguments["adv_estimator"])
+    settings = (arguments["gamma"], arguments["lam"], arguments.get("config"))
+    if name in registry.names():
+        result = estimate.compute_registered_advantage(data, name, *settings, truncation=truncation)
+        raw, whitening = result.advantage_raw, result.whitening
+    else:
+        if truncation is None:
+            data = verl_compute_advantage()
         else:
-            if self.truncation is None:
-                self.data = verl_compute_advantage()
-            else:
-                self.data = estimate.compute_verl_advantage_truncated(self.data, name, self.truncation, arguments, verl_compute_advantage)
-            self.advantage_raw = estimate.verl_advantage_raw(self.data, name, *settings)
-        if self.traced:  # what the trace records of the whitening, over the full batch (the trace may keep part)
-            self.whitening = registry.whitening_statistics(self.advantage_raw, self.data.batch["response_mask"], self.truncation)
+            data = estimate.compute_verl_advantage_truncated(data, name, truncation, arguments, verl_compute_advantage)
+        raw = estimate.verl_advantage_raw(data, name, *settings)
+        # what verl whitened, over the full batch (the trace may keep part); only the trace records it
+        whitening = registry.whitening_statistics(raw, data.batch["response_mask"], truncation) if traced else None
+    metrics = {}
+    if run.metrics:
+        metrics = metrics_hook.live_metrics(data, arguments["gamma"], raw) | ({} if placed is None else placed.metrics)
+    step = run.global_step()
+    if step is None:  # outside fit(): the batch's step when it has one
+        step = getattr(data, "meta_info", {}).get("global_steps")
+    nonfinite = nonfinite_hook.check(data, run.nonfinite, None if step is None else int(step))
+    return Estimated(data, traced, placed, raw, truncation, whitening, metrics, nonfinite)
 
-    def cut_responses(self) -> Any:
-        """The step's :class:`verl_ext.truncation.Truncation` under the call's ``algorithm.truncation``;
-        None under terminal, where nothing is read or computed."""
-        mode = truncation_hook.mode_of(self.arguments.get("config"))
-        if mode == TRUNCATION_DEFAULT:
-            return None
-        return truncation_hook.truncation_of(self.data, mode, self.run.trainer, self.source.stored)
 
-    def compute_metrics(self) -> None:
-        if self.run.metrics:
-            metrics = metrics_hook.live_metrics(self.data, self.arguments["gamma"], self.advantage_raw)
-            self.run.held_metrics = metrics | ({} if self.placed is None else self.placed.metrics)
+def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch, kl: KlApplied | None) -> Any:
+    """The trace's capture of a traced step (step 3 of the story), from the batch verl keeps and the
+    KL ``apply_kl_penalty`` computed at the step (None: no KL in the reward)."""
+    tensors, uid, agent_turns, stop_reasons = source.captured(estimated.data)
+    placed = estimated.placed
+    if placed is not None:  # V1 on grpo: verl estimates on a copy of the batch, which has them
+        tensors["token_level_rewards"] = placed.rewards
+    computed = {
+        "advantage_raw": estimated.advantage_raw,
+        "kl": None if kl is None else kl.kl,
+        "turn_score": None if placed is None else placed.turn_score,
+        "tool_reward": None if placed is None else placed.tool_reward,
+    }
+    kl_coef = None if kl is None else kl.beta
+    return trace_hook.step_capture(
+        run.trainer, tensors, uid, computed, kl_coef, agent_turns, estimated.truncation, stop_reasons, estimated.whitening
+    )
 
-    def check_nonfinite(self) -> None:
-        if self.nonfinite is None:
-            self.nonfinite = nonfinite_hook.check(self.data, self.run.nonfinite, self.global_step())
 
-    def capture(self) -> None:
-        """The step into the trace (step 3 of the module's story), from the batch verl keeps."""
-        if not self.traced or self.data is None:
-            return
-        tensors, uid, agent_turns, stop_reasons = self.source.captured(self.data)
-        if self.placed is not None:  # V1 on grpo: verl estimates on a copy of the batch, which has them
-            tensors["token_level_rewards"] = self.placed.rewards
-        kl, placed = self.run.take_kl(), self.placed
-        computed = {
-            "advantage_raw": self.advantage_raw,
-            "kl": kl.get("kl"),
-            "turn_score": None if placed is None else placed.turn_score,
-            "tool_reward": None if placed is None else placed.tool_reward,
-        }
-        trace_hook.submit_step(
-            self.run.writer,
-            self.run.trainer,
-            tensors,
-            uid,
-            computed,
-            kl.get("kl_coef"),
-            agent_turns,
-            self.truncation,
-            stop_reasons,
-            self.whitening,
-        )
+def written(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch) -> Any:
+    """What the step adds to verl's batch: the trace's row key on a traced step (which asks the
+    workers for their update reports), and the rewards the estimator used where verl keeps none.
+    Returns what the trainer goes on with (the source's ``write``)."""
+    fields = {}
+    if estimated.traced and run.trace.update:
+        fields[ROW_KEY] = trace_hook.rows(source.batch_size(estimated.data), run.trace.max_samples_per_step)
+    if estimated.placed is not None and run.trainer is not None and not run.trainer.config.algorithm.use_kl_in_reward:
+        fields["token_level_rewards"] = estimated.placed.rewards
+    return source.write(estimated.data, fields)
 
-    def write(self) -> Any:
-        """What the step adds to verl's batch: the trace's row key on a traced step (which asks the
-        workers for their update reports), and the rewards the estimator used where verl keeps none.
-        Returns what the trainer goes on with (the source's :meth:`write`)."""
-        run, fields = self.run, {}
-        if self.traced and run.trace.update:
-            fields[ROW_KEY] = trace_hook.rows(self.source.batch_size(self.data), run.trace.max_samples_per_step)
-        if self.placed is not None and run.trainer is not None and not run.trainer.config.algorithm.use_kl_in_reward:
-            fields["token_level_rewards"] = self.placed.rewards
-        return self.source.write(self.data, fields)
 
-    def raise_if_nonfinite(self) -> None:
-        if self.nonfinite is not None:
-            raise self.nonfinite
+def _finish(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch) -> Any:
+    """Capture and write a step: what both trainers do once the advantages are in verl's batch.
+    Returns what the trainer goes on with; a non-finite value raises once the step is kept."""
+    kl = _KL_APPLIED.get()
+    _KL_APPLIED.set(None)  # taken once: a later step without KL in the reward must not see it
+    if estimated.traced and estimated.data is not None:
+        run.writer.submit(captured(run, estimated, source, kl if kl is not None and kl.step == run.global_step() else None))
+    going_on = written(run, estimated, source)
+    if estimated.nonfinite is not None:
+        raise estimated.nonfinite
+    return going_on
 
-    def global_step(self) -> int | None:
-        """The trainer's step; outside fit() the batch's ``meta_info["global_steps"]`` when it has it."""
-        steps = getattr(self.run.trainer, "global_steps", None)
-        if steps is None:
-            steps = getattr(self.data, "meta_info", {}).get("global_steps")
-        return None if steps is None else int(steps)
+
+# --------------------------------------------------------------------------- the trainers' calls
+
+
+def advantage_step(arguments: dict[str, Any], verl_compute_advantage: Callable[[], Any]) -> Any:
+    """verl's ``compute_advantage`` with verl-ext. Returns the batch with its advantages. A run asked to
+    stop (Ctrl-C, SIGTERM: :mod:`verl_ext.stopping`) stops here, before the step records anything."""
+    call = _V1_CALL.get()
+    if call is not None:  # called inside the V1 trainer's _compute_advantage: part of its step
+        call.estimated = advantage(call.run, call.source, arguments, verl_compute_advantage)
+        return call.estimated.data
+    run = current_run()
+    if run.trainer is not None:
+        stopping.raise_if_requested(run.global_step())
+    source = LegacyBatch()
+    estimated = advantage(run, source, arguments, verl_compute_advantage)
+    _LEGACY_METRICS.set(estimated.metrics)  # for compute_data_metrics, later in the same fit() step
+    return _finish(run, estimated, source)
+
+
+@dataclass
+class V1Call:
+    """The V1 trainer's step while verl's ``_compute_advantage`` runs: the ``compute_advantage`` call
+    inside it leaves its result here."""
+
+    run: Run
+    source: TransferQueueBatch
+    estimated: Estimated | None = None
+
+
+_V1_CALL: contextvars.ContextVar[V1Call | None] = contextvars.ContextVar("verl_ext_v1_call", default=None)
+
+
+def v1_advantage_step(batch_meta: Any, metrics: dict, verl_step: Callable[[], Any]) -> Any:
+    """The V1 trainer's ``_compute_advantage`` with verl-ext; ``verl_step()`` runs verl's own, which
+    calls ``compute_advantage`` (:func:`advantage_step`) on the batch it reads. Returns the batch meta
+    the updates use; the step's live metrics go into ``metrics``, the step's metrics in V1."""
+    run = current_run()
+    stopping.raise_if_requested(run.global_step())
+    source = TransferQueueBatch(batch_meta)
+    source.read(_v1_fields(run, source.meta))
+    call = V1Call(run, source)
+    token = _V1_CALL.set(call)
+    try:
+        source.meta = verl_step()
+    finally:
+        _V1_CALL.reset(token)
+    if call.estimated is None:  # verl's step computed no advantage: nothing of verl-ext's to add
+        return source.meta
+    metrics.update(call.estimated.metrics)
+    return _finish(run, call.estimated, source)
+
+
+def _v1_fields(run: Run, meta: Any) -> list[str]:
+    """What the V1 step needs and verl's batch at its advantage step lacks, read at once (``meta``:
+    the batch meta, whose ``fields`` are what TransferQueue holds, None: unknown)."""
+    traced = run.traces_current_step()
+    if not (run.turn_rewards or traced or run.truncation != TRUNCATION_DEFAULT):
+        return []
+    fields = meta.fields
+    with_extra_fields = fields is not None and "extra_fields" in fields
+    wanted = []
+    if run.turn_rewards and with_extra_fields:
+        wanted += ["extra_fields", "response_mask"]  # the mask's lengths, to store the rewards placed
+    if traced:
+        wanted += [name for name in trace_hook.V1_TOKEN_FIELDS if fields is None or name in fields]
+        wanted += ["extra_fields"] if with_extra_fields else []
+    wanted += truncation_hook.v1_fields(run.truncation, fields)  # the cut's token ids, V(s_L)
+    return list(dict.fromkeys(wanted))
+
+
+def v1_batch_advantaged(data: Any) -> None:
+    """The V1 trainer's batch once ``compute_advantage_for_multi_trajectories`` has put the advantages
+    on all its rows (on grpo, ``compute_advantage`` sees only each session's last output)."""
+    call = _V1_CALL.get()
+    if call is not None:
+        call.source.advantaged = data
+
+
+# --------------------------------------------------------------------------- calls from verl outside the advantage step
+
+
+@dataclass(frozen=True)
+class KlApplied:
+    """kld_t (B, T) as ``apply_kl_penalty`` computed it (on the valid tokens) and the β it applied, at ``step``."""
+
+    step: int | None
+    kl: Any
+    beta: float
+
+
+_KL_APPLIED: contextvars.ContextVar[KlApplied | None] = contextvars.ContextVar("verl_ext_kl_applied", default=None)
+#: The values verl's ``core_algos.kl_penalty`` returned while ``apply_kl_penalty`` runs (else None).
+_KL_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("verl_ext_kl_seen", default=None)
+
+
+@contextlib.contextmanager
+def kl_applied(data: Any, beta: float) -> Iterator[None]:
+    """Around verl's ``apply_kl_penalty`` on ``data`` (β read before its controller updates): the kld_t
+    verl's ``kl_penalty`` returns inside it, kept for the step's capture when the step is traced."""
+    run = current_run()
+    if not run.traces_current_step():
+        yield
+        return
+    seen: list = []
+    token = _KL_SEEN.set(seen)
+    try:
+        yield
+    finally:
+        _KL_SEEN.reset(token)
+    if seen:
+        _KL_APPLIED.set(KlApplied(run.global_step(), seen[-1] * data.batch["response_mask"], float(beta)))
+
+
+def kl_penalty_returned(kld: Any) -> None:
+    """verl's ``core_algos.kl_penalty`` returned ``kld``: kept when ``apply_kl_penalty`` asked (:func:`kl_applied`)."""
+    seen = _KL_SEEN.get()
+    if seen is not None:
+        seen.append(kld)
+
+
+#: The legacy step's live metrics, from its compute_advantage to its compute_data_metrics.
+_LEGACY_METRICS: contextvars.ContextVar[dict[str, float]] = contextvars.ContextVar("verl_ext_legacy_metrics", default={})
+
+
+def take_metrics() -> dict[str, float]:
+    """The legacy trainer's step metrics are a local of its ``fit()``: they take the live metrics
+    through the dict ``compute_data_metrics`` returns there (in ``RayPPOTrainer.fit``), once per step."""
+    metrics = _LEGACY_METRICS.get()
+    _LEGACY_METRICS.set({})
+    return metrics
+
+
+def reduce_update_metrics(metrics: dict, reduce: Callable[[], dict]) -> dict:
+    """verl's reduction of an update's metrics (``reduce()``), with the workers' per-token reports in
+    them taken out first (verl would average them as numbers) and handed to the run's trace."""
+    reports = trace_hook.take_update_reports(metrics)
+    reduced = reduce()
+    run = current_run()
+    if reports and run.writer is not None:
+        trace_hook.submit_updates(run.writer, run.global_step(), reports, reduced)
+    return reduced
 
 
 # --------------------------------------------------------------------------- where a step's batch lives
@@ -318,11 +368,8 @@ class LegacyBatch:
     extra_fields = None
     stored: dict[str, Any] = {}
 
-    def read(self, wanted: list[str]) -> None:
-        pass  # nothing lives elsewhere
-
     def captured(self, data: Any) -> tuple[Any, Any, Any, Any]:
-        """(tensors, uid, agent turns, stop reasons) of the step, as :func:`trace_hook.submit_step` takes them."""
+        """(tensors, uid, agent turns, stop reasons) of the step, as :func:`trace_hook.step_capture` takes them."""
         extra = data.non_tensor_batch
         return data.batch, extra.get("uid"), extra.get(TURNS_KEY), extra.get(STOP_REASON_KEY)
 
@@ -391,29 +438,3 @@ class TransferQueueBatch:
 
         rows = TensorDict(fields, batch_size=len(self.meta.keys))
         return tq.kv_batch_put(keys=self.meta.keys, partition_id=self.meta.partition_id, fields=rows)
-
-# --------------------------------------------------------------------------- calls from verl outside the advantage step
-
-
-def record_kl(data: Any, beta: float, kl_penalty: str) -> None:
-    """``apply_kl_penalty``'s kld_t and β (read before its controller updates), for a traced step's capture."""
-    run = current_run()
-    if run.traces_current_step():
-        run.kl = {"kl": trace_hook.kl_of(data, kl_penalty), "kl_coef": float(beta)}
-
-
-def take_metrics() -> dict[str, float]:
-    """The legacy trainer's step metrics are a local of its ``fit()``: they take the live metrics
-    through the dict ``compute_data_metrics`` returns there (in ``RayPPOTrainer.fit``), once per step."""
-    return current_run().take_metrics()
-
-
-def reduce_update_metrics(metrics: dict, reduce: Callable[[], dict]) -> dict:
-    """verl's reduction of an update's metrics (``reduce()``), with the workers' per-token reports in
-    them taken out first (verl would average them as numbers) and handed to the run's trace."""
-    reports = trace_hook.take_update_reports(metrics)
-    reduced = reduce()
-    run = current_run()
-    if reports and run.writer is not None:
-        trace_hook.submit_updates(run.writer, int(run.trainer.global_steps), reports, reduced)
-    return reduced

@@ -4,9 +4,7 @@ and the update's metrics call, given the run's writer.
 * :func:`open_trace` around ``fit()``: opens the :class:`~verl_ext.trace.writer.TraceWriter` (which
   checks the directory and writes the run record) before the first step, flushes it at the end, also
   when training fails.
-* :func:`kl_of` inside ``apply_kl_penalty``: kld_t, recomputed with verl's own ``core_algos.kl_penalty``
-  on the same inputs (the step keeps it, with the β read before the controller updates).
-* :func:`submit_step`: one step's capture, from the legacy trainer's batch at the end of
+* :func:`step_capture`: one step's capture, from the legacy trainer's batch at the end of
   ``compute_advantage``, or from the V1 trainer's batch as verl stores it in TransferQueue
   (:func:`v1_tensors`), with the raw (unwhitened) advantage when the estimator has one and the per-turn
   rewards placed. A traced step (with ``verl_ext.trace.update`` on) carries :data:`~verl_ext.trace.batch_keys.ROW_KEY`,
@@ -59,17 +57,7 @@ def _say_where_a_cluster_writes(directory: str, node: str | None) -> None:
         )
 
 
-def kl_of(data: Any, kl_penalty: str) -> torch.Tensor:
-    """kld_t of the batch's valid tokens, as verl's ``apply_kl_penalty`` computes it."""
-    from verl.trainer.ppo import core_algos
-
-    batch = data.batch
-    kld = core_algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kl_penalty=kl_penalty)
-    return kld * batch["response_mask"]
-
-
-def submit_step(
-    writer: Any,
+def step_capture(
     trainer: Any,
     batch: Any,
     uid: Any,
@@ -79,14 +67,15 @@ def submit_step(
     truncation: Any = None,
     stop_reasons: Any = None,
     whitening: dict[str, float] | None = None,
-) -> None:
-    """Hand one step to the writer. ``batch``: verl's tensors under verl's batch keys; ``computed``: the
-    columns verl-ext computed (advantage_raw, kl, turn_score, tool_reward; None where there is none);
+) -> Any:
+    """One step's :class:`~verl_ext.trace.capture.StepCapture`, for the writer. ``batch``: verl's tensors
+    under verl's batch keys; ``computed``: the columns verl-ext computed (advantage_raw, kl, turn_score,
+    tool_reward; None where there is none);
     ``agent_turns``: the agent loop's record of each sample (one per row, or None); ``truncation``: the
     estimate's :class:`~verl_ext.truncation.Truncation` (None: terminal), whose cut and V(s_L) the
     trace records; ``stop_reasons``: the rollout engine's per sample, or None
     (:mod:`verl_ext.integration.stop_reasons`); ``whitening``: the estimate's statistics of the raw
-    advantage (:func:`verl_ext.registry.whitening_statistics`)."""
+    advantage the step's advantages were whitened with."""
     from verl_ext.trace.capture import StepCapture
     from verl_ext.trace.schema import FLOAT_COLUMNS
 
@@ -98,23 +87,21 @@ def submit_step(
     if prompt_mask is None and prompts is not None and get("attention_mask") is not None:
         prompt_mask = batch["attention_mask"][:, : prompts.shape[1]]  # verl: prompt part, left-padded
     floats = {column.name: get(column.verl_key) for column in FLOAT_COLUMNS if column.verl_key} | computed
-    writer.submit(
-        StepCapture(
-            step=int(trainer.global_steps),
-            mask=batch["response_mask"],
-            token_id=get("responses"),
-            uid=None if uid is None else [str(u) for u in uid],
-            floats=floats,
-            prompts=prompts,
-            prompt_mask=prompt_mask,
-            kl_coef=kl_coef,
-            eos_token_ids=eos_token_ids(trainer),
-            max_response_length=trainer.config.data.get("max_response_length"),
-            agent_turns=None if agent_turns is None else list(agent_turns),
-            truncation=truncation,
-            stop_reasons=None if stop_reasons is None else list(stop_reasons),
-            whitening=whitening,
-        )
+    return StepCapture(
+        step=int(trainer.global_steps),
+        mask=batch["response_mask"],
+        token_id=get("responses"),
+        uid=None if uid is None else [str(u) for u in uid],
+        floats=floats,
+        prompts=prompts,
+        prompt_mask=prompt_mask,
+        kl_coef=kl_coef,
+        eos_token_ids=eos_token_ids(trainer),
+        max_response_length=trainer.config.data.get("max_response_length"),
+        agent_turns=None if agent_turns is None else list(agent_turns),
+        truncation=truncation,
+        stop_reasons=None if stop_reasons is None else list(stop_reasons),
+        whitening=whitening,
     )
 
 

@@ -4,7 +4,7 @@ at the advantage step (``algorithm.truncation``, docs/definitions.md #truncated-
 The cut is read as the trace reads it (the tokenizer's EOS ids, ``data.max_response_length``), so that the
 rows the estimate treated as cut are the rows the trace calls ``truncated``. The legacy trainer's batch
 holds the response ids and V(s_L); the V1 trainer's batch at its advantage step holds neither, and the
-step reads them from TransferQueue (``Step.read``, :func:`v1_fields`).
+step reads them from TransferQueue (:func:`v1_fields`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 verl 0.9.1's agent loops return per-turn scores in each sample's ``extra_fields``, ``turn_scores``
 (one per assistant turn, in order; verl's own loops leave it empty) and ``tool_rewards`` (one per
 tool call), and verl puts only the final score into the token rewards. With ``verl_ext.turn_rewards``
-on, the advantage step (:meth:`verl_ext.integration.step.Step.place_turn_rewards`) adds each
+on, the advantage step (:func:`verl_ext.integration.step.advantage`) adds each
 to ``token_level_rewards`` at its turn's last token (:func:`verl_ext.turn_rewards.place_turn_rewards`)
 before any estimator, verl's or verl-ext's, runs. Which turn earned a tool reward is in the agent
 loop's record (:class:`~verl_ext.trace.agent_record.AgentRecord`, which the loop writes whenever this
