@@ -205,6 +205,22 @@ def test_catches_corrupt_whitening_statistics(tmp_path):
     assert report["whitening"].status == "pass"  # the advantages themselves are right
 
 
+def test_a_step_whose_rows_are_not_the_run_records_fails_its_layout(tmp_path):
+    """The run record's ``rows`` of a step is the token table's row count: a record saying 5 fails."""
+    path = defined_trace(tmp_path, "gae_ext")
+    rows = pq.read_table(f"{path}/{token_file(1)}").num_rows
+    assert rows != 5
+
+    def five_rows(entry):
+        entry["rows"] = 5
+        return entry
+
+    rewrite_step(path, 1, entry=five_rows)
+    result = check_trace(path)["mask_layout"]
+    assert result.status == "fail" and result.violations == 1 and str(result.first.location) == "step 1"
+    assert result.first.column == "rows" and (result.first.actual, result.first.expected) == (rows, 5)
+
+
 def test_truncated_steps_are_whitened_with_the_recorded_statistics(tmp_path):
     path = defined_trace(tmp_path, "gae_ext", max_samples=3)
     report = check_trace(path)

@@ -22,7 +22,9 @@ mini-batches (the same two rows) = ½ · 1.29/3 = 0.215, vf_clipfrac = 1/3.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -153,6 +155,19 @@ def test_a_planted_error_fails_its_identity(tmp_path, identity, monkeypatch):
     monkeypatch.setitem(LOGGED, "critic", dict(LOGGED["critic"]))
     statuses = update_statuses(hand_trace(tmp_path / "t", PLANTS[identity]))
     assert statuses[identity] == "fail", statuses
+
+
+def test_an_update_table_whose_rows_are_not_the_run_records_fails(tmp_path):
+    """The run record's ``rows`` of an update table is its row count (12 here): a record saying 11 fails."""
+    path = hand_trace(tmp_path / "t")
+    record_file = Path(path) / "_run.json"
+    record = json.loads(record_file.read_text())
+    assert record["steps"]["1"]["updates"]["critic"]["rows"] == 12
+    record["steps"]["1"]["updates"]["critic"]["rows"] = 11
+    record_file.write_text(json.dumps(record))
+    result = check_trace(path)["update_rows"]
+    assert result.status == "fail" and result.violations == 1
+    assert (result.first.column, result.first.actual, result.first.expected) == ("critic rows", 12, 11)
 
 
 def test_show_adds_the_update_of_an_epoch(tmp_path, run_cli):

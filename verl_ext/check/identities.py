@@ -108,7 +108,10 @@ IDENTITIES = (
         ELEMENTWISE, TokenStep.rewards,
     ),
     Identity("turn_rewards", "8.4", TOKEN, "per-turn rewards only on a turn's last token (§7)", EXACT, TokenStep.turn_rewards),
-    Identity("mask_layout", "8.5", TOKEN, "rows 0…n−1 per sample, ending on a valid token", EXACT, TokenStep.mask_layout, counts="row"),
+    Identity(
+        "mask_layout", "8.5", TOKEN, "rows 0…n−1 per sample, ending on a valid token; count as recorded", EXACT,
+        TokenStep.mask_layout, counts="row",
+    ),
     Identity("turns", "8.5", TOKEN, "turn = the holes before the token (§7)", EXACT, TokenStep.turns, counts="row"),
     Identity("roles", "8.5", TOKEN, "role = assistant exactly on valid tokens (§7)", EXACT, TokenStep.roles, counts="row"),
     Identity("finite", "8.5", TOKEN, "quantities present and finite on valid tokens", EXACT, TokenStep.finite),
@@ -127,7 +130,10 @@ IDENTITIES = (
         "stop_reason", "8.7", TOKEN, "truncated = the rollout engine stopped at the length limit (its stop reason)", EXACT,
         TokenStep.stop_reason, counts="response", applies=lambda a: a.rollout in STOP_REASON_ROLLOUTS,
     ),
-    Identity("update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table", EXACT, update_checks.update_rows),
+    Identity(
+        "update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table; count as recorded",
+        EXACT, update_checks.update_rows,
+    ),
     Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", update_checks.RATIO, update_checks.ratio),
     Identity("ratio_first", "8.6", UPDATE, "ratio = 1 in epoch 0, mini-batch 0", update_checks.RATIO_FIRST, update_checks.ratio_first),
     Identity("pg_loss", "8.6", UPDATE, "pg_loss = vanilla PPO term with dual clip", update_checks.PG_TERM, update_checks.pg_loss),

@@ -396,6 +396,7 @@ class TokenStep:
         return Finding("fail" if wrong_tokens else "pass", checked=checked, violations=wrong_tokens, first=first)
 
     def mask_layout(self) -> Finding:
+        """The rows are the trace format's layout, and as many as the run record's entry of the step says."""
         problems = list(self.data.layout.problems())
         first = None
         if problems:
@@ -403,9 +404,11 @@ class TokenStep:
             sample, token = self.data.row_location(row)
             first = Violation(Location(self.step, sample, token), "mask", detail=message)
         violations = sum(count for _, _, count in problems)
-        return Finding(
-            "fail" if problems else "pass", checked=len(self.data.layout.mask), violations=violations, first=first
-        )
+        rows, listed = len(self.data.layout.mask), getattr(self.step_record, "rows", None)
+        if isinstance(listed, int) and listed != rows:
+            violations += 1
+            first = first or Violation(Location(self.step), "rows", float(rows), float(listed), detail="the run record's rows of the step")
+        return Finding("fail" if violations else "pass", checked=rows + 1, violations=violations, first=first)
 
     def turns(self) -> Finding:
         column = self.data.table.column("turn")

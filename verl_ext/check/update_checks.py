@@ -177,9 +177,15 @@ def update_rows(u: UpdateStep) -> Finding:
     partial = bool((u.trace.record.replay or {}).get("minibatches"))
     checked, problems, first = 0, 0, None
     joined = {"actor": ("old_log_prob", "advantage"), "critic": ("value", "return")}
+    entry = u.trace.record.steps.get(str(u.step))
     for kind, table in (("actor", u.actor), ("critic", u.critic)):
         if table is None:
             continue
+        listed, rows = getattr((entry.updates if entry else {}).get(kind), "rows", None), len(table["epoch"])
+        checked += 1
+        if isinstance(listed, int) and listed != rows:
+            problems += 1
+            first = Violation(Location(u.step), f"{kind} rows", float(rows), float(listed), detail="the run record's rows of the update table")
         index, found = _lookup(keys, table)
         for epoch in np.unique(table["epoch"]):
             in_epoch = table["epoch"] == epoch
