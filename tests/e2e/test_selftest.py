@@ -48,6 +48,9 @@ def test_selftest_passes_here_and_says_what_ran(selftest_run):
         trace = open_trace(str(out / estimator / "trace"))
         assert trace.steps == [1, 2] and trace.record.algorithm["adv_estimator"] == estimator
         assert trace.record.rollout_n == responses_per_prompt and trace.record.trainer == "legacy"
+        # issue 59: the dtype its HF-generate server (a Ray actor) computed in on this CPU, float64 by the server's rule,
+        # not the config's rollout.dtype (bfloat16, verl's default)
+        assert trace.record.rollout["dtype"] == "float64"
         assert trace.update_steps == {"actor": [1, 2], "critic": [1, 2] if critic else []}
     # progress while it ran: each run's steps, on stderr
     assert "[selftest] mc: step 2/2 done" in completed.stderr and "[selftest] grpo: step 2/2 done" in completed.stderr

@@ -96,6 +96,9 @@ def test_v1_run_record(v1_run):
     trace = open_trace(str(v1_run / "trace"))
     assert trace.record.trainer == "v1"
     assert trace.steps == [1, 2]
+    # issue 59: what the HF-generate server (a Ray actor here) computed in on this CPU (its docstring's rule),
+    # asked of it when the trace opened, not the config's rollout.dtype (verl's default, bfloat16)
+    assert trace.record.rollout["name"] == "hf_generate" and trace.record.rollout["dtype"] == "float64"
     assert [trace.step_record(s).kl_coef for s in trace.steps] == [pytest.approx(0.05)] * 2
 
 

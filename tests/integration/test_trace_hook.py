@@ -138,8 +138,53 @@ def test_the_run_record_says_finished_once_fit_returned(compose, tmp_path):
     traced_fit(compose, tmp_path / "trace", legacy_step, total_training_steps=40)
     record = open_trace(str(tmp_path / "trace")).record
     assert (record.finished, record.planned_steps) == (True, 40)
-    # hf_generate generates with transformers; verl's rollout.dtype default is bfloat16
-    assert record.rollout == {"name": "hf_generate", "version": version("transformers"), "dtype": "bfloat16"}
+    # hf_generate generates with transformers; a trainer without rollout servers has no engine to ask its dtype
+    assert record.rollout == {"name": "hf_generate", "version": version("transformers"), "dtype": None}
+
+
+def test_the_run_record_names_the_dtype_the_rollout_engine_computed_in_not_the_configs(compose, tmp_path, assets):
+    """Issue 59: the record copied actor_rollout_ref.rollout.dtype (verl's default, bfloat16) while hf_generate
+    computed in another dtype. The engine is asked when the trace opens: here a real HF-generate server on
+    this machine's device, held as the CPU backend's in-process runner holds it; what its model's parameters
+    are (torch's own answer) is what the record must say."""
+    from types import SimpleNamespace
+
+    from tests.integration.test_nonfinite_seam import legacy_step
+    from verl_ext.cpu.local_actor import LocalActorHandle
+    from verl_ext.hf_rollout.server import HFGenerationServer
+    from verl_ext.trace.reader import open_trace
+
+    rollout = SimpleNamespace(prompt_length=16, response_length=8, max_model_len=None, seed=0)
+    server = HFGenerationServer(str(assets.model_dir), rollout)
+    computed = {str(parameter.dtype).removeprefix("torch.") for parameter in server.model.parameters()}
+    replicas = [SimpleNamespace(servers=[LocalActorHandle(server, loop=None)])]
+    traced_fit(compose, tmp_path / "trace", legacy_step, llm_server_manager=SimpleNamespace(rollout_replicas=replicas))
+    record = open_trace(str(tmp_path / "trace")).record
+    assert len(computed) == 1 and record.rollout["dtype"] == computed.pop()
+    assert compose().actor_rollout_ref.rollout.dtype == "bfloat16" != record.rollout["dtype"]  # what it said before
+
+
+def test_a_server_that_cannot_be_asked_leaves_the_dtype_unknown_and_servers_that_differ_are_both_named():
+    """verl's vLLM server holds vLLM's engine as ``engine``, whose model config has the dtype vLLM resolved;
+    a server with neither that nor verl-ext's report (SGLang's, TensorRT-LLM's) cannot say: None, never the
+    config's. Stand-ins for the servers, held as the in-process runner holds them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from verl_ext.cpu.local_actor import LocalActorHandle
+    from verl_ext.integration.run_record import engine_dtype
+
+    def trainer(*servers):
+        handles = [LocalActorHandle(server, loop=None) for server in servers]
+        return SimpleNamespace(llm_server_manager=SimpleNamespace(rollout_replicas=[SimpleNamespace(servers=handles)]))
+
+    vllm = SimpleNamespace(engine=SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)))
+    fp32 = SimpleNamespace(engine=SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+    assert engine_dtype(trainer(vllm, vllm)) == "bfloat16"
+    assert engine_dtype(trainer(vllm, fp32)) == "bfloat16/float32"
+    assert engine_dtype(trainer(vllm, SimpleNamespace())) is None
+    assert engine_dtype(SimpleNamespace()) is None and engine_dtype(trainer()) is None
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, NonFiniteError])
@@ -192,5 +237,7 @@ def test_the_rollout_engine_is_named_with_its_packages_version(name, distributio
         except PackageNotFoundError:
             continue
     imported = set(sys.modules)
-    assert rollout_engine({"name": name, "dtype": "float32"}) == {"name": name, "version": expected, "dtype": "float32"}
+    # the dtype is the engine's own answer (engine_dtype), never the config's
+    assert rollout_engine({"name": name, "dtype": "float32"}) == {"name": name, "version": expected, "dtype": None}
+    assert rollout_engine({"name": name, "dtype": "float32"}, "float64")["dtype"] == "float64"
     assert not {module for module in set(sys.modules) - imported if module.split(".")[0] in ("vllm", "sglang")}

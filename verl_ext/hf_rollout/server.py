@@ -135,6 +135,10 @@ class HFGenerationServer:
         self._pending: list[tuple[list[int], _Sampling, int, int, asyncio.Future]] = []  # prompt, sampling, most tokens, seed, future
         self._drainer: asyncio.Task | None = None
 
+    def compute_dtype(self) -> str:
+        """The dtype the model generates in (torch's name: "float64" on a CPU), for the trace's run record."""
+        return str(self.model.dtype).removeprefix("torch.")
+
     # ---- token-in, token-out generation (called by verl's LLMServerClient) ----
 
     async def generate(

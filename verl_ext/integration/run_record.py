@@ -53,7 +53,7 @@ def run_record(config: Any, kind: str, options: TraceOptions, trainer: Any = Non
         node=_ray_node(),
         finished=False,
         planned_steps=planned_steps(config, trainer),
-        rollout=rollout_engine(config.actor_rollout_ref.rollout),
+        rollout=rollout_engine(config.actor_rollout_ref.rollout, engine_dtype(trainer)),
         config=resolved_config(config),
     )
 
@@ -101,14 +101,16 @@ ROLLOUT_DISTRIBUTIONS = {
 }
 
 
-def rollout_engine(rollout: Any) -> dict[str, Any]:
-    """{"name", "version", "dtype"} of the engine that generates the responses, from the rollout config
-    (``actor_rollout_ref.rollout``): its version read from package metadata (never by importing the
-    engine, which is slow and may start its own processes), None for an engine verl-ext does not know
-    or that is not installed here."""
+def rollout_engine(rollout: Any, dtype: str | None = None) -> dict[str, Any]:
+    """{"name", "version", "dtype"} of the engine that generates the responses: its name from the rollout
+    config (``actor_rollout_ref.rollout``), its version read from package metadata (never by importing the
+    engine, which is slow and may start its own processes), None for an engine verl-ext does not know or
+    that is not installed here; ``dtype``: what the engine computes in, as its servers report it
+    (:func:`engine_dtype`), never the config's ``rollout.dtype``, which an engine may not follow
+    (hf_generate computes in float64 on a CPU and float32 on a GPU, whatever it says)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    name, dtype = _setting(rollout, "name"), _setting(rollout, "dtype")
+    name = _setting(rollout, "name")
     found = None
     for distribution, suffix in ROLLOUT_DISTRIBUTIONS.get(str(name), ()):
         try:
@@ -116,7 +118,45 @@ def rollout_engine(rollout: Any) -> dict[str, Any]:
             break
         except PackageNotFoundError:
             continue
-    return {"name": None if name is None else str(name), "version": found, "dtype": None if dtype is None else str(dtype)}
+    return {"name": None if name is None else str(name), "version": found, "dtype": dtype}
+
+
+def engine_dtype(trainer: Any) -> str | None:
+    """The dtype the rollout engine computes in, asked of each server of the trainer's rollout replicas
+    (verl's ``llm_server_manager``, both trainers; started before ``fit()``): torch's name ("float64",
+    "bfloat16"), joined with "/" where servers differ; None where there is no server to ask or one
+    cannot say (an engine verl-ext cannot ask: SGLang, TensorRT-LLM)."""
+    manager = getattr(trainer, "llm_server_manager", None)
+    servers = [server for replica in getattr(manager, "rollout_replicas", None) or () for server in getattr(replica, "servers", None) or ()]
+    answers = {_ask_dtype(server) for server in servers}
+    if not answers or None in answers:
+        return None
+    return "/".join(sorted(answers))
+
+
+def _ask_dtype(server: Any) -> str | None:
+    """:func:`server_dtype` where ``server`` lives: a Ray actor (``__ray_call__`` runs it on the actor's
+    own object), or an in-process handle of the CPU backend (``verl_ext.cpu.local_actor``)."""
+    if hasattr(type(server), "instance"):  # an in-process handle: the server object is here
+        return server_dtype(server.instance)
+    try:
+        import ray
+
+        return ray.get(server.__ray_call__.remote(server_dtype), timeout=120)
+    except Exception:  # noqa: BLE001 - a server that cannot be asked: the record says the dtype is unknown
+        return None
+
+
+def server_dtype(server: Any) -> str | None:
+    """The dtype one rollout server's engine computes in, read from the engine itself: verl-ext's HF-generate
+    server reports its model's (:meth:`~verl_ext.hf_rollout.server.HFGenerationServer.compute_dtype`); verl's
+    vLLM server holds vLLM's engine as ``engine``, whose model config has the dtype vLLM resolved and loaded
+    the weights in; None for another server."""
+    report = getattr(server, "compute_dtype", None)
+    if callable(report):
+        return report()
+    dtype = getattr(getattr(getattr(server, "engine", None), "model_config", None), "dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _setting(node: Any, key: str) -> Any:

@@ -352,7 +352,9 @@ class RunRecord:
     #: or total_epochs × batches per epoch when that is unset; None: unknown
     planned_steps: int | None = None
     #: (since format 8) the engine that generated the responses: {"name": actor_rollout_ref.rollout.name,
-    #: "version": its package's installed version (None: unknown), "dtype": actor_rollout_ref.rollout.dtype}
+    #: "version": its package's installed version (None: unknown), "dtype": what the engine computes in, as its
+    #: servers reported it when the trace opened (None: unknown; traces written before issue 59 hold
+    #: actor_rollout_ref.rollout.dtype, which hf_generate does not follow)}
     rollout: dict[str, Any] | None = None
     #: (since format 9) this trace is a replay of one step of another (verl_ext.apps.replay): {"of": that
     #: trace's path, "step": n, "mode": "model" | "model-free", "overrides": ["key=value", …],
