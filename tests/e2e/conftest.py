@@ -48,12 +48,23 @@ def ray_cluster(assets):
     cluster.shutdown()
 
 
+def wandb_offline(out: Path) -> dict[str, str]:
+    """The environment of a W&B run that stays on this machine: offline (no network), every file of W&B's
+    under ``out`` (its runs in ``out/wandb/wandb/offline-run-*``), none in the user's home."""
+    (out / "wandb").mkdir(exist_ok=True)
+    return {
+        "WANDB_MODE": "offline", "WANDB_DIR": str(out / "wandb"), "WANDB_CONFIG_DIR": str(out / "wandb" / "config"),
+        "WANDB_CACHE_DIR": str(out / "wandb" / "cache"), "WANDB_DATA_DIR": str(out / "wandb" / "data"),
+    }  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def selftest_run(tmp_path_factory, assets_dir, assets, ray_cluster):
     """``verl-ext selftest --precision bf16 -- <overrides>`` as a user types it, on this cluster
     (``RAY_ADDRESS``): its two runs of verl's legacy trainer (mc with its critic, grpo with groups) in
     verl's GPU settings (tests/e2e/gpu_world.py: bf16, packed sequences, entropy in the loss, dynamic
-    batch size) on two data-parallel ranks, with a probe of the plugin's activation in every process (tests/e2e/activation_probe.py).
+    batch size) on two data-parallel ranks, with a probe of the plugin's activation in every process (tests/e2e/activation_probe.py),
+    and verl's W&B logger beside its file logger, offline, its files in the output directory (:func:`wandb_offline`).
     Read by tests/e2e/test_selftest.py and test_multinode.py.
     Returns (output directory, probe directory, the completed selftest)."""
     # its own runs: one selftest serves the three files (the suite's only legacy runs on Ray)
@@ -72,6 +83,8 @@ def selftest_run(tmp_path_factory, assets_dir, assets, ray_cluster):
         "critic.ppo_max_token_len_per_gpu=28",
         *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{name}='{value}'" for name, value in probe.items()),
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='{ROOT}'",
+        "trainer.logger=[console,file,wandb]",  # the task runner's environment says where W&B writes
+        *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{name}='{value}'" for name, value in wandb_offline(out).items()),
     ]
     env = {
         **os.environ, **probe, "PYTHONPATH": str(ROOT), "VERL_EXT_CPU_ASSETS": str(assets_dir), "RAY_ADDRESS": ray_cluster.address,

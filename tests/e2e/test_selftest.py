@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,42 @@ def test_selftest_passes_here_and_says_what_ran(selftest_run):
     # progress while it ran: each run's steps, on stderr
     assert "[selftest] mc: step 2/2 done" in completed.stderr and "[selftest] grpo: step 2/2 done" in completed.stderr
     assert "[selftest] mc: HF-generate rollout server up" in completed.stderr
+
+
+def wandb_records(run_directory: Path, *options: str) -> list[dict]:
+    """W&B's own reading of an offline run's transaction log (its ``.wandb`` file): ``wandb leet inspect --json``."""
+    script = Path(sysconfig.get_path("scripts"), "wandb")
+    completed = subprocess.run([str(script), "leet", "inspect", "--json", *options, str(run_directory)], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    return [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")] if not options else [json.loads(completed.stdout)]
+
+
+def test_each_run_is_a_finished_wandb_run_with_every_steps_metrics(selftest_run):
+    """Issue 59: a run with verl's W&B logger on Ray lost its metrics. verl's legacy fit() left its logger to be
+    finished at the task runner's exit, after W&B's service had gone: the offline run held the validation
+    before training and nothing after, and said "running". Each run's W&B run, read back with W&B's reader,
+    holds every step's metrics as verl's file logger wrote them (metrics.jsonl), verl-ext's live metrics
+    (verl_ext/…) among them, and finished with exit code 0."""
+    from verl_ext.apps.learning import read_metrics
+
+    out = selftest_run[0]
+    runs = {}
+    for directory in sorted((out / "wandb" / "wandb").glob("offline-run-*")):
+        summary = wandb_records(directory, "--summary")[0]
+        runs[summary["name"]] = (summary, wandb_records(directory))
+    assert sorted(runs) == ["selftest_grpo", "selftest_mc"]
+    for estimator in ("mc", "grpo"):
+        summary, records = runs[f"selftest_{estimator}"]
+        assert (summary["state"], summary["exit_code"]) == ("finished", 0), summary
+        history = {record["history"]["item"]["_step"]: record["history"]["item"] for record in records if record["type"] == "history"}
+        logged = read_metrics(out / estimator)
+        assert sorted(logged) == sorted(history) == [1, 2]
+        for step, metrics in logged.items():
+            assert any(key.startswith("verl_ext/critic/" if estimator == "mc" else "verl_ext/reward/") for key in metrics)
+            assert {key: history[step].get(key) for key in metrics} == metrics, step
+        # W&B's service shut down with the run, not by its exit hook once Ray had ended it: no traceback after training
+        log = (out / estimator / "train.log").read_text()
+        assert "ConnectionResetError" not in log and "Tracking.__del__" not in log
 
 
 def test_a_wrong_estimator_fails_the_selftest_naming_the_identity(selftest_run, run_cli, tmp_path, monkeypatch, isolated_registry):

@@ -124,13 +124,14 @@ def wrap_kl_penalty(original: Callable) -> Callable:
 
 
 def _wrap_fit(original: Callable, trainer_kind: str, check: Callable[[Any], None] | None = None) -> Callable:
-    from verl_ext.integration import step
+    from verl_ext.integration import loggers, step
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
         if check is not None:
             check(self)
-        with step.fit_session(self, trainer_kind) as run:
+        # verl's loggers made in fit() are finished when it ends (verl_ext.integration.loggers: W&B lost the run)
+        with loggers.finished_when_fit_ends(), step.fit_session(self, trainer_kind) as run:
             result = original(self, *args, **kwargs)
             # only once fit() returned after its last step: an error or an interrupt leaves the run
             # record saying the run did not finish
