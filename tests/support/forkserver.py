@@ -83,7 +83,10 @@ CHILD_VARIABLES = {
     "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "COLUMNS", "LINES",
 }  # fmt: skip
 #: Variables native code may read while the libraries load, unseen by the recording of ``os.environ``.
-NATIVE_PREFIXES = ("PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_CPP_", "TORCH_SHOW_CPP_")
+NATIVE_PREFIXES = (
+    "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_CPP_", "TORCH_SHOW_CPP_",
+    "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_",  # which vector units torch's and oneDNN's kernels use
+)  # fmt: skip
 
 SOCKET_NAME, LAUNCHER_NAME, STATS_SUFFIX, LOG_NAME = "server.sock", "python", "stats.json", "server.log"
 #: The launcher's path, for the pytest-xdist workers (they inherit the controller's environment).
@@ -417,6 +420,8 @@ class Server:
             faulthandler.enable()
         if "numpy" in sys.modules:  # seeded from the OS in a fresh interpreter
             sys.modules["numpy"].random.seed()
+        if "torch" in sys.modules:  # torch's default generator too (else every child drew the server's numbers)
+            sys.modules["torch"].seed()
         first = {"-c": "", "-m": os.getcwd()}.get(argv[0], os.path.dirname(os.path.realpath(argv[0])))
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         base = [p for p in self.base_path if p not in self.python_path]
