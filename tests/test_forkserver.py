@@ -84,6 +84,16 @@ def test_a_command_runs_in_a_forked_child_with_the_libraries_loaded(tmp_path):
     assert forked.stdout.split() == [LAUNCHER, "True", "False"]  # verl itself: imported by each child
 
 
+def test_each_command_draws_its_own_random_numbers_as_in_the_real_interpreter(tmp_path):
+    """A real interpreter seeds numpy's and torch's default generators from the OS, so two commands draw
+    different numbers (a CPU run's fresh value head, unseeded, was another one in each run); two children
+    of one server would otherwise both draw from the state the server had when it forked them."""
+    code = "import numpy, torch; print(numpy.random.random(), torch.rand(1).item(), torch.initial_seed())"
+    (real, first), (again, second) = both(["-c", code], tmp_path), both(["-c", code], tmp_path)
+    assert real.stdout.split() != again.stdout.split()  # the real interpreter, twice: the reference
+    assert all(a != b for a, b in zip(first.stdout.split(), second.stdout.split())), (first.stdout, second.stdout)
+
+
 @pytest.mark.parametrize(
     "code",
     [
