@@ -100,6 +100,13 @@ PLUGIN_TOUCHES = (
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_apply_kl_penalty",
     ),
     Touch(
+        "patch", "verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch", "plugin",
+        why="verl's rollout correction replaces the batch's response_mask with the one left after rejection (rollout_rs) "
+        "before the advantage: on a traced step the mask before it is kept, so that the trace tells a rejected token "
+        "(the policy wrote it) from a hole, and turns and roles come from the response's own structure",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_rollout_correction",
+    ),
+    Touch(
         "patch", "verl.trainer.ppo.core_algos", "kl_penalty", "plugin",
         why="the kld_t of a traced step is the one verl computed, not a second computation: inside apply_kl_penalty "
         "on a traced step, the value it returns is kept for the trace; everywhere else it passes through untouched",

@@ -1,8 +1,9 @@
 """Assistant turns (docs/definitions.md §7, "Turns"): where each turn starts, where it ends, and
 which turn every position is in.
 
-An assistant turn is a maximal run of valid tokens; the masked runs between turns are holes, and
-masked tokens before the first turn or after the last one start nothing. These three functions are
+An assistant turn is a maximal run of the policy's tokens (the valid ones, and those verl's rollout
+correction rejected: a rejection is not a hole); the runs between turns are holes, and masked tokens
+before the first turn or after the last one start nothing. These four functions are
 the one definition of the turns: the estimators' kernels and the per-turn rewards call them on torch
 tensors, the trace capture, the inspection and the step metrics on numpy arrays. Each is written
 with operations that numpy arrays and torch tensors share (slices, comparisons, cumsum), so one
@@ -34,3 +35,12 @@ def turn_index(starts):
     index = starts.cumsum(-1)
     index -= 1
     return index
+
+
+def first_of_each_turn(sample, turn):
+    """f_i = (b_i ≠ b_{i−1}) ∨ (k_i ≠ k_{i−1}), f_0 = true: over the valid tokens in (sample, position)
+    order, with their samples b and turns k (of the policy's tokens), the first valid token of each
+    turn, which is its first token unless verl's rejection took that one out: (N,) and (N,) give (N,) bool."""
+    first = sample == sample
+    first[1:] = (sample[1:] != sample[:-1]) | (turn[1:] != turn[:-1])
+    return first

@@ -28,6 +28,8 @@ VERL_BATCH_KEYS = {
     "advantage": "advantages",
     "old_log_prob": "old_log_probs",
     "ref_log_prob": "ref_log_prob",
+    "rollout_log_prob": "rollout_log_probs",
+    "rollout_is_weight": "rollout_is_weights",
 }
 
 

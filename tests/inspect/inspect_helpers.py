@@ -79,6 +79,12 @@ class Batch:
     kl_coef: float | None = None
     turn_score: torch.Tensor | None = None
     tool_reward: torch.Tensor | None = None
+    #: verl's rollout correction (docs/definitions.md#off-policy-tokens): the log-probs, its weights and
+    #: the tokens its rejection took out of ``mask``
+    old_log_prob: torch.Tensor | None = None
+    rollout_log_prob: torch.Tensor | None = None
+    rollout_is_weight: torch.Tensor | None = None
+    rejected: torch.Tensor | None = None
 
 
 def random_batch(
@@ -244,6 +250,7 @@ def write_trace(
             floats = dict(
                 score=b.scores, reward=b.rewards, value=b.values, advantage=b.advantages,
                 advantage_raw=b.advantage_raw, kl=b.kl, turn_score=b.turn_score, tool_reward=b.tool_reward,
+                old_log_prob=b.old_log_prob, rollout_log_prob=b.rollout_log_prob, rollout_is_weight=b.rollout_is_weight,
             )  # fmt: skip
             floats["return"] = b.returns
             writer.submit(
@@ -261,6 +268,7 @@ def write_trace(
                     truncation=(truncations or {}).get(step),
                     stop_reasons=(stop_reasons or {}).get(step),
                     whitening=registry.whitening_statistics(b.advantage_raw, b.mask, (truncations or {}).get(step)),
+                    rejected=b.rejected,
                 )
             )
             for update in (updates or {}).get(step, []):

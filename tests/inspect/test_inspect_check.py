@@ -326,7 +326,7 @@ def test_catches_rows_past_the_last_valid_token(tmp_path):
     result = check_trace(path)["mask_layout"]
     assert result.status == "fail"
     assert result.first.location.step == 2 and result.first.location.sample == 0
-    assert "last valid token" in result.first.detail
+    assert "the policy's last token" in result.first.detail
 
 
 def test_catches_a_wrong_turn_and_skips_a_trace_without_turns(tmp_path):
@@ -377,7 +377,7 @@ def test_catches_a_hole_written_as_the_assistants_and_a_valid_token_without_a_ro
     result = check_trace(path)["roles"]
     assert (result.status, result.violations) == ("fail", 1)
     assert (result.first.location.sample, result.first.location.token_index) == (1, hole)
-    assert result.first.detail == "role 'assistant', expected not assistant (mask false)"
+    assert result.first.detail == "role 'assistant', expected not assistant (a hole)"
     rewrite_step(path, 1, table=and_no_role)
     result = check_trace(path)["roles"]
     assert (result.status, result.violations) == ("fail", 2) and result.first.location.sample == 1
@@ -385,7 +385,7 @@ def test_catches_a_hole_written_as_the_assistants_and_a_valid_token_without_a_ro
     result = check_trace(path)["roles"]
     assert (result.status, result.violations) == ("fail", 1)
     assert (result.first.location.sample, result.first.location.token_index) == (2, written)
-    assert result.first.detail == "role None, expected assistant (mask true)"
+    assert result.first.detail == "role None, expected assistant (the policy's token)"
 
 
 def test_catches_a_tool_reward_off_its_turn_end_and_rewards_without_it(tmp_path):

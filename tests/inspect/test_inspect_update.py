@@ -170,6 +170,28 @@ def test_an_update_table_whose_rows_are_not_the_run_records_fails(tmp_path):
     assert (result.first.column, result.first.actual, result.first.expected) == ("critic rows", 12, 11)
 
 
+def test_a_loss_call_without_valid_tokens_counts_in_verls_metric_means(tmp_path, monkeypatch):
+    """A micro-batch whose tokens verl's rollout correction all rejected trains no row, yet verl averages
+    its clip fraction (Σ/(0 + 1e-8) = 0) with the others': a second micro-batch of (epoch 0, mini-batch 1)
+    without valid tokens makes that mini-batch's clip fraction (1/3 + 0)/2, the step's (0 + 1/6 + 1/3 + 1/3)/4
+    = 5/24 by hand (the dual fraction, 1/6, does not move)."""
+
+    def empty(epoch: int, minibatch: int) -> dict:
+        call = actor_part(epoch, minibatch)  # every column reported, of no row
+        call["columns"] = {name: values[:0] for name, values in call["columns"].items()}
+        return {**call, "microbatch": 1, "valid_tokens": 0}
+
+    def with_empty_call(parts):
+        parts["actor"].append(empty(0, 1))
+
+    monkeypatch.setitem(LOGGED, "actor", {**LOGGED["actor"], "actor/pg_clipfrac": 5 / 24})
+    path = hand_trace(tmp_path / "t", with_empty_call)
+    assert open_trace(path).update_record("actor", 1).empty_microbatches == [[0, 1, 1, 0]]
+    assert update_statuses(path)["update_metrics"] == "pass"
+    monkeypatch.setitem(LOGGED, "actor", {**LOGGED["actor"], "actor/pg_clipfrac": 0.25})  # as if the call had not been
+    assert update_statuses(hand_trace(tmp_path / "u", with_empty_call))["update_metrics"] == "fail"
+
+
 def test_show_adds_the_update_of_an_epoch(tmp_path, run_cli):
     code, out, err = run_cli("show", hand_trace(tmp_path / "t"), "--sample", "1", "--epoch", "1", "--format", "csv")
     assert code == 0, err

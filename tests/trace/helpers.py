@@ -43,8 +43,10 @@ def make_capture(
     missing: tuple[str, ...] = (),
     dtype: torch.dtype = torch.float32,
     prompt_length: int = 4,
+    rejected=None,
 ) -> StepCapture:
-    """A capture with random float tensors (``missing`` columns set to None), left-padded prompts."""
+    """A capture with random float tensors (``missing`` columns set to None), left-padded prompts;
+    ``rejected``: the tokens verl's rollout correction took out of ``mask``."""
     generator = torch.Generator().manual_seed(seed)
     response_mask = torch.tensor(mask, dtype=torch.int64)
     batch, length = response_mask.shape
@@ -64,29 +66,34 @@ def make_capture(
     floats.update({name: None for name in missing if name in floats})
     # the estimate's statistics, as the integration hands them over
     whitening = registry.whitening_statistics(floats["advantage_raw"], response_mask)
-    return StepCapture(floats=floats, whitening=whitening, **fields)
+    rejected = None if rejected is None else torch.tensor(rejected, dtype=torch.bool)
+    return StepCapture(floats=floats, whitening=whitening, rejected=rejected, **fields)
 
 
 def reference_rows(capture, max_samples=None) -> list[dict]:
-    """The token table written out by hand: one row per position up to each last valid token."""
+    """The token table written out by hand: one row per position up to each last token of the policy's
+    own (valid, or rejected by verl's rollout correction: ``capture.rejected``)."""
     mask = capture.mask.tolist()
+    rejected = None if capture.rejected is None else capture.rejected.tolist()
+    own = [[bool(m) or bool(rejected and rejected[i][t]) for t, m in enumerate(row)] for i, row in enumerate(mask)]
     kept = len(mask) if max_samples is None else min(len(mask), max_samples)
     rows = []
     for i in range(kept):
-        valid = [t for t, flag in enumerate(mask[i]) if flag]
+        written = [t for t, flag in enumerate(own[i]) if flag]
         record = None if capture.agent_turns is None else capture.agent_turns[i]
         roles = [name for name, count in record["roles"] for _ in range(count)] if record else None
-        for t in range(valid[-1] + 1 if valid else 0):
+        for t in range(written[-1] + 1 if written else 0):
             row = {
                 "sample": i,
                 "uid": None if capture.uid is None else str(capture.uid[i]),
                 "token_index": t,
                 "token_id": None if capture.token_id is None else int(capture.token_id[i, t]),
                 "mask": bool(mask[i][t]),
-                # the holes (runs of masked tokens between two valid ones) that end before t
-                "turn": sum(1 for u in range(1, t + 1) if mask[i][u] and not mask[i][u - 1] and any(mask[i][:u])),
+                "rejected": None if rejected is None else bool(rejected[i][t]),
+                # the holes (runs of tokens the policy did not write, between two it did) that end before t
+                "turn": sum(1 for u in range(1, t + 1) if own[i][u] and not own[i][u - 1] and any(own[i][:u])),
                 # the model's tokens are the assistant's; a hole's, the agent loop's record's (else unknown)
-                "role": "assistant" if mask[i][t] else (roles[t] if roles else None),
+                "role": "assistant" if own[i][t] else (roles[t] if roles else None),
             }
             for column in FLOAT_COLUMN_NAMES:
                 tensor = capture.floats.get(column)

@@ -41,6 +41,26 @@ def test_rows_follow_the_mask_layout():
     ]  # fmt: skip
 
 
+def test_a_rejected_token_is_the_policys_not_a_hole():
+    """verl's rejection takes tokens out of the mask (docs/definitions.md#off-policy-tokens): they keep their
+    rows, their turn and their role, and say ``rejected``. Sample 0: one rejected inside its only turn and
+    its last token rejected (rows run to it); sample 1: a rejected token inside a real hole's neighbour;
+    sample 2: wholly rejected (its rows are there, none valid)."""
+    mask = [[1, 0, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0]]
+    rejected = [[0, 1, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]]
+    capture = make_capture(mask=mask, rejected=rejected)
+    rows = table_rows(capture)
+    assert rows == reference_rows(capture)
+    by_sample = {sample: [r for r in rows if r["sample"] == sample] for sample in range(3)}
+    assert [(r["mask"], r["rejected"], r["turn"], r["role"]) for r in by_sample[0]] == [
+        (True, False, 0, "assistant"), (False, True, 0, "assistant"), (True, False, 0, "assistant"), (False, True, 0, "assistant"),
+    ]  # fmt: skip
+    assert [r["turn"] for r in by_sample[1]] == [0, 0, 0, 1, 1]  # the hole at 1–2 is a turn boundary; the rejection at 4 is not
+    assert [(r["mask"], r["rejected"]) for r in by_sample[2]] == [(False, True)] * 3
+    without = table_rows(make_capture(mask=mask))  # no correction: null, and the rows end at the last valid token
+    assert [r["rejected"] for r in without] == [None] * 7 and len(without) == 3 + 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_values_match_the_reference_for_each_input_dtype(dtype):
     capture = make_capture(dtype=dtype)

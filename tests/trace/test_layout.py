@@ -206,7 +206,7 @@ def test_every_file_stores_the_step_its_name_says(trace_dir):
         assert table.schema.field("step").type == pa.int64() and set(table["step"].to_pylist()) == {step}, relative
         assert table.schema.metadata[b"verl_ext.schema_version"] == str(SCHEMA_VERSION).encode()
     record = json.loads((root / "_run.json").read_text())
-    assert record["schema_version"] == SCHEMA_VERSION == 9
+    assert record["schema_version"] == SCHEMA_VERSION == 10
     entry = record["steps"]["11"]
     assert (entry["file"], entry["prompts_file"], entry["updates"]["actor"]["file"]) == (
         "step-11/part-0.parquet", "_prompts/step-11.parquet", "_actor_update/step-11/part-0.parquet"
@@ -266,7 +266,7 @@ def test_verl_ext_check_reads_an_old_layout_trace(tmp_path, run_cli):
     assert (path / "step=1" / "part-0.parquet").is_file() and (path / "_actor_update" / "step=1").is_dir()
     old_code, old_out, old_err = run_cli("check", str(path))
     # the same report, but a trace before format 4 has no turns to check, nor roles (format 5)
-    turns, roles = "turn = the holes before the token", "role = assistant exactly on valid tokens"
+    turns, roles = "turn = the holes before the token", "role = assistant exactly on the policy's tokens"
     assert (old_code, old_err) == (0, err) and all(re.search(rf"{i}.*skipped", old_out) and re.search(rf"{i}.*pass", out) for i in (turns, roles))
     # neither says whether the run finished, nor its rollout engine; the old one says why it cannot
     assert "finished:  unknown (a trace before format 8)" in old_out and "finished:  unknown (the run record does not say)" in out

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from verl_ext.check import update_checks
+from verl_ext.check import correction_checks, update_checks
 from verl_ext.check.results import ELEMENTWISE, EXACT, Tolerance
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.check.token_checks import ACCUMULATED, STATISTICS, WHITENING, TokenStep, steps_on_disk
@@ -72,6 +72,16 @@ def _whitening_title(a: RecordedAlgorithm) -> str:
     return "advantages = masked_whiten(raw advantage)"
 
 
+def _weights_title(a: RecordedAlgorithm) -> str:
+    c = a.correction
+    band = f"IcePop [{c.is_lower:g}, {c.is_upper:g}]" if c.is_lower is not None else f"TIS ≤ {c.is_upper:g}"
+    return f"rollout_is_weight = π_old/π_rollout recomputed ({c.rollout_is}, {band}{', batch-normalised' if c.batch_normalize else ''})"
+
+
+def _rejection_title(a: RecordedAlgorithm) -> str:
+    return f"rejected = the policy's tokens {', '.join(option.name for option in a.correction.rejection)} reject"
+
+
 def _accumulated(a: RecordedAlgorithm) -> bool:
     """The raw advantage is recomputed with the estimator (else it is checked as returns − values);
     an estimator missing here is named too, on the row that says it was not checked."""
@@ -113,7 +123,7 @@ IDENTITIES = (
         TokenStep.mask_layout, counts="row",
     ),
     Identity("turns", "8.5", TOKEN, "turn = the holes before the token (§7)", EXACT, TokenStep.turns, counts="row"),
-    Identity("roles", "8.5", TOKEN, "role = assistant exactly on valid tokens (§7)", EXACT, TokenStep.roles, counts="row"),
+    Identity("roles", "8.5", TOKEN, "role = assistant exactly on the policy's tokens (§7)", EXACT, TokenStep.roles, counts="row"),
     Identity("finite", "8.5", TOKEN, "quantities present and finite on valid tokens", EXACT, TokenStep.finite),
     Identity("steps_on_disk", "8.5", RUN, "every step and update table of the run record is on disk and reads", EXACT, steps_on_disk, counts="file"),
     # docs/definitions.md#truncated-responses: only in the report of a run that treats cut responses apart
@@ -129,6 +139,19 @@ IDENTITIES = (
     Identity(
         "stop_reason", "8.7", TOKEN, "truncated = the rollout engine stopped at the length limit (its stop reason)", EXACT,
         TokenStep.stop_reason, counts="response", applies=lambda a: a.rollout in STOP_REASON_ROLLOUTS,
+    ),
+    # docs/definitions.md#off-policy-tokens: only in the report of a run with verl's rollout correction
+    Identity(
+        "is_weights", "8.8", TOKEN, _weights_title, correction_checks.WEIGHT, correction_checks.is_weights,
+        applies=lambda a: a.correction is not None and a.correction.rollout_is is not None and not a.correction.bypass_mode,
+    ),
+    Identity(
+        "rejection", "8.8", TOKEN, _rejection_title, correction_checks.THRESHOLD, correction_checks.rejection,
+        applies=lambda a: a.correction is not None and bool(a.correction.rejection) and not a.correction.bypass_mode,
+    ),
+    Identity(
+        "bypass", "8.8", TOKEN, "old_log_prob = rollout_log_prob (bypass mode)", EXACT, correction_checks.bypass,
+        applies=lambda a: a.correction is not None and a.correction.bypass_mode,
     ),
     Identity(
         "update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table; count as recorded",

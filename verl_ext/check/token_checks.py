@@ -27,7 +27,10 @@ from verl_ext.torch_threads import one_torch_thread
 from verl_ext.trace.schema import ROLE_ASSISTANT, since
 
 #: The token-table columns the identities read.
-QUANTITIES = ("score", "reward", "value", "return", "advantage", "advantage_raw", "kl", "old_log_prob", "turn_score", "tool_reward")
+QUANTITIES = (
+    "score", "reward", "value", "return", "advantage", "advantage_raw", "kl", "old_log_prob", "turn_score", "tool_reward",
+    "rollout_log_prob", "rollout_is_weight",
+)  # fmt: skip
 #: The per-turn rewards added to the scores (verl_ext.turn_rewards, docs/definitions.md §7), by source.
 TURN_REWARDS = ("turn_score", "tool_reward")
 
@@ -126,6 +129,11 @@ class TokenStep:
         )
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def correction(self):
+        """The run's rollout correction (:class:`verl_ext.rollout_correction.Correction`), or None."""
+        return self.algorithm.correction
 
     def _inputs(self) -> tuple[str, ...]:
         """The columns the run's estimator computes from."""
@@ -430,12 +438,12 @@ class TokenStep:
             return Finding("skipped", note=f"no role column (a trace written before format {since('role')})")
         # compared in Arrow: a Python string per row cost about a sixth of the step's check
         assistant = pc.equal(column, ROLE_ASSISTANT).fill_null(False).to_numpy()
-        wrong = np.flatnonzero(assistant != self.data.layout.mask)  # a null role on a valid token is wrong too
+        wrong = np.flatnonzero(assistant != self.data.layout.own)  # a null role on the policy's token is wrong too
         first = None
         if len(wrong):
             row = int(wrong[0])
             sample, token = self.data.row_location(row)
-            due = "assistant (mask true)" if self.data.layout.mask[row] else "not assistant (mask false)"
+            due = "assistant (the policy's token)" if self.data.layout.own[row] else "not assistant (a hole)"
             first = Violation(Location(self.step, sample, token), "role", detail=f"role {column[row].as_py()!r}, expected {due}")
         return Finding("fail" if len(wrong) else "pass", checked=len(column), violations=len(wrong), first=first)
 

@@ -176,7 +176,9 @@ def update_rows(u: UpdateStep) -> Finding:
     # a model-free replay (verl_ext.apps.replay) holds some mini-batches of an epoch: a token they lack is not missing
     partial = bool((u.trace.record.replay or {}).get("minibatches"))
     checked, problems, first = 0, 0, None
-    joined = {"actor": ("old_log_prob", "advantage"), "critic": ("value", "return")}
+    # update column -> the token table's: the weight the loss used is the one verl computed at the advantage step
+    joined = {"actor": {"old_log_prob": "old_log_prob", "advantage": "advantage", "is_weight": "rollout_is_weight"},
+              "critic": {"value": "value", "return": "return"}}  # fmt: skip
     entry = u.trace.record.steps.get(str(u.step))
     for kind, table in (("actor", u.actor), ("critic", u.critic)):
         if table is None:
@@ -200,8 +202,8 @@ def update_rows(u: UpdateStep) -> Finding:
                     location, column = u.where(table, kind)(int(where[0]) if len(where) else int(np.flatnonzero(in_epoch)[0]))
                     first = Violation(location, column, detail=f"epoch {epoch}: {missing} valid token(s) not trained, "
                                       f"{repeated} trained more than once, {stray} row(s) not in the token table")  # fmt: skip
-        for column in joined[kind]:
-            expected = u.tokens.columns.get(column)
+        for column, token_column in joined[kind].items():
+            expected = u.tokens.columns.get(token_column)
             if expected is None or table.get(column) is None:
                 continue
             mismatch = found & ~(np.abs(table[column] - expected[index]) <= ELEMENTWISE(np.abs(expected[index])))
@@ -312,6 +314,7 @@ def update_metrics(u: UpdateStep) -> Finding:
         if table is None:
             continue
         record = u.trace.update_record(kind, u.step)
+        empty = record.empty_microbatches
         settings = u.settings[kind]
         mode = settings["loss_agg_mode"]
         term = table["pg_loss"] if kind == "actor" else table["vf_loss"]
@@ -322,16 +325,16 @@ def update_metrics(u: UpdateStep) -> Finding:
         if kind == "actor":
             clipfrac_lower_key, ppo_kl_key = more
             codes = table["clip"]
-            values[clipfrac_key] = (_metric_mean(table, (codes == CLIP_LOW) | (codes == CLIP_HIGH), kind), ATOL)
-            values[clipfrac_lower_key] = (_metric_mean(table, codes == CLIP_DUAL, kind), ATOL)
+            values[clipfrac_key] = (_metric_mean(table, (codes == CLIP_LOW) | (codes == CLIP_HIGH), kind, empty), ATOL)
+            values[clipfrac_lower_key] = (_metric_mean(table, codes == CLIP_DUAL, kind, empty), ATOL)
             if u.loss_mode == "vanilla":  # verl's ppo_kl: the micro-batch mean of −clamp(Δlog-prob) = −log ratio
                 log_ratio = np.log(table["ratio"])
                 # verl averages Δlog-prob in the loss's dtype, whose ratio (read here) rounds once more
                 eps = u.eps("actor")
                 bound = AGGREGATE(largest, float(np.nanmax(np.abs(log_ratio))) if len(log_ratio) else 0.0, eps) + eps
-                values[ppo_kl_key] = (_metric_mean(table, -log_ratio, kind), bound)
+                values[ppo_kl_key] = (_metric_mean(table, -log_ratio, kind, empty), bound)
         else:
-            values[clipfrac_key] = (_metric_mean(table, table["vf_clipped"], kind), ATOL)
+            values[clipfrac_key] = (_metric_mean(table, table["vf_clipped"], kind, empty), ATOL)
         for name, (value, tolerance) in values.items():
             if name in record.logged:
                 names.append(name)
@@ -366,12 +369,16 @@ def _aggregate(table, term: np.ndarray, minibatches: list[dict], mode: str, scal
     return float(np.mean(values)) if values else float("nan")
 
 
-def _metric_mean(table, values: np.ndarray, kind: str) -> float:
+def _metric_mean(table, values: np.ndarray, kind: str, empty: list = ()) -> float:
     """A metric verl logs per micro-batch (clip fractions, ppo_kl): a token mean per micro-batch, then
     means over ranks, micro-batches and mini-batches (actor, ``Metric`` MEAN), or one flat mean of all
-    micro-batch values (critic)."""
+    micro-batch values (critic). ``empty``: the (epoch, minibatch, microbatch, rank) of loss calls with no
+    valid token, whose masked mean verl takes as 0 (Σ/(0 + 1e-8))."""
     groups, inverse = _unique_rows([table[k] for k in ("epoch", "minibatch", "microbatch", "rank")])
     per_micro = np.bincount(inverse, weights=values.astype(np.float64)) / np.bincount(inverse)
+    if len(empty):
+        groups = np.concatenate([groups.reshape(-1, 4), np.asarray(empty, np.int64).reshape(-1, 4)])
+        per_micro = np.concatenate([per_micro, np.zeros(len(empty))])
     if kind == "critic":
         return float(per_micro.mean())
     by = {}

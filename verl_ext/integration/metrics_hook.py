@@ -20,15 +20,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float]:
+def live_metrics(data: Any, gamma: float, advantage_raw: Any, own_mask: Any = None) -> dict[str, float]:
     """``verl_ext/…`` -> value for a verl ``DataProto`` holding rewards, advantages (and values,
-    returns), computed from its valid tokens by :func:`verl_ext.step_metrics.step_metrics`."""
+    returns), computed from its valid tokens by :func:`verl_ext.step_metrics.step_metrics`; the turns
+    from ``own_mask``, the response mask before verl's rollout correction rejected tokens (None: none)."""
     import numpy as np
     import torch
 
     from verl_ext import registry
-    from verl_ext.turns import turn_starts
     from verl_ext.step_metrics import Responses, prefixed, step_metrics
+    from verl_ext.turns import first_of_each_turn, turn_index, turn_starts
 
     batch = data.batch
     keys = set(batch.keys())
@@ -59,8 +60,13 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any) -> dict[str, float
         scores = (batch["token_level_scores"].float() * mask).sum(-1).numpy()[has_tokens]
     if data.non_tensor_batch.get("uid") is not None:
         uid = np.asarray(data.non_tensor_batch["uid"])[has_tokens]
+    if own_mask is None:
+        starts = at_valid_tokens(turn_starts(mask))
+    else:  # a rejected token is the policy's: the turns are the own mask's, their starts its first valid tokens
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        starts = first_of_each_turn(rows, at_valid_tokens(turn_index(turn_starts(own_mask))))
     metrics = step_metrics(
-        Responses.of(lengths, at_valid_tokens(turn_starts(mask))),
+        Responses.of(lengths, starts),
         returns=at_valid_tokens(returns),
         values=at_valid_tokens(values),
         advantage_raw=at_valid_tokens(advantage_raw),

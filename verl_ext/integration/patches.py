@@ -123,6 +123,16 @@ def wrap_kl_penalty(original: Callable) -> Callable:
     return kl_penalty
 
 
+def wrap_rollout_correction(original: Callable) -> Callable:
+    from verl_ext.integration import step
+
+    @functools.wraps(original)
+    def compute_rollout_correction_and_add_to_batch(batch, *args, **kwargs):
+        return step.rollout_corrected(batch, lambda: original(batch, *args, **kwargs))
+
+    return compute_rollout_correction_and_add_to_batch
+
+
 def _wrap_fit(original: Callable, trainer_kind: str, check: Callable[[Any], None] | None = None) -> Callable:
     from verl_ext.integration import loggers, step
 

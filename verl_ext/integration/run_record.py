@@ -43,6 +43,7 @@ def run_record(config: Any, kind: str, options: TraceOptions, trainer: Any = Non
             "use_kl_in_reward": bool(algorithm.use_kl_in_reward),
             "kl_penalty": str(algorithm.kl_penalty),
             "kl_ctrl": OmegaConf.to_container(algorithm.kl_ctrl, resolve=True),
+            "rollout_correction": rollout_correction(algorithm),
         },
         model_path=str(model.path),
         tokenizer_path=str(model.get("tokenizer_path") or model.path),
@@ -56,6 +57,15 @@ def run_record(config: Any, kind: str, options: TraceOptions, trainer: Any = Non
         rollout=rollout_engine(config.actor_rollout_ref.rollout, engine_dtype(trainer)),
         config=resolved_config(config),
     )
+
+
+def rollout_correction(algorithm: Any) -> dict[str, Any] | None:
+    """``algorithm.rollout_correction`` as the checker recomputes it (verl_ext.rollout_correction), None
+    where the run corrects nothing."""
+    from verl_ext.rollout_correction import Correction
+
+    correction = Correction.from_config(algorithm.get("rollout_correction"))
+    return None if correction is None else correction.settings()
 
 
 def resolved_config(config: Any) -> dict[str, Any] | None:

@@ -138,6 +138,10 @@ class Estimated:
     metrics: dict[str, float]
     #: the first non-finite value's error, raised once the step is captured
     nonfinite: Exception | None
+    #: what verl computed before the advantage step and handed over: the KL apply_kl_penalty applied,
+    #: the response mask before its rollout correction rejected tokens (None: none at this step)
+    kl: KlApplied | None = None
+    own_mask: Any = None
 
 
 def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dict[str, Any], verl_compute_advantage: Callable[[], Any]) -> Estimated:
@@ -145,7 +149,9 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
     runs verl's own), in the order of the module's story."""
     from verl_ext import registry
 
-    data, traced = arguments["data"], run.traces_current_step()
+    data, traced, step = arguments["data"], run.traces_current_step(), run.global_step()
+    kl, own = _handed_over(_KL_APPLIED, step), _handed_over(_OWN_MASK, step)
+    own_mask = None if own is None else own.mask
     placed = turn_rewards_hook.place(data, *turn_rewards_hook.sources(data, source.extra_fields)) if run.turn_rewards else None
     mode = truncation_hook.mode_of(arguments.get("config"))
     truncation = None if mode == TRUNCATION_DEFAULT else truncation_hook.truncation_of(data, mode, run.trainer, source.stored)
@@ -164,18 +170,18 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
         whitening = registry.whitening_statistics(raw, data.batch["response_mask"], truncation) if traced else None
     metrics = {}
     if run.metrics:
-        metrics = metrics_hook.live_metrics(data, arguments["gamma"], raw) | ({} if placed is None else placed.metrics)
-    step = run.global_step()
+        metrics = metrics_hook.live_metrics(data, arguments["gamma"], raw, own_mask) | ({} if placed is None else placed.metrics)
     if step is None:  # outside fit(): the batch's step when it has one
         step = getattr(data, "meta_info", {}).get("global_steps")
     nonfinite = nonfinite_hook.check(data, run.nonfinite, None if step is None else int(step))
-    return Estimated(data, traced, placed, raw, truncation, whitening, metrics, nonfinite)
+    return Estimated(data, traced, placed, raw, truncation, whitening, metrics, nonfinite, kl, own_mask)
 
 
-def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch, kl: KlApplied | None) -> Any:
-    """The trace's capture of a traced step (step 3 of the story), from the batch verl keeps and the
-    KL ``apply_kl_penalty`` computed at the step (None: no KL in the reward)."""
+def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch) -> Any:
+    """The trace's capture of a traced step (step 3 of the story), from the batch verl keeps."""
     tensors, uid, agent_turns, stop_reasons = source.captured(estimated.data)
+    own_mask, kl = estimated.own_mask, estimated.kl
+    rejected = None if own_mask is None else own_mask.bool() & ~tensors["response_mask"].bool()
     placed = estimated.placed
     if placed is not None:  # V1 on grpo: verl estimates on a copy of the batch, which has them
         tensors["token_level_rewards"] = placed.rewards
@@ -187,7 +193,7 @@ def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueue
     }
     kl_coef = None if kl is None else kl.beta
     return trace_hook.step_capture(
-        run.trainer, tensors, uid, computed, kl_coef, agent_turns, estimated.truncation, stop_reasons, estimated.whitening
+        run.trainer, tensors, uid, computed, kl_coef, agent_turns, estimated.truncation, stop_reasons, estimated.whitening, rejected
     )
 
 
@@ -206,10 +212,10 @@ def written(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueB
 def _finish(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch) -> Any:
     """Capture and write a step: what both trainers do once the advantages are in verl's batch.
     Returns what the trainer goes on with; a non-finite value raises once the step is kept."""
-    kl = _KL_APPLIED.get()
-    _KL_APPLIED.set(None)  # taken once: a later step without KL in the reward must not see it
+    _KL_APPLIED.set(None)  # taken: a later step without KL in the reward or a correction must not see them
+    _OWN_MASK.set(None)
     if estimated.traced and estimated.data is not None:
-        run.writer.submit(captured(run, estimated, source, kl if kl is not None and kl.step == run.global_step() else None))
+        run.writer.submit(captured(run, estimated, source))
     going_on = written(run, estimated, source)
     if estimated.nonfinite is not None:
         raise estimated.nonfinite
@@ -334,6 +340,33 @@ def kl_penalty_returned(kld: Any) -> None:
     seen = _KL_SEEN.get()
     if seen is not None:
         seen.append(kld)
+
+
+@dataclass(frozen=True)
+class OwnMask:
+    """The response mask of ``step`` before verl's rollout correction rejected tokens from it."""
+
+    step: int | None
+    mask: Any
+
+
+_OWN_MASK: contextvars.ContextVar[OwnMask | None] = contextvars.ContextVar("verl_ext_own_mask", default=None)
+
+
+def rollout_corrected(batch: Any, correct: Callable[[], Any]) -> Any:
+    """verl's ``compute_rollout_correction_and_add_to_batch`` on ``batch`` (``correct()``), which replaces
+    its response mask with the one left after rejection: the mask before is kept for the step (the tokens
+    the policy wrote: the rejected ones are not holes), for its capture and its live metrics' turns."""
+    own = batch.batch["response_mask"]  # verl assigns a new tensor to the key: this one stays as it is
+    result = correct()
+    _OWN_MASK.set(OwnMask(current_run().global_step(), own))
+    return result
+
+
+def _handed_over(variable: contextvars.ContextVar, step: int | None) -> Any:
+    """What ``variable`` holds for ``step`` (the step's own advantage call clears it once it is done)."""
+    held = variable.get()
+    return held if held is not None and held.step == step else None
 
 
 #: The legacy step's live metrics, from its compute_advantage to its compute_data_metrics.

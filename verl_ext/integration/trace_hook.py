@@ -67,6 +67,7 @@ def step_capture(
     truncation: Any = None,
     stop_reasons: Any = None,
     whitening: dict[str, float] | None = None,
+    rejected: torch.Tensor | None = None,
 ) -> Any:
     """One step's :class:`~verl_ext.trace.capture.StepCapture`, for the writer. ``batch``: verl's tensors
     under verl's batch keys; ``computed``: the columns verl-ext computed (advantage_raw, kl, turn_score,
@@ -75,7 +76,8 @@ def step_capture(
     estimate's :class:`~verl_ext.truncation.Truncation` (None: terminal), whose cut and V(s_L) the
     trace records; ``stop_reasons``: the rollout engine's per sample, or None
     (:mod:`verl_ext.integration.stop_reasons`); ``whitening``: the estimate's statistics of the raw
-    advantage the step's advantages were whitened with."""
+    advantage the step's advantages were whitened with; ``rejected``: the tokens verl's rollout correction
+    took out of the response mask (None: no correction)."""
     from verl_ext.trace.capture import StepCapture
     from verl_ext.trace.schema import FLOAT_COLUMNS
 
@@ -102,6 +104,7 @@ def step_capture(
         truncation=truncation,
         stop_reasons=None if stop_reasons is None else list(stop_reasons),
         whitening=whitening,
+        rejected=rejected,
     )
 
 

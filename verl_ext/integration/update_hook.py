@@ -240,6 +240,7 @@ def _report(kind: str, data, mask: torch.Tensor, columns: dict[str, torch.Tensor
         "batch_num_tokens": _integer(tu.get(data, "batch_num_tokens", None)),
         "global_batch_size": _integer(tu.get(data, "global_batch_size", None)),
         "dp_size": _integer(tu.get(data, "dp_size", None)),
+        "valid_tokens": int(mask.sum()),  # traced or not: a call with none still counts in verl's metric means
         "columns": report_columns,
     }
 

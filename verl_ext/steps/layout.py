@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 import numpy as np
 import pyarrow as pa
 
-from verl_ext.turns import turn_index, turn_starts
+from verl_ext.turns import first_of_each_turn, turn_index, turn_starts
 
 #: Called by a scan after each step with (steps done, steps in all, valid tokens so far).
 Progress = Callable[[int, int, int], None]
@@ -38,7 +38,7 @@ def as_trace(trace_or_path):
 # --------------------------------------------------------------------------- a step as arrays
 
 
-LAYOUT_COLUMNS = ("sample", "token_index", "mask")
+LAYOUT_COLUMNS = ("sample", "token_index", "mask", "rejected")
 
 
 def floats(column: pa.ChunkedArray | pa.Array, dtype=np.float64) -> np.ndarray:
@@ -191,11 +191,14 @@ class StepLayout:
 
     @classmethod
     def of(cls, table: pa.Table) -> "StepLayout":
-        """The layout of a token table (of its LAYOUT_COLUMNS)."""
+        """The layout of a token table (of its LAYOUT_COLUMNS; a table without ``rejected``, or with it
+        null, rejected nothing)."""
+        rejected = table.column("rejected") if "rejected" in table.column_names else None
         return cls(
             table.column("sample").to_numpy(),
             table.column("token_index").to_numpy(),
             table.column("mask").to_numpy(zero_copy_only=False),
+            None if rejected is None or rejected.null_count == len(rejected) else rejected.fill_null(False).to_numpy(zero_copy_only=False),
         )
 
     @classmethod
@@ -203,7 +206,9 @@ class StepLayout:
         """The layout of a step, reading its LAYOUT_COLUMNS only."""
         return cls.of(trace.read_step(step, list(LAYOUT_COLUMNS)))
 
-    def __init__(self, sample: np.ndarray, token_index: np.ndarray, mask: np.ndarray):
+    def __init__(self, sample: np.ndarray, token_index: np.ndarray, mask: np.ndarray, rejected: np.ndarray | None = None):
+        """``mask``: the tokens the estimate and the update used (the valid tokens); ``rejected``: the
+        policy's tokens verl's rollout correction took out of it (None: none)."""
         n = len(sample)
         starts_here = np.ones(n, dtype=bool)
         starts_here[1:] = sample[1:] != sample[:-1]
@@ -214,6 +219,9 @@ class StepLayout:
         self.position = np.arange(n) - self.starts[self.row_sample]
         self.token_index = token_index
         self.mask = mask
+        self.rejected = rejected
+        #: the policy's own tokens: the valid ones and the rejected ones (a rejection is not a hole)
+        self.own = mask if rejected is None else mask | rejected
         self.valid_rows = np.flatnonzero(mask)
         valid_sample = self.row_sample[self.valid_rows]
         self.valid_counts = np.bincount(valid_sample, minlength=len(self.starts))  # L of each sample
@@ -226,21 +234,25 @@ class StepLayout:
     @cached_property
     def row_turn_starts(self) -> np.ndarray:
         """(rows,) bool: the first token of an assistant turn (docs/definitions.md §7), i.e. its
-        sample's first valid token or one right after a masked row."""
-        starts = turn_starts(self.mask)
+        sample's first token of the policy's or one right after a hole (a rejected token is the
+        policy's: :attr:`own`)."""
+        starts = turn_starts(self.own)
         # the rows run on from one sample to the next: a sample's first row starts a turn when it is
-        # valid, whatever the sample before it ended with
-        starts[self.starts] = self.mask[self.starts] != 0
+        # the policy's, whatever the sample before it ended with
+        starts[self.starts] = self.own[self.starts] != 0
         return starts
 
     @cached_property
     def turn_starts(self) -> np.ndarray:
-        """(N,) bool at the valid tokens: :attr:`row_turn_starts` there."""
-        return self.row_turn_starts[self.valid_rows]
+        """(N,) bool at the valid tokens: the first valid token of each assistant turn (a turn whose
+        first tokens were rejected starts at its first valid one)."""
+        if self.rejected is None:
+            return self.row_turn_starts[self.valid_rows]
+        return first_of_each_turn(self.row_sample[self.valid_rows], self.row_turns()[self.valid_rows])
 
     def row_turns(self) -> np.ndarray:
         """(rows,) int64: the assistant turn of every row, holes included (the turn before the hole;
-        0 before the first valid token), from the mask alone."""
+        0 before the policy's first token), from the policy's own tokens alone."""
         begins = self.row_turn_starts
         index = turn_index(begins)  # counted over the whole step, so each sample is shifted back
         begun_before_sample = np.repeat(index[self.starts] + 1 - begins[self.starts], self.row_counts)
@@ -288,9 +300,9 @@ class StepLayout:
             message = f"token_index {self.token_index[row]} where {self.position[row]} was due (rows run 0…n−1)"
             yield LayoutProblem(row, message, len(gap))
         last_rows = self.starts + self.row_counts - 1
-        padded = last_rows[~self.mask[last_rows]]
+        padded = last_rows[~self.own[last_rows]]
         if len(padded):
-            message = "the sample's rows end on a masked token (they must stop at its last valid token)"
+            message = "the sample's rows end on a masked token (they must stop at the policy's last token)"
             yield LayoutProblem(int(padded[0]), message, len(padded))
 
     def row_groups(self, cells: int = GROUP_CELLS) -> Iterator[RowGroup]:

@@ -43,6 +43,9 @@ class RecordedAlgorithm:
     truncation: str = TRUNCATION_DEFAULT
     #: verl's name of the rollout that made the responses (None: a trace before format 8).
     rollout: str | None = None
+    #: ``algorithm.rollout_correction`` (:class:`verl_ext.rollout_correction.Correction`); None: the run
+    #: corrects nothing, or a trace before format 10
+    correction: Any = None
 
     @classmethod
     def from_record(cls, record) -> "RecordedAlgorithm":
@@ -57,6 +60,7 @@ class RecordedAlgorithm:
             kl_penalty=algorithm.get("kl_penalty"),
             truncation=recorded_truncation(algorithm),
             rollout=(getattr(record, "rollout", None) or {}).get("name"),
+            correction=recorded_correction(algorithm),
         )
         gamma = algorithm.get("gamma", 1.0)
         for key in ("gamma", "lam"):
@@ -177,6 +181,20 @@ def recorded_truncation(algorithm: Mapping[str, Any]) -> str:
     if mode not in TRUNCATION_MODES:
         raise TraceError(f"run record: algorithm.truncation is {mode!r}, expected one of {', '.join(TRUNCATION_MODES)}")
     return str(mode)
+
+
+def recorded_correction(algorithm: Mapping[str, Any]):
+    """The run record's ``algorithm.rollout_correction``: None where it has none (a trace before format
+    10, or a run that corrects nothing); TraceError for settings no run writes."""
+    from verl_ext.rollout_correction import Correction
+
+    settings = algorithm.get("rollout_correction")
+    if settings is None:
+        return None
+    try:
+        return Correction.from_settings(settings)
+    except (ValueError, TypeError, KeyError) as error:
+        raise TraceError(f"run record: algorithm.rollout_correction: {error}") from None
 
 
 def _import_problem(module: str) -> str | None:

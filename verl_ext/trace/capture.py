@@ -39,7 +39,7 @@ class StepCapture:
     """
 
     step: int
-    mask: torch.Tensor  # (B, T) 0/1: 1 on trainable response tokens (verl's response_mask)
+    mask: torch.Tensor  # (B, T) 0/1: 1 on trainable response tokens (verl's response_mask, after any rejection)
     token_id: torch.Tensor | None  # (B, T) response token ids
     uid: Sequence[str] | None  # B group ids (verl's non_tensor_batch["uid"], a numpy object array)
     floats: Mapping[str, torch.Tensor | None]  # FLOAT_COLUMN_NAMES -> (B, T)
@@ -59,6 +59,9 @@ class StepCapture:
     #: the estimate's {"mean", "var"} of advantage_raw over the full batch
     #: (:func:`verl_ext.registry.whitening_statistics`); None where there are none
     whitening: Mapping[str, float] | None = None
+    #: (B, T) 0/1: the tokens verl's rollout-correction rejection took out of the response mask (the
+    #: policy wrote them; ``mask`` lacks them); None: the run rejects nothing
+    rejected: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,10 @@ class StepSnapshot:
 
     step: int
     batch_samples: int  # B
-    lengths: np.ndarray  # (N,) int64: rows of each sample, L_i = last valid position + 1 (0: none)
+    lengths: np.ndarray  # (N,) int64: rows of each sample, L_i = the policy's last token's position + 1 (0: none)
     mask: np.ndarray  # (N, W) bool
     token_id: np.ndarray | None  # (N, W) int32
+    rejected: np.ndarray | None  # (N, W) bool: the policy's tokens verl's rejection took out of ``mask``
     floats: dict[str, np.ndarray | None]  # column name -> (N, W) float32
     uid: list[str] | None  # N
     prompt_token_ids: np.ndarray | None  # (N, P) int32
@@ -95,10 +99,15 @@ class StepSnapshot:
         return int(self.lengths.sum())
 
     @cached_property
+    def own(self) -> np.ndarray:
+        """(N, W) bool: the tokens the policy wrote, ``mask`` ∨ ``rejected`` (a rejection is not a hole)."""
+        return self.mask if self.rejected is None else self.mask | self.rejected
+
+    @cached_property
     def turn_starts(self) -> np.ndarray:
-        """(N, W) bool: the first token of every assistant turn (:func:`verl_ext.turns.turn_starts`),
-        for the token table's ``turn`` and the prompt table's ``assistant_turns``."""
-        return turn_starts(self.mask)
+        """(N, W) bool: the first token of every assistant turn (:func:`verl_ext.turns.turn_starts`) of the
+        policy's own tokens, for the token table's ``turn`` and the prompt table's ``assistant_turns``."""
+        return turn_starts(self.own)
 
 
 def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "SnapshotMemory | None" = None) -> StepSnapshot:
@@ -114,6 +123,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
     # What is copied: (tensor, dtype in the snapshot) per array, over response or prompt positions.
     response_arrays = {
         "mask": (capture.mask, torch.bool),
+        "rejected": (capture.rejected, torch.bool),
         "token_id": (capture.token_id, torch.int32),
         **{name: (capture.floats.get(name), torch.float32) for name in FLOAT_COLUMN_NAMES},
     }
@@ -124,7 +134,8 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
     nbytes = block_bytes(response_arrays, (kept, length)) + block_bytes(prompt_arrays, prompt_shape)
     block = Block((memory or SnapshotMemory()).take(nbytes))
     with one_torch_thread():
-        lengths = _row_counts(capture.mask[:kept])
+        own = capture.mask if capture.rejected is None else capture.mask.bool() | capture.rejected.bool()
+        lengths = _row_counts(own[:kept])
         shape = (kept, int(lengths.max()))
         copies = {name: block.copy(tensor, shape, dtype) for name, (tensor, dtype) in response_arrays.items()}
         copies |= {name: block.copy(tensor, prompt_shape, dtype) for name, (tensor, dtype) in prompt_arrays.items()}
@@ -133,6 +144,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             batch_samples=batch,
             lengths=lengths.numpy(),
             mask=copies["mask"],
+            rejected=copies["rejected"],
             token_id=copies["token_id"],
             floats={name: copies[name] for name in FLOAT_COLUMN_NAMES},
             uid=None if capture.uid is None else [str(u) for u in capture.uid[:kept]],
@@ -147,7 +159,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
                 if tensor is not None and tensor.dtype in _LOW_PRECISION
             },
             **_end_flags(capture, lengths.numpy(), copies["token_id"]),
-            **_agent_turns(capture.agent_turns, copies["mask"], lengths.numpy()),
+            **_agent_turns(capture.agent_turns, copies["mask"] if copies["rejected"] is None else copies["mask"] | copies["rejected"], lengths.numpy()),
             stop_reason=None if capture.stop_reasons is None else [_reason(r) for r in capture.stop_reasons[:kept]],
         )
 
@@ -165,8 +177,8 @@ def _agent_turns(records: Sequence[Mapping[str, Any] | None] | None, mask: np.nd
     """The role codes (N, W), tool calls and turn limits (N,) of the kept samples (the last two only
     with ``records``).
 
-    ``assistant`` wherever the mask is true: verl's response mask marks exactly the tokens the model
-    generated. A hole's tokens take the agent loop's record when it covers the response and agrees
+    ``assistant`` wherever ``mask`` (the policy's own tokens: verl's response mask before any rejection)
+    is true: it marks exactly the tokens the model generated. A hole's tokens take the agent loop's record when it covers the response and agrees
     with its mask; otherwise (no record, or one that disagrees) they stay unknown."""
     role = np.where(mask, np.int8(ASSISTANT_CODE), np.int8(-1)).astype(np.int8)
     if records is None:
@@ -221,7 +233,7 @@ def _check(capture: StepCapture) -> None:
         raise ValueError(f"unknown float column(s) {', '.join(unknown)}; the float columns are {', '.join(FLOAT_COLUMN_NAMES)}")
     if isinstance(capture.step, bool) or not isinstance(capture.step, numbers.Integral) or capture.step < 0:
         raise ValueError(f"step must be an integer >= 0, got {capture.step!r}")
-    for name, tensor in (("token_id", capture.token_id), *capture.floats.items()):
+    for name, tensor in (("token_id", capture.token_id), ("rejected", capture.rejected), *capture.floats.items()):
         if tensor is not None and tensor.shape != mask.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, mask has {tuple(mask.shape)}")
     if capture.uid is not None and len(capture.uid) != mask.shape[0]:

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: Schema versions this code reads: every one so far. A column missing from an older file (its
 #: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
 #: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
@@ -76,7 +76,7 @@ class Layout:
         return table.replace_schema_metadata({**(table.schema.metadata or {}), **version})
 
 
-#: The layout of formats 3 to 9: ``step-<n>``, ``step`` stored in every file.
+#: The layout of formats 3 to 10: ``step-<n>``, ``step`` stored in every file.
 LAYOUT = Layout("-", SCHEMA_VERSION)
 #: The layout of formats 1 and 2: ``step=<n>``, a hive partition (``step`` only in the folder name).
 HIVE_LAYOUT = Layout("=", 2)
@@ -154,19 +154,22 @@ FLOAT_COLUMNS = (
     Column("rollout_log_prob", pa.float32(), "log-prob of y_t the rollout engine reported (train/inference mismatch: − old_log_prob)", "rollout_log_probs", since=2),
     Column("turn_score", pa.float32(), "the agent loop's score of the turn that ends at token t (verl_ext.turn_rewards; 0 elsewhere)", since=6),
     Column("tool_reward", pa.float32(), "the tool rewards earned by the calls of the turn that ends at token t (verl_ext.turn_rewards; 0 elsewhere)", since=6),
+    Column("rollout_is_weight", pa.float32(), "w_t: the rollout-correction importance weight π_old/π_rollout verl computed for token t "
+           "(algorithm.rollout_correction.rollout_is; truncated, zeroed or normalised as configured; docs/definitions.md#off-policy-tokens)",
+           "rollout_is_weights", since=10),
 )  # fmt: skip
 FLOAT_COLUMN_NAMES = tuple(column.name for column in FLOAT_COLUMNS)
 
 #: Multi-turn responses (an agent loop's tool answers are mask-0 holes inside the response).
 TURN_DOC = (
-    "k: the assistant turn of token t (docs/definitions.md §7): 0 up to the end of the first run of "
-    "valid tokens, then 1 from the first valid token after a hole, …; a hole's tokens keep the turn before it"
+    "k: the assistant turn of token t (docs/definitions.md §7): 0 up to the end of the first run of the "
+    "policy's tokens (mask ∨ rejected), then 1 from the first of them after a hole, …; a hole's tokens keep the turn before it"
 )
 #: ``role`` values: who wrote a response token, as the agent loop appended it
 #: (:mod:`verl_ext.integration.agent_turns`). The only place they are written.
 ROLE_CODES = (ROLE_ASSISTANT, ROLE_TOOL, ROLE_USER, ROLE_OTHER) = ("assistant", "tool", "user", "other")
 ROLE_DOC = (
-    f"who wrote token t: {ROLE_ASSISTANT} on the policy's tokens (mask true); on a hole's tokens the role of the "
+    f"who wrote token t: {ROLE_ASSISTANT} on the policy's tokens (mask or rejected true); on a hole's tokens the role of the "
     f"messages the agent loop appended there ({ROLE_TOOL}, {ROLE_USER}; {ROLE_OTHER} for template or boundary tokens "
     "and mixed groups), null when the agent loop did not say"
 )
@@ -180,7 +183,11 @@ TOKEN_COLUMNS = (
     Column("uid", pa.string(), "verl's prompt id: the samples of one prompt share it", v1_key="uid"),
     Column("token_index", pa.int32(), "t, the position in the response (0 = first response token)", nullable=False),
     Column("token_id", pa.int32(), "y_t, the response token", "responses"),
-    Column("mask", pa.bool_(), "true on trainable tokens (response_mask)", "response_mask", nullable=False),
+    Column("mask", pa.bool_(), "true on the tokens the advantage and the update used (verl's response_mask, after any rejection)",
+           "response_mask", nullable=False),
+    Column("rejected", pa.bool_(), "verl's rollout-correction rejection took token t out of the response_mask (algorithm.rollout_correction"
+           ".rollout_rs): the policy wrote it, nothing trained on it; the response's own tokens are mask ∨ rejected; null where the "
+           "run has no rollout correction", since=10),
     Column("turn", pa.int32(), TURN_DOC, since=4),
     Column("role", pa.string(), ROLE_DOC, since=5),
     *FLOAT_COLUMNS,
@@ -313,6 +320,10 @@ class UpdateEntry:
     #: per (epoch, minibatch): the global batch information verl's loss normalised with:
     #: [{"epoch", "minibatch", "batch_num_tokens", "global_batch_size", "dp_size"}]
     minibatches: list[dict[str, Any]]
+    #: (since format 10) [epoch, minibatch, microbatch, rank] of every loss call that had no valid token
+    #: (all its tokens rejected by verl's rollout correction, or holes): verl averages its per-micro-batch
+    #: metrics over them too, with value 0, and the table has no row of them
+    empty_microbatches: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "UpdateEntry":

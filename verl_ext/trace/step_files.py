@@ -53,6 +53,7 @@ def token_table(snapshot: StepSnapshot) -> pa.Table:
             token_index,
             gather(snapshot.token_id, pa.int32()),
             gather(snapshot.mask, pa.bool_()),
+            gather(snapshot.rejected, pa.bool_()),
             gather(turns(snapshot.turn_starts), pa.int32()),
             _codes(None if snapshot.role is None else snapshot.role[keep], ROLE_CODES, rows),
             *(gather(snapshot.floats[name], pa.float32()) for name in FLOAT_COLUMN_NAMES),

@@ -25,8 +25,9 @@ class UpdateCapture:
     and verl's logged metrics of that update.
 
     Each part is ``{"epoch": e, "minibatch": k, "microbatch": m, "rank": r, "batch_num_tokens": N_ek,
-    "global_batch_size": G, "dp_size": D, "columns": {column: (n,) array}}``, the columns named as in
-    the update schema of ``kind`` (at least ``sample`` and ``token_index``); absent columns are null.
+    "global_batch_size": G, "dp_size": D, "valid_tokens": n_all, "columns": {column: (n,) array}}``, the
+    columns named as in the update schema of ``kind`` (at least ``sample`` and ``token_index``); absent
+    columns are null. ``valid_tokens``: the loss call's valid tokens, traced or not (absent: unknown).
     """
 
     step: int
@@ -82,6 +83,10 @@ class UpdateFiles:
             written_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             logged=dict(capture.logged),
             minibatches=[minibatches[key] for key in sorted(minibatches)],
+            empty_microbatches=sorted(
+                [int(part[name]) for name in ("epoch", "minibatch", "microbatch", "rank")]
+                for part in capture.parts if part.get("valid_tokens") == 0
+            ),
         )
         footer = {UPDATE_RECORD_METADATA_KEY: json.dumps(dataclasses.asdict(entry))}
         table = layout.stored(table.replace_schema_metadata({**schema.metadata, **footer}))

@@ -1,0 +1,132 @@
+"""The checker on verl's rollout correction (docs/definitions.md#off-policy-tokens): steps whose importance
+weights and rejected tokens come from verl's own ``compute_rollout_correction_and_rejection_mask`` on
+random log-probs (a batch with holes), whose estimate ran on the mask left after the rejection (as verl's
+does), written by the real TraceWriter. The checker recomputes them with verl-ext's functions, so verl's
+are the independent reference; a planted weight or rejection fails at its token, through the CLI too.
+
+Covers: verl_ext.check.correction_checks, the identities of verl_ext.check.identities they name,
+verl_ext.steps.recorded (the recorded correction), the trace's ``rejected`` and ``rollout_is_weight``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.inspect.inspect_helpers import algorithm, by_definition, random_batch, rewrite_step, write_trace
+from verl_ext.check.run import check_trace
+from verl_ext.rollout_correction import Correction
+
+#: (settings of algorithm.rollout_correction, as verl's config names them)
+CASES = {
+    "token TIS, token_k1": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.97_1.03"),
+    "sequence IcePop, chained": dict(
+        rollout_is="sequence", rollout_is_threshold="0.5_1.5", rollout_rs="token_k2,seq_mean_k3", rollout_rs_threshold="0.0004,0.0003",
+    ),
+    "token, batch-normalised, seq_max_k2": dict(
+        rollout_is="token", rollout_is_threshold=1.02, rollout_is_batch_normalize=True, rollout_rs="seq_max_k2", rollout_rs_threshold=0.002,
+    ),
+}  # fmt: skip
+
+
+def corrected_batch(seed: int, settings: dict):
+    """random_batch's step with log-probs 2–4% apart, corrected by verl, estimated with mc on what is left."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    batch = random_batch(seed, kl_coef=None)
+    g = torch.Generator().manual_seed(100 + seed)
+    old = -torch.rand(batch.mask.shape, generator=g) * 3
+    rollout = old + torch.randn(batch.mask.shape, generator=g) * 0.03
+    options = {key: settings.get(key) for key in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")}
+    options["rollout_is_batch_normalize"] = bool(options["rollout_is_batch_normalize"])
+    weights, kept_mask, _ = compute_rollout_correction_and_rejection_mask(old, rollout, batch.mask, **options)
+    rejected = batch.mask.bool() & ~kept_mask.bool()
+    corrected = dataclasses.replace(
+        batch, mask=kept_mask.float(), old_log_prob=old, rollout_log_prob=rollout, rejected=rejected,
+        rollout_is_weight=None if weights is None else weights.batch["rollout_is_weights"],
+    )  # fmt: skip
+    return by_definition(corrected, "mc", gamma=1.0)
+
+
+def corrected_trace(tmp_path, settings: dict) -> str:
+    correction = Correction.from_config(settings).settings()
+    batches = {step: corrected_batch(step, settings) for step in (1, 2)}
+    assert all(b.rejected.any() for b in batches.values())  # the thresholds reject something on each step
+    return write_trace(tmp_path / "trace", algorithm("mc", rollout_correction=correction), batches)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_verls_own_weights_and_rejections_pass(tmp_path, case):
+    report = check_trace(corrected_trace(tmp_path, CASES[case]))
+    assert report.passed, report
+    assert report["is_weights"].status == "pass" and report["rejection"].status == "pass"
+    assert report["turns"].status == "pass" and report["roles"].status == "pass"  # a rejection is no turn boundary
+
+
+def test_a_rejected_token_keeps_its_turn_and_role(tmp_path):
+    """random_batch's even rows have no hole: a rejected token inside them is still turn 0, the assistant's."""
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(corrected_trace(tmp_path, CASES["token TIS, token_k1"]))
+    table = trace.read_step(1, ["sample", "mask", "rejected", "turn", "role"]).to_pylist()
+    rejected = [row for row in table if row["sample"] % 2 == 0 and row["rejected"]]
+    assert rejected and all(row["turn"] == 0 and row["role"] == "assistant" and not row["mask"] for row in rejected)
+
+
+def test_a_planted_weight_fails_at_its_token_and_exits_1(tmp_path, run_cli):
+    import pyarrow.compute as pc
+
+    path = corrected_trace(tmp_path, CASES["token TIS, token_k1"])
+
+    def wrong_weight(table):
+        hit = pc.and_(pc.equal(table["sample"], 3), pc.equal(table["token_index"], 2))
+        column = table.schema.get_field_index("rollout_is_weight")
+        return table.set_column(column, "rollout_is_weight", pc.if_else(hit, pc.multiply(table["rollout_is_weight"], 0.9), table["rollout_is_weight"]))
+
+    rewrite_step(path, 2, table=wrong_weight)
+    result = check_trace(path)["is_weights"]
+    assert result.status == "fail" and result.violations == 1
+    location = result.first.location
+    assert (location.step, location.sample, location.token_index) == (2, 3, 2)
+    code, out, _ = run_cli("check", path, "--quiet")
+    assert code == 1 and "rollout_is_weight" in out and out.splitlines()[-1].startswith("FAIL")
+
+
+def test_a_planted_rejection_fails(tmp_path):
+    """A kept token recorded as rejected (and left out of the mask): the rejection's identity names it."""
+    import pyarrow.compute as pc
+
+    path = corrected_trace(tmp_path, CASES["token TIS, token_k1"])
+
+    def reject_one_kept_token(table):
+        far = table.filter(pc.and_(table["mask"], pc.less(pc.abs(pc.subtract(table["old_log_prob"], table["rollout_log_prob"])), 0.005)))
+        sample, token = far["sample"][0].as_py(), far["token_index"][0].as_py()
+        hit = pc.and_(pc.equal(table["sample"], sample), pc.equal(table["token_index"], token))
+        table = table.set_column(table.schema.get_field_index("rejected"), "rejected", pc.or_(table["rejected"], hit))
+        return table.set_column(table.schema.get_field_index("mask"), "mask", pc.and_(table["mask"], pc.invert(hit)))
+
+    rewrite_step(path, 1, table=reject_one_kept_token)
+    result = check_trace(path)["rejection"]
+    assert result.status == "fail" and result.violations == 1 and result.first.location.step == 1
+    assert "say kept" in result.first.detail
+
+
+def test_bypass_mode_old_log_probs_are_the_rollouts(tmp_path):
+    batch = random_batch(1, kl_coef=None)
+    rollout = -torch.rand(batch.mask.shape) * 3
+    bypass = Correction.from_config({"bypass_mode": True, "loss_type": "ppo_clip"}).settings()
+    same = by_definition(dataclasses.replace(batch, old_log_prob=rollout.clone(), rollout_log_prob=rollout), "mc", gamma=1.0)
+    path = write_trace(tmp_path / "same", algorithm("mc", rollout_correction=bypass), {1: same})
+    report = check_trace(path)
+    assert report["bypass"].status == "pass" and report.passed
+    differs = dataclasses.replace(same, old_log_prob=rollout + 1e-3 * batch.mask)
+    report = check_trace(write_trace(tmp_path / "differs", algorithm("mc", rollout_correction=bypass), {1: differs}))
+    assert report["bypass"].status == "fail" and report["bypass"].first.location.step == 1
+
+
+def test_a_run_without_correction_has_none_of_its_identities(tmp_path):
+    batch = by_definition(random_batch(1, kl_coef=None), "mc", gamma=1.0)
+    report = check_trace(write_trace(tmp_path / "t", algorithm("mc"), {1: batch}))
+    assert {"is_weights", "rejection", "bypass"}.isdisjoint(r.identity for r in report.identities)

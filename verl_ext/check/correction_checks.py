@@ -1,0 +1,161 @@
+"""The identities of verl's rollout correction (docs/definitions.md#off-policy-tokens), on one step's
+token table: the importance weights and the rejection recomputed from the recorded log-probs by
+verl's definitions (:mod:`verl_ext.rollout_correction`, in float64), and bypass mode's π_old = π_rollout.
+
+Both are computed over the policy's own tokens (``mask`` ∨ ``rejected``: verl corrects the response
+mask before its rejection), densely, one row per sample. A weight is checked within the float32 error
+bound of its computation; where a recomputed weight or rejection statistic lies within that bound of a
+threshold (an IcePop bound, a rejection bound), either outcome is the trainer's rounding and passes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from verl_ext.check.results import ATOL, Finding, Location, Tolerance, Violation, skipped
+
+if TYPE_CHECKING:
+    from verl_ext.check.token_checks import TokenStep
+
+#: Where every message about the correction points.
+SECTION = "docs/definitions.md#off-policy-tokens"
+#: The weights' tolerance as the report writes it (the bound itself: rollout_correction.weight_error_bound).
+WEIGHT = Tolerance(f"{ATOL:g} + w·(float32 error of its exponent + ε)")
+#: The rejection's: exact, but a statistic within its float32 error of a threshold may fall either way.
+THRESHOLD = Tolerance("exact; either side within a statistic's float32 error of its bound")
+
+
+def _dense(t: "TokenStep", name: str) -> np.ndarray:
+    """(samples, width) float64 of column ``name`` at every row (0 where null or past a sample's rows)."""
+    layout = t.data.layout
+    out = np.zeros((layout.samples, int(layout.row_counts.max()) if layout.samples else 0))
+    column = t.data.table.column(name)
+    if column.null_count < len(column):
+        out[layout.row_sample, layout.position] = column.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+    return out
+
+
+def _own(t: "TokenStep") -> np.ndarray:
+    layout = t.data.layout
+    own = np.zeros((layout.samples, int(layout.row_counts.max()) if layout.samples else 0), bool)
+    own[layout.row_sample, layout.position] = layout.own
+    return own
+
+
+def _absent(t: "TokenStep", *names: str) -> str | None:
+    """Which of the columns the identity reads the step lacks (null on every row), as a note."""
+    table = t.data.table
+    missing = [name for name in names if table.column(name).null_count == table.num_rows]
+    return f"{', '.join(missing)} not in the trace (a trace before format 10, or a rollout that reported no log-probs)" if missing else None
+
+
+def _located(t: "TokenStep", sample_index: int, position: int) -> Location:
+    layout = t.data.layout
+    row = int(layout.starts[sample_index] + position)
+    return Location(t.step, *t.data.row_location(row))
+
+
+def is_weights(t: "TokenStep") -> Finding:
+    """The recorded rollout_is_weight = verl's weight recomputed from old_log_prob − rollout_log_prob."""
+    import torch
+
+    from verl_ext.rollout_correction import is_weights as recompute, weight_error_bound
+
+    correction = t.correction
+    if correction is None or correction.rollout_is is None:
+        return skipped("no importance weights configured (algorithm.rollout_correction.rollout_is)")
+    if correction.bypass_mode:
+        return skipped("bypass mode: verl computes the weights inside the loss, against π_θ (the update table's is_weight)")
+    if (missing := _absent(t, "old_log_prob", "rollout_log_prob", "rollout_is_weight")) is not None:
+        return Finding("fail", violations=1, first=Violation(Location(t.step), "rollout_is_weight", detail=missing), note=missing)
+    if correction.batch_normalize and (kept := t._kept_part()) is not None:
+        return skipped(f"traced {kept[0]} of {kept[1]} samples: the batch's mean weight cannot be recomputed")
+    own = _own(t)
+    log_ratio = torch.from_numpy(_dense(t, "old_log_prob") - _dense(t, "rollout_log_prob"))
+    mask = torch.from_numpy(own.astype(np.float64))
+    expected = recompute(log_ratio, mask, correction).numpy()
+    bound = ATOL + weight_error_bound(log_ratio, mask, correction).numpy()
+    actual = _dense(t, "rollout_is_weight")
+    recorded = np.zeros_like(own)
+    recorded[t.data.layout.row_sample, t.data.layout.position] = True  # rows past a sample's end are not compared
+    wrong = recorded & ~(np.abs(actual - expected) <= bound)
+    if correction.is_lower is not None:  # IcePop: a weight within its bound of l or u may be kept or zeroed
+        raw = recompute(log_ratio, mask, _without_band(correction)).numpy()
+        near = (np.abs(raw - correction.is_lower) <= bound) | (np.abs(raw - correction.is_upper) <= bound)
+        wrong &= ~(near & ((np.abs(actual) <= bound) | (np.abs(actual - raw) <= bound)))
+    first = None
+    if wrong.any():
+        i, j = np.argwhere(wrong)[0]
+        error = float(abs(actual[i, j] - expected[i, j]))
+        first = Violation(_located(t, i, j), "rollout_is_weight", float(actual[i, j]), float(expected[i, j]), error, float(bound[i, j]))
+    compared = np.abs(actual - expected)[recorded]
+    return Finding(
+        "fail" if wrong.any() else "pass", checked=int(recorded.sum()), violations=int(wrong.sum()),
+        max_abs_error=float(compared.max()) if compared.size else None, first=first,
+    )  # fmt: skip
+
+
+def _without_band(correction):
+    """``correction`` without IcePop's band (the weights before it zeroes any)."""
+    import dataclasses
+
+    return dataclasses.replace(correction, is_lower=None, is_upper=float("inf"))
+
+
+def rejection(t: "TokenStep") -> Finding:
+    """The recorded rejected tokens = the policy's tokens verl's rejection options do not keep."""
+    import torch
+
+    from verl_ext.rollout_correction import kept, rejection_statistic, statistic_error_bound
+
+    correction = t.correction
+    if correction is None or not correction.rejection:
+        return skipped("no rejection configured (algorithm.rollout_correction.rollout_rs)")
+    if correction.bypass_mode:
+        return skipped("bypass mode: verl rejects inside the loss, against π_θ; the batch's mask is not changed")
+    if (missing := _absent(t, "old_log_prob", "rollout_log_prob", "rejected")) is not None:
+        return Finding("fail", violations=1, first=Violation(Location(t.step), "rejected", detail=missing), note=missing)
+    own = _own(t)
+    log_ratio = torch.from_numpy(_dense(t, "old_log_prob") - _dense(t, "rollout_log_prob"))
+    mask = torch.from_numpy(own.astype(np.float64))
+    expected = own & ~kept(log_ratio, mask, correction).numpy()
+    ambiguous = np.zeros_like(own)
+    for option in correction.rejection:
+        statistic = rejection_statistic(log_ratio, mask, option).numpy()
+        bound = statistic_error_bound(log_ratio, mask, option).numpy()
+        for threshold in (option.lower, option.upper):
+            if threshold is not None:
+                ambiguous |= np.abs(statistic - threshold) <= bound
+    actual = _dense(t, "rejected") != 0
+    wrong = own & (actual != expected) & ~ambiguous
+    wrong |= ~own & actual  # a hole is never rejected (cannot happen: rejected rows are the policy's)
+    first = None
+    if wrong.any():
+        i, j = np.argwhere(wrong)[0]
+        detail = f"recorded {'rejected' if actual[i, j] else 'kept'}; verl's options {', '.join(o.name for o in correction.rejection)} say " \
+                 f"{'rejected' if expected[i, j] else 'kept'} ({SECTION})"  # fmt: skip
+        first = Violation(_located(t, i, j), "rejected", detail=detail)
+    note = f"{int((own & actual).sum())} of {int(own.sum())} of the policy's tokens rejected"
+    if ambiguous.any():
+        note += f"; {int((own & ambiguous).sum())} within rounding of a threshold, either outcome accepted"
+    return Finding("fail" if wrong.any() else "pass", checked=int(own.sum()), violations=int(wrong.sum()), first=first, note=note)
+
+
+def bypass(t: "TokenStep") -> Finding:
+    """Bypass mode: the old log-probs are the rollout's, exactly (verl's apply_bypass_mode)."""
+    correction = t.correction
+    if correction is None or not correction.bypass_mode:
+        return skipped("not bypass mode (algorithm.rollout_correction.bypass_mode)")
+    if (missing := _absent(t, "old_log_prob", "rollout_log_prob")) is not None:
+        return Finding("fail", violations=1, first=Violation(Location(t.step), "rollout_log_prob", detail=missing), note=missing)
+    own = _own(t)
+    old, rollout = _dense(t, "old_log_prob"), _dense(t, "rollout_log_prob")
+    wrong = own & (old != rollout)
+    first = None
+    if wrong.any():
+        i, j = np.argwhere(wrong)[0]
+        first = Violation(_located(t, i, j), "old_log_prob", float(old[i, j]), float(rollout[i, j]), float(abs(old[i, j] - rollout[i, j])), 0.0)
+    return Finding("fail" if wrong.any() else "pass", checked=int(own.sum()), violations=int(wrong.sum()), first=first)
