@@ -11,7 +11,7 @@ import pytest
 
 import tests.support.reference as ref
 from tests.cpu.helpers import BOTH_CORES_GROUP
-from tests.apps.conftest import LEARNING_STEPS, REPRODUCED_STEPS, dense, documented_before, valid_tokens
+from tests.apps.conftest import DOCUMENTED_ROUNDING, LEARNING_STEPS, REPRODUCED_STEPS, dense, documented_before, valid_tokens
 from verl_ext.apps.learning import read_metrics
 
 pytestmark = pytest.mark.xdist_group(BOTH_CORES_GROUP)  # two trainers at once: after the Ray group (tests/conftest.py)
@@ -35,10 +35,11 @@ def test_held_out_accuracy_rises_by_a_clear_margin(learning_runs):
 
 
 def test_the_documented_accuracy_before_training_is_the_runs(learning_runs):
-    """docs/tasks.md's held-out accuracy before `make demo` trains is a figure every machine prints
-    (the warm start's validation, seeded: the same on every machine measured; the accuracy after
-    training is documented as a range): this run has the demo's recipe, seed and assets."""
-    assert held_out_accuracy(learning_runs[0])[0] == pytest.approx(documented_before("`make demo` (seed 0)"), abs=5e-4)
+    """docs/tasks.md's held-out accuracy before `make demo` trains (the warm start's seeded
+    validation; this run has the demo's recipe, seed and assets) is in the range documented over the
+    machines measured, to its rounding: not one machine's figure."""
+    low, high = documented_before("`make demo` (seed 0)")
+    assert low - DOCUMENTED_ROUNDING <= held_out_accuracy(learning_runs[0])[0] <= high + DOCUMENTED_ROUNDING
 
 
 #: Not reproducible by design: wall-clock timings. Everything else is, the rollout server's own

@@ -134,12 +134,16 @@ def test_the_tool_call_rate_and_the_call_decisions_share_by_hand(demo):
         assert credit.decision_share == pytest.approx(first["advantage"].abs().sum() / valid["advantage"].abs().sum(), rel=1e-6)
 
 
-
 def test_the_credit_by_turn_is_each_estimator_by_hand(demo):
     """The demo's credit by turn at the last step: turn_gae at the recipe's λ = 0, mc, gae_ext
     (λ_critic 1, λ_actor 0.95) and grpo, computed here response by response from the trace's
     rewards, values, turns and prompt groups (γ = 1; a hole is skipped: the next state is the next
-    written token), then their shares of Σ|A|, as the demo prints them."""
+    written token), then their shares of Σ|A|, as the demo prints them.
+
+    Both sides compute in float64 from the trace's float32 numbers, so they differ by float64's
+    rounding only, bounded by the rules of docs/definitions.md#tolerances with float64's ε: 4ε·|A| +
+    ε·L·m for the sums over a response (m its largest |r|, |V|, |A|, L its length), and grpo's
+    (G − mean)/(std + 1e-6) moves by the error of its sums over the group's std, as whitening does."""
     from verl_ext.apps.credit import turn_advantages
     from verl_ext.trace.reader import open_trace
 
@@ -147,10 +151,14 @@ def test_the_credit_by_turn_is_each_estimator_by_hand(demo):
     trace = open_trace(str(out / "trace"))
     step = trace.steps[-1]
     rows = trace.read_step(step, ["sample", "token_index", "mask", "turn", "reward", "value"]).to_pandas()
+    rows[["reward", "value"]] = rows[["reward", "value"]].astype(np.float64)  # float32 as stored: computed in float64
     uid = trace.prompts(step).to_pandas().set_index("sample")["uid"]
     valid = rows[rows["mask"]].sort_values(["sample", "token_index"])
     by_hand = {"turn_gae λ=0": [], "mc": [], "gae_ext": [], "grpo": []}
+    tolerance = {label: [] for label in by_hand}
+    eps = float(np.finfo(np.float64).eps)
     returns = valid.groupby("sample")["reward"].sum()
+    lengths = valid.groupby("sample").size()
     for sample, response in valid.groupby("sample", sort=True):
         r, v, turn = response["reward"].to_numpy(), response["value"].to_numpy(), response["turn"].to_numpy()
         turns = sorted(set(turn))
@@ -164,11 +172,19 @@ def test_the_credit_by_turn_is_each_estimator_by_hand(demo):
             gae[t] = running
         by_hand["gae_ext"] += list(gae)
         group = returns[[s for s in returns.index if uid[s] == uid[sample]]]
-        by_hand["grpo"] += [(returns[sample] - group.mean()) / (group.std(ddof=1) + 1e-6)] * len(r)
+        scale = group.std(ddof=1) + 1e-6
+        grpo = (returns[sample] - group.mean()) / scale
+        by_hand["grpo"] += [grpo] * len(r)
+        m = max(np.abs(r).max(), np.abs(v).max(), np.abs(r).sum() + np.abs(v).max())  # |A| ≤ Σ|r| + max|V|
+        for label in ("turn_gae λ=0", "mc", "gae_ext"):
+            tolerance[label] += list(4 * eps * np.abs(by_hand[label][-len(r):]) + eps * len(r) * m)
+        # the group's sums of up to L_max rewards each, their mean and std: the error of a sum over the scale
+        sums_error = eps * lengths[group.index].max() * np.abs(valid[valid["sample"].isin(group.index)]["reward"]).max()
+        tolerance["grpo"] += [16 * eps * (abs(grpo) + (abs(returns[sample]) + abs(group.mean())) / scale) + 4 * sums_error / scale] * len(r)
     advantages = turn_advantages(trace, step, "tool")
     assert list(advantages.by_estimator) == list(by_hand)
     for label, expected in by_hand.items():
-        assert advantages.by_estimator[label] == pytest.approx(np.array(expected), abs=1e-6), label
+        np.testing.assert_array_less(np.abs(advantages.by_estimator[label] - np.array(expected)), np.array(tolerance[label]), err_msg=label)
     # the printed table: each estimator's share of Σ|A| on turn 0 and turn 1, from the sums by hand
     for label, expected in by_hand.items():
         magnitude = np.abs(np.array(expected))
@@ -177,13 +193,16 @@ def test_the_credit_by_turn_is_each_estimator_by_hand(demo):
 
 
 def test_the_documented_accuracy_before_training_is_the_runs(demo):
-    """docs/tasks.md's held-out accuracy before the tool demo trains (seed 0): the warm start's seeded
-    validation, which the per-turn rewards and the step count do not touch."""
-    from tests.apps.conftest import documented_before
+    """docs/tasks.md's held-out accuracy before the tool demo trains (seed 0: the warm start's seeded
+    validation, which the per-turn rewards and the step count do not touch) is in the range documented
+    over the machines measured, to its rounding; and it is what the demo printed."""
+    from tests.apps.conftest import DOCUMENTED_ROUNDING, documented_before
     from verl_ext.apps.learning import read_metrics, validation_accuracy
 
     before = validation_accuracy(read_metrics(demo[0]))[0]
-    assert before == pytest.approx(documented_before("`verl-ext demo --task tool` (seed 0)"), abs=5e-4)
+    low, high = documented_before("`verl-ext demo --task tool` (seed 0)")
+    assert low - DOCUMENTED_ROUNDING <= before <= high + DOCUMENTED_ROUNDING
+    assert re.search(rf"held-out accuracy .*: {before:.3f} before training", demo[1])
 
 
 def test_the_study_reads_a_tool_run_with_its_calls_and_credit_by_turn(demo):
