@@ -305,6 +305,14 @@ CPU_TOUCHES = (
         versions=CPU_VERSIONS, code=f"{_CPU}:value_model_with_config_attention",
     ),
     Touch(
+        "patch", "verl.workers.engine.fsdp.transformer_impl", "FSDPEngine._build_module", "cpu",
+        why="private method: the parameters the critic's checkpoint lacks (its value head, on a causal LM's weights) are "
+        "drawn from torch's global RNG, which verl seeds only with full_determinism (transformer_impl.py:157): each run's "
+        "fresh head was another draw that no checkpoint holds, and step 1 could not be replayed (verl-ext replay); for "
+        "a value model the RNG is seeded with the engine's seed (critic.fsdp.seed) just before verl builds it",
+        versions=CPU_VERSIONS, code=f"{_CPU}:value_model_seeded",
+    ),
+    Touch(
         "patch", "verl.trainer.ppo.metric_utils", "bootstrap_metric", "cpu",
         why="validation bootstraps best@n/worst@n with a Python loop of 1,000 resamples per metric, prompt and n "
         "(metric_utils.py:847): seconds per validation on a CPU; the same resamples reduced with numpy give the "

@@ -309,3 +309,60 @@ def test_the_model_replay_with_another_clip_range_clips_as_hand_calculation_says
     decided = np.abs(ratio - 1.28) > 1e-5  # a ratio on the boundary rounds either way
     np.testing.assert_array_equal(rows["clip"].to_numpy().astype(str)[decided], expected[decided])
     assert main(["check", str(tmp_path / "clip"), "--quiet"]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=fit_group(name)) for name in MODEL_REPLAYED])
+def test_step_1_replays_from_the_model_the_config_names_and_gives_the_same_report_twice(name, capsys, tmp_path_factory):
+    """Step 1 starts from the models the config names: the actor's checkpoint whole, the critic's without
+    its value head, which verl draws at random when it builds the critic (the CPU backend from
+    critic.fsdp.seed). Both update tables and every parameter after the step equal the run's (padded,
+    multi-turn with holes, micro-batches packed by token count), and the same replay twice prints the
+    same report, byte for byte."""
+    trace_dir = fit_run(tmp_path_factory, name) / "trace"
+    reports = []
+    for _ in range(2 if name == "mc" else 1):
+        code, out, _ = replay(capsys, trace_dir, "--step", 1)
+        assert code == 0 and "as recorded: REPRODUCED" in out, out
+        reports.append(out)
+    assert reports[0] == reports[-1]
+    rows = {kind: len(open_trace_at(trace_dir).update_table(kind, 1)) for kind in ("actor", "critic")}
+    assert f"actor {rows['actor']} of {rows['actor']} rows bit for bit, critic {rows['critic']} of {rows['critic']} rows bit for bit" in reports[0]
+    assert "critic 22 of 22 tensors bit for bit (max |Δ| 0), actor 21 of 21 tensors bit for bit (max |Δ| 0)" in reports[0], reports[0]
+
+
+def open_trace_at(path):
+    from verl_ext.trace.reader import open_trace
+
+    return open_trace(str(path))
+
+
+@pytest.mark.parametrize("traced_run", [pytest.param("mc", marks=fit_group("mc"))], indirect=True)
+def test_step_1_of_a_run_whose_initial_critic_cannot_be_rebuilt_is_one_line_and_exit_2(traced_run, capsys, tmp_path, assets):
+    """A critic built for step 1 that is not the run's (its values on step 1 differ from the recorded ones)
+    is said in one line, exit 2, the same twice: a value head the run drew from another seed than its
+    recorded config names (as a run before the CPU backend seeded it drew it, unseeded), and a model path
+    that holds another critic now (the task's pretrained one, with its own head)."""
+    _, trace_dir = traced_run
+    cases = {
+        ("critic", "fsdp", "seed"): (43, ["drawn at random (score.weight, score.bias, which", "not from critic.fsdp.seed=43",
+                                          "--model-free", "critic.model.path holds the value head"]),
+        ("critic", "model", "path"): (str(assets.critic_dir), [f"the critic at {assets.critic_dir} (critic.model.path) is not the one the run started from"]),
+    }  # fmt: skip
+    for (*keys, last), (value, messages) in cases.items():
+        copy = tmp_path / last
+        shutil.copytree(trace_dir, copy)
+        record = json.loads((copy / "_run.json").read_text())
+        node = record["config"]
+        for key in keys:
+            node = node[key]
+        node[last] = value
+        (copy / "_run.json").write_text(json.dumps(record))
+        said = []
+        for _ in range(2):
+            code, out, err = replay(capsys, copy, "--step", 1, "--checkpoint", trace_dir.parent / "checkpoints")
+            progress, *said_in = err.strip().splitlines()  # the line before the workers' process starts, then theirs
+            assert code == 2 and out == "" and progress.startswith("replay: step 1 with verl's workers") and len(said_in) == 1, (last, out, err)
+            assert said_in[0].startswith("verl-ext replay: step 1 cannot be replayed with the model"), err
+            assert all(message in said_in[0] for message in messages), err
+            said.append(err)
+        assert said[0] == said[1]

@@ -425,6 +425,55 @@ def rebuild_batch(trace, step: int, config, tokens=None):
     return data
 
 
+def _require_the_runs_initial_critic(trainer, batch, dtype) -> None:
+    """ReplayError unless the critic built for step 1 is the one the run started from: its values on the
+    step's batch equal the recorded ones (the run's initial critic computed those) within :data:`LIMIT`.
+    A value head the model path lacks is drawn at random when verl builds the critic: the CPU backend
+    draws it from ``critic.fsdp.seed`` (verl_ext.cpu.patches.value_model_seeded), as the rebuilt one was;
+    a run made before it did drew it from an unseeded RNG, and no checkpoint holds it."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    rebuilt = RayPPOTrainer._compute_values(trainer, batch).batch["values"].float().numpy()
+    recorded = batch.batch["values"].float().numpy()
+    valid = batch.batch["response_mask"].numpy().astype(bool)
+    far = valid & ~(np.abs(rebuilt.astype(np.float64) - recorded) <= LIMIT.get(dtype, 1e-6) * np.maximum(1.0, np.abs(recorded)))
+    if not far.any():
+        return
+    sample, token = (int(i) for i in np.argwhere(far)[0])
+    config = trainer.config
+    path = config.critic.model.path
+    where = f"it predicts {rebuilt[sample, token]:.6g} at sample {sample}, token {token}, where the run's critic predicted {recorded[sample, token]:.6g}"
+    fresh = _parameters_not_in(path, [name for name, _ in trainer.critic_wg.worker.engine.module.named_parameters()])
+    if fresh is None:
+        raise ReplayError(f"step 1 cannot be replayed with the model: the critic built from {path} (critic.model.path) is not the one the run "
+                          f"started from ({where}): a value head it drew at random, or another model there now")  # fmt: skip
+    if not fresh:
+        raise ReplayError(f"step 1 cannot be replayed with the model: the critic at {path} (critic.model.path) is not the one the run started from: {where}")
+    seed = OmegaConf.select(config, "critic.fsdp.seed")
+    raise ReplayError(
+        f"step 1 cannot be replayed with the model: the run's critic started with a value head drawn at random ({', '.join(fresh)}, "
+        f"which {path} lacks), not from critic.fsdp.seed={seed} as verl-ext's CPU backend now draws it (rebuilt so, {where}), and no "
+        "checkpoint holds it; --model-free replays step 1's first mini-batch, the run's checkpoints the steps after it. A run replayable "
+        "from step 1: one made with this verl-ext, or one whose critic.model.path holds the value head (a pretrained critic)"
+    )
+
+
+def _parameters_not_in(path, names: list[str]) -> list[str] | None:
+    """Those of ``names`` the safetensors files of the model directory ``path`` do not hold (what
+    transformers initialised afresh); None where ``path`` holds no safetensors file to read."""
+    from safetensors import safe_open
+
+    files = sorted(Path(str(path)).glob("*.safetensors"))
+    if not files:
+        return None
+    saved: set[str] = set()
+    for file in files:
+        with safe_open(str(file), "pt") as handle:
+            saved.update(handle.keys())
+    return [name for name in names if name not in saved]
+
+
 def _pad_token_id(config) -> int:
     from verl.utils import hf_tokenizer
 
@@ -468,6 +517,8 @@ def _main(request_path: str) -> int:
             if critic is not None:
                 critic.load_checkpoint(str(before / "critic"), del_local_after_load=False)
         trainer = SimpleNamespace(config=config, actor_rollout_wg=actor, critic_wg=critic, distillation_config=None)
+        if step == 1 and critic is not None:
+            _require_the_runs_initial_critic(trainer, batch, ((trace.record.update or {}).get("critic") or {}).get("dtype"))
         outputs = {}
         if critic is not None:
             outputs["critic"] = RayPPOTrainer._update_critic(trainer, batch)

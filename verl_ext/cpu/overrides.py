@@ -117,7 +117,8 @@ def cpu_overrides(
 
     ``use_ray=False`` leaves out the Ray-only settings (the in-process runner starts no Ray).
     ``ray_address``: join that running Ray cluster (its nodes declare their own CPUs and logical
-    GPUs) instead of starting a local one. ``seed``: the data order and the rollout's sampling.
+    GPUs) instead of starting a local one. ``seed``: the data order, the rollout's sampling and the
+    critic's fresh value head (``critic.fsdp.seed``, which the CPU backend seeds it from: touches.py).
     ``rollout``: one of :data:`ROLLOUTS` (verl's vLLM server is a Ray actor; without ``use_ray`` the
     in-process runner joins or starts a Ray cluster for it alone).
     Adjust the result with :func:`merge_overrides` (hydra rejects a key given twice).
@@ -168,6 +169,9 @@ def cpu_overrides(
         "critic.model.use_remove_padding=False",
         "critic.strategy=fsdp2",
         "critic.fsdp.use_torch_compile=False",
+        # the value head the checkpoint lacks is drawn from this seed (verl_ext.cpu.patches.value_model_seeded);
+        # a learning run seeds torch with it too, so its head is the one it drew before the CPU backend seeded it
+        f"critic.fsdp.seed={seed}",
         *_precision("critic.fsdp", precision),
         f"critic.ppo_micro_batch_size_per_gpu={micro_batch}",
         "critic.optim.lr=1e-3",

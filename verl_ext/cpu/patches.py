@@ -44,6 +44,24 @@ def value_model_with_config_attention(original: Callable[..., Any]) -> Callable[
     return load_valuehead_model
 
 
+def value_model_seeded(original: Callable[..., Any]) -> Callable[..., Any]:
+    # transformers draws the parameters a checkpoint lacks from torch's global RNG: the value head, when
+    # critic.model.path is a causal LM (the CPU runs' warm start). verl seeds that RNG only under
+    # full_determinism (enable_full_determinism with the engine's seed, transformer_impl.py:157), off by
+    # default, so every run's fresh head was another draw, which no checkpoint holds: step 1 of a run
+    # could not be replayed (verl-ext replay). Seeded with the engine's own seed (critic.fsdp.seed) right
+    # before a value model is built, the head is a function of the config. Where the RNG already was at
+    # that seed (the learning runs seed torch with their seed and pass it as critic.fsdp.seed), nothing changes.
+    def _build_module(self):
+        if self.model_config.model_type == "value_model":
+            import torch
+
+            torch.manual_seed(self.engine_config.seed)
+        return original(self)
+
+    return _build_module
+
+
 def unpinned_offload_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     def CPUOffloadPolicy(*args, **kwargs):  # noqa: N802 (stands in for the class of that name)
         kwargs["pin_memory"] = False
