@@ -366,3 +366,38 @@ def test_step_1_of_a_run_whose_initial_critic_cannot_be_rebuilt_is_one_line_and_
             assert all(message in said_in[0] for message in messages), err
             said.append(err)
         assert said[0] == said[1]
+
+
+@pytest.mark.parametrize("traced_run", [pytest.param("mc", marks=fit_group("mc"))], indirect=True)
+def test_another_number_of_epochs_reports_the_clip_codes_of_the_epoch_only_one_update_ran(traced_run, capsys, tmp_path):
+    """The run trained 2 PPO epochs. With 3, epoch 2 is only in the replay; with 1, epoch 1 is only in the
+    recorded update: the report counts that epoch's tokens and clip codes as its update table holds them
+    (counted here from the table), and compares the epochs both ran token by token (here by hand: no
+    token of them changed its code, as the update up to there is the run's)."""
+    from collections import Counter
+
+    _, trace_dir = traced_run
+    recorded = open_trace_at(trace_dir).actor_update(2).to_pandas()
+
+    def codes(table, epoch):
+        rows = table[table["epoch"] == epoch]
+        return len(rows), dict(sorted(Counter(code for code in rows["clip"].astype(str) if code != "none").items()))
+
+    def by_token(table):
+        return {(e, s, t): c for e, s, t, c in zip(table["epoch"], table["sample"], table["token_index"], table["clip"].astype(str))}
+
+    code, out, _ = replay(capsys, trace_dir, "--step", 2, "--out", tmp_path / "three", "--", "actor_rollout_ref.actor.ppo_epochs=3")
+    replayed = open_trace_at(tmp_path / "three").actor_update(2).to_pandas()
+    tokens, clipped = codes(replayed, 2)
+    assert code == 0 and tokens == codes(recorded, 0)[0] > 0 and sorted(set(replayed["epoch"])) == [0, 1, 2]
+    shared = {key: value for key, value in by_token(replayed).items() if key[0] < 2}
+    assert shared == by_token(recorded)  # epochs 0 and 1 as the run trained them: no clip code changed
+    where = ", ".join(f"{name} on {n}" for name, n in clipped.items())
+    line = f"  clip codes changed: none (on epochs 0, 1, which both updates ran); epoch 2 is only in the replay: {sum(clipped.values())} of its {tokens} tokens clipped"
+    assert line + (f" ({where})" if clipped else "") + "\n" in out, out
+
+    code, out, _ = replay(capsys, trace_dir, "--step", 2, "--format", "json", "--", "actor_rollout_ref.actor.ppo_epochs=1")
+    report = json.loads(out)
+    tokens, clipped = codes(recorded, 1)
+    assert code == 0 and report["clip_only"] == {"recorded": {"1": {"tokens": tokens, "clipped": clipped, "whole": True}}}, report["clip_only"]
+    assert report["clip_changes"] == {} and sum(clipped.values()) > 0  # the run's epoch 1 clipped (clip_ratio 0.1, lr 1e-2)

@@ -248,12 +248,13 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
     rows = {kind: table.num_rows for kind, table in replay.recorded.items()}
     moved = _moved_tokens(replay, top)
     logged = {kind: {key: [replay.recorded_logged(kind).get(key), value] for key, value in entry.logged.items()} for kind, entry in replay.entries.items()}
-    clip = _clip_changes(replay)
+    clip, clip_only = _clip_changes(replay)
     data = {
         "trace": replay.trace_path, "step": step, "mode": "model", "start": str(before) if step > 1 else None,
         "as_recorded": None if replay.overrides.given else "REPRODUCED" if replay.reproduced else "DIFFERS", "rows": rows, "bitwise": replay.bitwise,
         "difference": None if replay.difference is None else dict(zip(("kind", "sample", "token_index", "epoch", "column", "recorded", "replayed"), replay.difference)),
-        "parameters": replay.parameters, "overrides": replay.overrides.given, "logged": logged, "clip_changes": clip, "moved": moved,
+        "parameters": replay.parameters, "overrides": replay.overrides.given, "logged": logged, "clip_changes": clip,
+        "clip_only": {side: {str(epoch): part for epoch, part in parts.items()} for side, parts in clip_only.items()}, "moved": moved,
     }  # fmt: skip
     if fmt == "json":
         return json.dumps(data, indent=1, default=float)
@@ -279,7 +280,7 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
     lines.append(f"with {' '.join(replay.overrides.given)}:")
     for kind, metrics in logged.items():
         lines.append(f"  {kind}: " + ", ".join(f"{key} {_number(a)} → {_number(b)}" for key, (a, b) in metrics.items()))
-    lines.append(clip_changes_line(clip))
+    lines.append(_clip_line(clip, clip_only, _epochs_of_both(replay)))
     if replay.after["recorded"] is not None:
         mask = replay.after["mask"]
         delta = (replay.after["replayed"] - replay.after["recorded"])[mask]
@@ -300,18 +301,55 @@ def _number(value) -> str:
     return "—" if value is None else f"{value:.6g}"
 
 
-def _clip_changes(replay: ModelReplay) -> dict[str, int]:
-    """"recorded→replayed" clip codes, counted over the actor's rows of the epochs both updates ran
-    (joined on epoch, sample and token: other mini-batch sizes or epochs change the rows' places)."""
+def _clip_changes(replay: ModelReplay) -> tuple[dict[str, int], dict[str, dict[int, dict]]]:
+    """"recorded→replayed" clip codes, counted over the actor's rows both updates trained (joined on
+    epoch, sample and token: other mini-batch sizes change the rows' places); and the rows only one of
+    them trained (another number of epochs): {"recorded" | "replayed": {epoch: {"tokens": n, "clipped":
+    {code: n}, "whole": the other update has no row of that epoch}}}."""
     if "actor" not in replay.recorded or "actor" not in replay.replayed:
-        return {}
+        return {}, {}
     from verl_ext.apps.replay import clip_transitions
 
     keys = ["epoch", "sample", "token_index"]
     before = replay.recorded["actor"].select([*keys, "clip"]).to_pandas()
     after = replay.replayed["actor"].select([*keys, "clip"]).to_pandas()
-    joined = before.merge(after, on=keys, suffixes=("_recorded", "_replayed"))
-    return clip_transitions(joined["clip_recorded"].to_numpy(), joined["clip_replayed"].to_numpy())
+    joined = before.merge(after, on=keys, how="outer", suffixes=("_recorded", "_replayed"), indicator=True)
+    both = joined[joined["_merge"] == "both"]
+    only: dict[str, dict[int, dict]] = {}
+    for side, flag, other in (("recorded", "left_only", after), ("replayed", "right_only", before)):
+        for epoch, rows in joined[joined["_merge"] == flag].groupby("epoch"):
+            codes = rows[f"clip_{side}"].astype(str)
+            clipped = codes[codes != "none"].value_counts()
+            only.setdefault(side, {})[int(epoch)] = {
+                "tokens": len(rows), "clipped": {str(code): int(n) for code, n in sorted(clipped.items())},
+                "whole": not (other["epoch"] == epoch).any(),
+            }  # fmt: skip
+    transitions = clip_transitions(both["clip_recorded"].to_numpy().astype(str), both["clip_replayed"].to_numpy().astype(str))
+    return transitions, only
+
+
+def _clip_line(transitions: dict[str, int], only: dict[str, dict[int, dict]], epochs: list[int]) -> str:
+    """The clip codes that changed on the tokens both updates trained, and what one of them alone trained."""
+    line = clip_changes_line(transitions)
+    if not only:
+        return line
+    line += f" (on epoch{'s' if len(epochs) > 1 else ''} {', '.join(map(str, epochs))}, which both updates ran)"
+    for side, label in (("replayed", "the replay"), ("recorded", "the recorded update")):
+        for epoch, part in sorted(only.get(side, {}).items()):
+            clipped = sum(part["clipped"].values())
+            codes = f" ({', '.join(f'{code} on {n}' for code, n in part['clipped'].items())})" if clipped else ""
+            if part["whole"]:
+                line += f"; epoch {epoch} is only in {label}: {clipped} of its {part['tokens']} tokens clipped{codes}"
+            else:
+                line += f"; {part['tokens']} tokens of epoch {epoch} are only in {label}: {clipped} clipped{codes}"
+    return line
+
+
+def _epochs_of_both(replay: ModelReplay) -> list[int]:
+    """The PPO epochs both actor updates ran."""
+    if "actor" not in replay.recorded or "actor" not in replay.replayed:
+        return []
+    return sorted(set(replay.recorded["actor"]["epoch"].to_pylist()) & set(replay.replayed["actor"]["epoch"].to_pylist()))
 
 
 def _moved_tokens(replay: ModelReplay, top: int) -> list[dict[str, Any]]:
