@@ -2,8 +2,8 @@
 ``MKL_ENABLE_INSTRUCTIONS`` make torch compute as a machine with narrower vector units would (its
 sums in another order). verl-ext's estimators and whitening computed so in float32, as a run computes
 them, pass ``verl-ext check``, whose tolerances (docs/definitions.md#tolerances) bound the producer's
-own rounding whatever the kernels; and the numbers are not this machine's bits, so the emulation
-took effect. One fresh interpreter per capability (tests/support/capped_cpu.py), both at once.
+own rounding whatever the kernels; and the two give other bits, so the emulation took effect. One
+fresh interpreter per capability (tests/support/capped_cpu.py), both at once.
 
 Covers: verl_ext.check's tolerances on verl_ext.estimators and verl_ext.kernels under other kernels."""
 
@@ -13,9 +13,6 @@ import json
 import os
 import subprocess
 
-import torch
-
-from tests.support.capped_cpu import main as compute_here
 from tests.support.forkserver import real_python
 
 #: torch's name of each capability, and the environment that caps torch, oneDNN and MKL at it.
@@ -38,11 +35,9 @@ def test_the_estimators_on_another_cpus_kernels_pass_the_check(tmp_path):
         out, err = child.communicate(timeout=300)
         assert child.returncode == 0, err[-3000:]
         results[capability] = json.loads(out.splitlines()[-1])
-    here = compute_here(tmp_path / "here")
-    assert set(here["verdicts"].values()) == {"pass"}, here["failures"]
     for capability, result in results.items():
-        assert result["capability"] == capability  # the variable reached the child's torch
+        assert result["capability"] == capability  # the variables reached the child's torch
         assert set(result["verdicts"].values()) == {"pass"}, (capability, result["failures"])
-    # the scalar kernels sum in another order than this machine's vector units: other bits
-    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
-        assert results["DEFAULT"]["digest"] != here["digest"]
+    # the scalar kernels sum in another order than AVX2's vector units: other bits (this machine's
+    # own kernels are the rest of the suite's)
+    assert results["DEFAULT"]["digest"] != results["AVX2"]["digest"]
