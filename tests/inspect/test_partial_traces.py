@@ -22,6 +22,7 @@ from tests.inspect.inspect_helpers import good_batches, good_trace
 from verl_ext.errors import StepFileError
 from verl_ext.check.run import check_trace
 from verl_ext.steps.recorded import RecordedRun
+from verl_ext.inspect.sql import connect
 from verl_ext.inspect.summary import summarize
 from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.trace.reader import open_trace
@@ -228,6 +229,34 @@ def test_plot_draws_the_steps_that_read_and_exits_1(cut_trace, run_cli, tmp_path
     assert f"note: step 2 is left out: {cut_trace}/{token_file(2)} {CUT_SHORT}" in err
     code, _, err = run_cli("plot", str(cut_trace), "--out", str(tmp_path / "step2"), "--step", "2", "--quiet")
     assert code == 2 and err.startswith("verl-ext plot: step 2 does not read: ") and err.count("\n") == 1
+
+
+def test_sql_leaves_the_step_cut_short_out_of_its_views_says_why_and_exits_1(cut_trace, run_cli):
+    """As summary: the other steps answer, one note names the file, exit 1; also for a query of
+    another step, which does not need the file but whose views lack a step of the run."""
+    note = f"note: step 2 is left out: {cut_trace}/{token_file(2)} {CUT_SHORT}. Either the file is corrupted or this is not a parquet file.)\n"
+    code, out, err = run_cli("sql", str(cut_trace), "SELECT step, count(*) FILTER (WHERE mask) AS valid FROM tokens GROUP BY step ORDER BY step", "--format", "csv")
+    assert (code, out, err) == (1, f"step,valid\n1,{valid_tokens(1)}\n3,{valid_tokens(3)}\n", note)
+    code, out, err = run_cli("sql", str(cut_trace), "SELECT count(*) AS valid FROM tokens WHERE mask AND step = 3", "--format", "csv")
+    assert (code, out, err) == (1, f"valid\n{valid_tokens(3)}\n", note)
+    unread = UnreadSteps.of(open_trace(str(cut_trace)))
+    assert connect(str(cut_trace), unread=unread).execute("SELECT DISTINCT step FROM prompts ORDER BY step").fetchall() == [(1,), (3,)]
+    assert list(unread.unreadable) == [2]
+    with pytest.raises(StepFileError) as raised:  # from Python, without ``unread``: the step's error, naming it
+        connect(str(cut_trace))
+    assert (raised.value.step, raised.value.file) == (2, token_file(2))
+
+
+def test_sql_leaves_out_a_step_whose_prompt_table_is_cut_short_or_missing_on_disk(tmp_path, run_cli):
+    path = Path(good_trace(tmp_path / "t", run=FINISHED))
+    cut_short(path / prompt_file(3))
+    shutil.rmtree(path / "step-2")
+    code, out, err = run_cli("sql", str(path), "SELECT DISTINCT step FROM tokens ORDER BY step", "--format", "csv")
+    assert (code, out) == (1, "step\n1\n")
+    assert err.splitlines() == [
+        "note: step 2 is listed in the run record but missing on disk: left out",
+        f"note: step 3 is left out: {path}/{prompt_file(3)} {CUT_SHORT}. Either the file is corrupted or this is not a parquet file.)",
+    ]
 
 
 def test_the_page_holds_the_steps_that_read_and_says_which_it_left_out(cut_trace, run_cli, tmp_path):

@@ -9,14 +9,22 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from tests.trace.helpers import rewrite_in_the_old_layout
 from tests.view.view_helpers import SHOWN, VOCAB, save_piece_tokenizer, write_view_trace
 from verl_ext.inspect.sql import VIEWS, connect
 from verl_ext.trace.reader import open_trace
+from verl_ext.trace.schema import TOKEN_SCHEMA
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +97,142 @@ def test_a_bad_query_is_one_line(trace, run_cli, query, said):
     code, out, err = run_cli("sql", trace, query)
     assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"verl-ext sql: {said}"), err
+
+
+# --------------------------------------------------------------------------- read-only (issue 59, item 1)
+
+
+def snapshot(directory) -> dict[str, bytes]:
+    """Every file under ``directory`` and its bytes."""
+    return {str(path): path.read_bytes() for path in sorted(Path(directory).rglob("*")) if path.is_file()}
+
+
+#: Statements an inspection must refuse, whatever the spelling: writing a file (a trace's own file
+#: first), reading one other than through the views (outside the trace or inside it), loading code,
+#: and undoing the settings that forbid these. ``{trace}``: the trace; ``{outside}``: a folder beside it.
+REFUSED = [
+    "COPY (SELECT 1 AS x) TO '{trace}/step-1/part-0.parquet' (FORMAT parquet)",
+    "COPY (SELECT 1 AS x) TO '{trace}/step-1/part-0.parquet' (FORMAT csv, USE_TMP_FILE false)",
+    "COPY tokens TO '{outside}/tokens.csv'",
+    "SELECT 1; COPY (SELECT 1) TO '{outside}/second.csv'",
+    "EXPORT DATABASE '{outside}/export'",
+    "ATTACH '{outside}/db.duckdb' AS other",
+    "CREATE PERSISTENT SECRET leaked (TYPE s3, KEY_ID 'a', SECRET 'b')",
+    "INSTALL httpfs",
+    "LOAD '{outside}/code.duckdb_extension'",
+    "SELECT * FROM read_csv('{outside}/secret.csv')",
+    "SELECT * FROM read_text('{outside}/secret.csv')",
+    "SELECT * FROM read_blob('{outside}/secret.csv')",
+    "SELECT * FROM glob('{outside}/*')",
+    "SELECT * FROM '{outside}/secret.csv'",
+    "SELECT * FROM read_json('{trace}/_run.json')",
+    "SELECT count(*) FROM parquet_scan('{trace}/step-1/part-0.parquet')",
+    "SELECT * FROM read_parquet('https://example.invalid/x.parquet')",
+    "SET enable_external_access = true",
+    "RESET lock_configuration",
+    "SET allowed_directories = ['/']",
+    "SET log_query_path = '{outside}/queries.log'",
+    "PRAGMA enable_profiling = 'json'",
+]
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A folder that is not the trace's, with a file no query may read."""
+    (tmp_path / "secret.csv").write_text("password\nhunter2\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("statement", REFUSED)
+def test_the_command_refuses_any_statement_that_reads_or_writes_a_file_or_a_setting(trace, outside, run_cli, statement):
+    before = snapshot(trace), snapshot(outside)
+    code, out, err = run_cli("sql", trace, statement.format(trace=trace, outside=outside))
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    # DuckDB's own words for a file it may not touch and a setting it may not change
+    assert "Permission Error" in err or "the configuration has been locked" in err, err
+    assert (snapshot(trace), snapshot(outside)) == before
+
+
+@pytest.mark.parametrize(
+    "statement",
+    ["CREATE TABLE mine AS SELECT step, count(*) AS n FROM tokens GROUP BY step", "ATTACH ':memory:' AS scratch", "SET threads = 1"],
+)
+def test_what_stays_in_memory_is_allowed(trace, outside, run_cli, statement):
+    before = snapshot(trace)
+    code, _, err = run_cli("sql", trace, statement)
+    assert (code, err) == (0, "") and snapshot(trace) == before
+
+
+def test_connect_is_read_only_unless_asked_otherwise(trace, outside):
+    import duckdb
+
+    con = connect(trace)
+    with pytest.raises(duckdb.PermissionException):
+        con.execute(f"COPY (SELECT 1) TO '{outside}/x.csv'")
+    with pytest.raises(duckdb.Error, match="locked"):
+        con.execute("SET enable_external_access = true")
+    with pytest.raises(duckdb.PermissionException):  # a cursor shares the locked database
+        con.cursor().execute(f"SELECT * FROM read_csv('{outside}/secret.csv')")
+    assert con.execute("SELECT count(*) FROM tokens WHERE step = 1").fetchone()[0] == pq.read_metadata(f"{trace}/step-1/part-0.parquet").num_rows
+
+    unrestricted = connect(trace, unrestricted=True)
+    unrestricted.execute(f"COPY (SELECT step, count(*) AS n FROM tokens GROUP BY step ORDER BY step) TO '{outside}/x.csv'")
+    assert (outside / "x.csv").read_text().splitlines()[0] == "step,n"
+
+
+# --------------------------------------------------------------------------- Ctrl-C (issue 59, item 2)
+
+#: A five-way cross join of the token rows: hours of work, for a query that must stop at once.
+ENDLESS = "SELECT sum(a.advantage * b.advantage * c.advantage * d.advantage * e.advantage) FROM tokens a, tokens b, tokens c, tokens d, tokens e"
+
+
+def test_ctrl_c_stops_a_query_at_once_with_one_line_and_exit_130(trace):
+    """`verl-ext sql` in its own process, SIGINT once the query runs: it stops within seconds (DuckDB
+    itself took no notice of it for minutes), says so in one line and exits 130."""
+    code = (
+        "import sys, transformers, verl_ext.cli.sql\nfrom verl_ext.cli import main\n"
+        "print('ready', file=sys.stderr, flush=True)\nsys.exit(main(sys.argv[1:]))"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code, "sql", trace, ENDLESS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr.readline() == "ready\n"  # imported: what is left before the query takes moments
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=20)  # a generous bound: 0.2-0.5 s here, most of it the interpreter's exit
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (process.returncode, out, err) == (130, "", "verl-ext sql: interrupted\n")
+
+
+# --------------------------------------------------------------------------- a file that does not read (issue 59, item 3)
+
+
+def test_a_token_file_whose_data_does_not_read_is_one_line_pointing_at_check(tmp_path, run_cli):
+    """Its footer reads (so the step is not left out up front) but a column's pages do not: a query
+    that reads them says which kind of file, in one line, exit 2; one that does not need them answers."""
+    path = write_view_trace(tmp_path / "trace", save_piece_tokenizer(tmp_path / "tok"), steps=(1, 2), updates=False)
+    file = Path(path) / "step-2" / "part-0.parquet"
+    chunk = pq.read_metadata(file).row_group(0).column(TOKEN_SCHEMA.get_field_index("value"))
+    data = bytearray(file.read_bytes())
+    data[chunk.data_page_offset : chunk.data_page_offset + chunk.total_compressed_size] = b"\xab" * chunk.total_compressed_size
+    file.write_bytes(bytes(data))
+    code, out, err = run_cli("sql", path, "SELECT step, avg(value) FROM tokens GROUP BY step")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"verl-ext sql: a token file of {path} does not read (") and err.endswith(f"; verl-ext check {path} names it\n")
+    code, out, err = run_cli("sql", path, "SELECT count(*) AS n FROM tokens WHERE step = 1", "--format", "csv")
+    assert (code, out, err) == (0, f"n\n{pq.read_metadata(Path(path) / 'step-1' / 'part-0.parquet').num_rows}\n", "")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_trace_of_the_old_layout_answers_as_its_files_do(trace, tmp_path, version):
+    """Formats 1 and 2 keep ``step`` in the folder name only and lack the newer columns (null here)."""
+    old = tmp_path / "old"
+    shutil.copytree(trace, old)
+    rewrite_in_the_old_layout(old, version)
+    con = connect(str(old))
+    counts = dict(con.execute("SELECT step, count(*) FROM tokens GROUP BY step").fetchall())
+    assert counts == {step: pq.read_metadata(old / f"step={step}" / "part-0.parquet").num_rows for step in (1, 2, 3)}
+    assert con.execute("SELECT count(*) FROM tokens WHERE turn IS NOT NULL OR role IS NOT NULL").fetchone()[0] == 0
+    assert con.execute("SELECT typeof(step) FROM tokens LIMIT 1").fetchone()[0] == "BIGINT"
+

@@ -162,7 +162,24 @@ class Trace:
     def prompts(self, step: int) -> pa.Table:
         """The prompt table of one step (PROMPT_SCHEMA): one row per traced sample."""
         self.require_step(step)
-        table = self._read_file(self.layout.prompt_file(step), PROMPT_SCHEMA, PROMPT_SCHEMA.names, step, stores_step=True)
+        return self._prompt_file(step, PROMPT_SCHEMA.names).replace_schema_metadata(PROMPT_SCHEMA.metadata)
+
+    def check_step_files(self, step: int) -> None:
+        """Whether every file of ``step`` reads as its readers above would read it, from the files'
+        footers alone (no column is read): the token, prompt and update files are there, readable
+        Parquet (a file cut short loses its footer first) of a known schema version, with their columns,
+        holding this step (by their statistics) and from the same write; the step's entry is in the
+        token file's footer. A StepFileError naming the first file that does not."""
+        self.step_record(step)
+        self._read_parquet(step, self.layout.token_file(step), TOKEN_SCHEMA, [])
+        for kind in UPDATE_DIRS:
+            if step in self.update_steps[kind]:
+                self._read_file(self.layout.update_file(kind, step), UPDATE_SCHEMAS[kind], [], step)
+        self._prompt_file(step, [])
+
+    def _prompt_file(self, step: int, columns: list[str]) -> pa.Table:
+        """``columns`` of the step's prompt table, which must come from the token table's write."""
+        table = self._read_file(self.layout.prompt_file(step), PROMPT_SCHEMA, columns, step, stores_step=True)
         written_with = (table.schema.metadata or {}).get(WRITE_ID_METADATA_KEY.encode())
         if written_with != self._footer(step).get(WRITE_ID_METADATA_KEY.encode()):
             raise StepFileError(
@@ -171,7 +188,7 @@ class Trace:
                 step,
                 self.layout.prompt_file(step),
             )
-        return table.replace_schema_metadata(PROMPT_SCHEMA.metadata)
+        return table
 
     def update_table(self, kind: str, step: int, columns: list[str] | None = None) -> pa.Table:
         """The update table of ``kind`` ("actor", "critic") at one step (UPDATE_SCHEMAS[kind],
@@ -281,13 +298,15 @@ class Trace:
 
         def read(file) -> pa.Table:
             parquet = pq.ParquetFile(file)
-            if dictionary := [name for name in READ_AS_DICTIONARY if name in columns and name in parquet.schema_arrow.names]:
+            stored = parquet.schema_arrow  # properties built anew at each use: once here
+            names = set(stored.names)
+            if dictionary := [name for name in READ_AS_DICTIONARY if name in columns and name in names]:
                 parquet = pq.ParquetFile(file, metadata=parquet.metadata, read_dictionary=dictionary)
-            version = (parquet.schema_arrow.metadata or {}).get(SCHEMA_VERSION_METADATA_KEY.encode())
+            version = (stored.metadata or {}).get(SCHEMA_VERSION_METADATA_KEY.encode())
             if version is not None and version.decode() not in map(str, READABLE_SCHEMA_VERSIONS):
                 raise TraceError(f"{self.path}/{relative}: schema version {version.decode()} is not supported")
             expected = [name for name in schema.names if stores_step or name != "step"]
-            missing = [name for name in expected if name not in parquet.schema_arrow.names]
+            missing = [name for name in expected if name not in names]
             absent = set(missing) & added_after(int(version.decode()) if version is not None else 1)  # null in an older file
             if set(missing) - absent:
                 raise TraceError(f"{self.path}/{relative} lacks column(s) {', '.join(n for n in missing if n not in absent)}")
