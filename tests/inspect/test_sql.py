@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,9 +18,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from tests.inspect.inspect_helpers import rewrite_step
 from tests.trace.helpers import rewrite_in_the_old_layout
 from tests.view.view_helpers import SHOWN, VOCAB, save_piece_tokenizer, write_view_trace
 from verl_ext.inspect.sql import VIEWS, connect
@@ -236,3 +240,36 @@ def test_a_trace_of_the_old_layout_answers_as_its_files_do(trace, tmp_path, vers
     assert con.execute("SELECT count(*) FROM tokens WHERE turn IS NOT NULL OR role IS NOT NULL").fetchone()[0] == 0
     assert con.execute("SELECT typeof(step) FROM tokens LIMIT 1").fetchone()[0] == "BIGINT"
 
+
+# --------------------------------------------------------------------------- the docs' recipes
+
+
+def docs_recipe(mark: str) -> list[str]:
+    """The arguments of the ``verl-ext sql`` line of docs/inspecting.md that holds ``mark``."""
+    text = (Path(__file__).parents[2] / "docs" / "inspecting.md").read_text(encoding="utf-8")
+    (line,) = [line for line in text.splitlines() if line.startswith("verl-ext sql ") and mark in line]
+    return shlex.split(line)[1:]
+
+
+def test_the_largest_gap_recipe_shows_the_gaps_of_an_fp32_run(tmp_path, run_cli):
+    """An fp32 run's rollout and trainer log-probs differ by 1e-7 or less: the docs' query shows each
+    response's largest gap in digits that say it (4 decimals said 0.0000 on every row)."""
+    path = write_view_trace(tmp_path / "trace", save_piece_tokenizer(tmp_path / "tok"), steps=(1,), updates=False)
+    def fp32_gaps(t):  # a gap of 3e-6 × (sample + 1) at every third token, half that elsewhere: the largest differ by sample
+        sample, index = t["sample"].to_numpy(), t["token_index"].to_numpy()
+        delta = (3e-6 * (sample + 1) * np.where(index % 3 == 0, 1.0, 0.5)).astype(np.float32)
+        return t.set_column(t.schema.get_field_index("rollout_log_prob"), "rollout_log_prob", pc.add(t["old_log_prob"], pa.array(delta)))
+
+    rewrite_step(path, 1, table=fp32_gaps)
+    table = pq.read_table(f"{path}/step-1/part-0.parquet").to_pandas()
+    valid = table[table["mask"]]
+    gaps = (valid["rollout_log_prob"].astype(np.float64) - valid["old_log_prob"].astype(np.float64)).abs().groupby(valid["sample"]).max()
+    expected = gaps.sort_values(ascending=False).head(5)
+    assert 0 < expected.min() and expected.max() < 5e-5  # 0.0000 at 4 decimals
+    argv = docs_recipe("largest_gap")
+    code, out, err = run_cli(*[path if arg == "PATH" else arg for arg in argv])
+    assert (code, err) == (0, "")
+    header, *rows = [line.split() for line in out.splitlines()]
+    shown = {int(row[header.index("sample")]): float(row[header.index("largest_gap")]) for row in rows}
+    assert list(shown) == list(expected.index)
+    assert all(shown[sample] == pytest.approx(gap, rel=1e-2) for sample, gap in expected.items()), (shown, expected.to_dict())
