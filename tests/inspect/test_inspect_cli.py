@@ -150,6 +150,22 @@ def test_progress_lines_on_long_scans(tmp_path):
     assert quiet.getvalue() == ""  # a scan shorter than the interval prints nothing
 
 
+@pytest.mark.parametrize(
+    ("tokens", "rate"), [(1_500, "750 tokens/s"), (50_000, "25.0k tokens/s"), (7_000_000, "3.5M tokens/s")]
+)
+def test_a_progress_line_says_its_rate_in_a_unit_that_shows_it(monkeypatch, tokens, rate):
+    """Tokens over 2 s of a clock the test sets (a scan of small steps once read "0.0M tokens/s")."""
+    from types import SimpleNamespace
+
+    from verl_ext.inspect import render
+
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(render, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # render's clock only
+    stream = io.StringIO()
+    ProgressPrinter("summary", stream, interval=0.0)(1, 3, tokens)
+    assert stream.getvalue() == f"summary: step 1/3, {tokens:,} tokens, 2.0 s, {rate}\n"
+
+
 def test_a_second_directory_of_the_same_step_is_refused_not_half_read(trace, run_cli):
     shutil.copytree(trace / "step-3", trace / "step-03")
     for command in ("check", "summary", "show"):

@@ -183,6 +183,14 @@ def _result_text(result, counts: str) -> str:
 # --------------------------------------------------------------------------- progress
 
 
+def per_second(rate: float) -> str:
+    """A rate with its unit: ``2.3M``, ``45.6k``, ``789`` (one decimal from a thousand up)."""
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if round(rate / scale, 1) >= 1:
+            return f"{rate / scale:.1f}{unit}"
+    return f"{rate:.0f}"
+
+
 class ProgressPrinter:
     """Callable as ``progress(done, total, tokens)``; prints at most one line per ``interval``
     seconds, nothing at all for a scan that ends within ``interval``."""
@@ -200,7 +208,7 @@ class ProgressPrinter:
         if now - self.last_printed < self.interval and not (done == total and self.printed):
             return
         elapsed = now - self.started
-        rate = f", {tokens / elapsed / 1e6:.1f}M tokens/s" if elapsed > 0 else ""
+        rate = f", {per_second(tokens / elapsed)} tokens/s" if elapsed > 0 else ""
         print(
             f"{self.what}: step {done}/{total}, {tokens:,} tokens, {elapsed:.1f} s{rate}", file=self.stream, flush=True
         )
