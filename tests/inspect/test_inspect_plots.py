@@ -43,6 +43,24 @@ def test_a_bad_plot_request_writes_nothing(trace, run_cli, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_an_out_that_is_a_file_is_refused_before_any_step_is_read(gae_trace, tmp_path, run_cli, monkeypatch, under):
+    """`--out` naming a file (or a folder under one): one line, exit 2, before the scan of the steps
+    (which takes minutes on a long run); the file is left as it was."""
+    from verl_ext.trace.reader import Trace
+
+    existing = tmp_path / "figures.png"
+    existing.write_bytes(b"mine")
+    read = []
+    attempt = Trace._attempt
+    monkeypatch.setattr(Trace, "_attempt", lambda self, relative, *rest: read.append(relative) or attempt(self, relative, *rest))
+    out = existing / "plots" if under else existing
+    code, stdout, err = run_cli("plot", gae_trace, "--out", str(out))
+    assert read == [] and existing.read_bytes() == b"mine"
+    assert (code, stdout) == (2, "") and err.count("\n") == 1
+    assert err.startswith(f"verl-ext plot: cannot write the figures to {out}: ") and "a file, not a directory" in err
+
+
 def test_figures_that_do_not_apply_are_left_out_with_a_note(tmp_path):
     b = random_batch(1)
     b = replace(b, values=None, returns=b.scores, advantages=b.scores, advantage_raw=None)

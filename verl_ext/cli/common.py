@@ -82,6 +82,21 @@ def require_writable(directory: Path, what: str) -> None:
         raise UsageError(f"cannot write {what} to {directory}: {error.strerror or error}") from None
 
 
+def refuse_unusable_directory(directory, what: str) -> None:
+    """Refuse at once, creating nothing, an output directory that cannot be one: a file is there or
+    above it, or the nearest folder that exists is not writable (one line, exit 2). What only writing
+    shows (a full disk) is the writer's own error."""
+    path = Path(directory).absolute()
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "it is" if existing == path else f"{existing} is"
+        raise UsageError(f"cannot write {what} to {directory}: {where} a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {what} to {directory}: {existing} is not writable")
+
+
 def headless_matplotlib(what: str) -> None:
     try:
         import matplotlib

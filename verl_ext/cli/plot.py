@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from verl_ext.cli.common import LAST_READABLE, emit, headless_matplotlib, quiet_argument, run_argument, say, tokenizer_argument
+from verl_ext.cli.common import (
+    LAST_READABLE, emit, headless_matplotlib, quiet_argument, refuse_unusable_directory, run_argument, say, tokenizer_argument,
+)  # fmt: skip
 from verl_ext.cli.traces import STEPS_LEFT_OUT_EPILOG, left_out, open_run, parallel_arguments, parallel_options, progress_printer
 from verl_ext.errors import StepFileError
 from verl_ext.errors import UsageError
@@ -15,7 +17,10 @@ from verl_ext.inspect.unread import UnreadSteps
 def arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = STEPS_LEFT_OUT_EPILOG
     run_argument(parser)
-    parser.add_argument("--out", default="verl-ext-plots", metavar="DIR", help="output directory (default: ./verl-ext-plots)")
+    parser.add_argument(
+        "--out", default="verl-ext-plots", metavar="DIR",
+        help="output directory (default: ./verl-ext-plots); one that cannot be (a file is there) is refused before any step is read",
+    )  # fmt: skip
     parser.add_argument("--step", type=int, metavar="S", help=f"step of the per-step figures (default: {LAST_READABLE})")
     parser.add_argument("--sample", type=int, default=0, metavar="I", help="sample of the token heatmap (default 0)")
     tokenizer_argument(parser)
@@ -27,6 +32,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     headless_matplotlib("plot")
+    refuse_unusable_directory(args.out, "the figures")  # before the steps are read, which takes a while
 
     trace = open_run(args.run)
     unread = UnreadSteps.of(trace)
