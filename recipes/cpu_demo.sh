@@ -41,11 +41,12 @@ if [[ -n ${CONFIG_PATH:-} ]]; then
   CONFIG_ARGS=(--config-path="$(realpath "$CONFIG_PATH")" --config-name="${CONFIG_NAME:-verl_ext_trainer}")
 fi
 
-mkdir -p "$OUTPUT_DIR"
-OUTPUT_DIR=$(cd "$OUTPUT_DIR" && pwd)
+OUTPUT_DIR=$(realpath -m "$OUTPUT_DIR")  # absolute (the trainer runs in it), not created before the check below
 
 echo "[cpu-demo] tiny model, tokenizer and prompts (built once, then cached) ..."
-# One override (and one NAME=value) per line; a failure here stops the script (set -e).
+# One override (and one NAME=value) per line; a failure here stops the script (set -e). The check composes
+# the config and checks it as the trainer's driver would (verl-ext's options, verl's typed config, verl's
+# validate_config): a bad override is one line and exit 2 here, before any folder, Ray or trainer.
 overrides=$(
   "$PYTHON" -m verl_ext.apps.overrides --output-dir "$OUTPUT_DIR" --steps "$STEPS" --estimator "$ESTIMATOR" ${TASK:+--task "$TASK"} \
     --rollout-n "$ROLLOUT_N" --train-batch-size "$TRAIN_BATCH_SIZE" --precision "$PRECISION" --rollout "$ROLLOUT" ${V1:+--v1} ${RAY_ADDRESS:+--ray-address "$RAY_ADDRESS"} "${CONFIG_ARGS[@]}" -- "$@"
@@ -58,6 +59,7 @@ echo "[cpu-demo] python -m verl.trainer.main_ppo: $STEPS steps of $ESTIMATOR on 
 # verl_ext.apps.progress holds OUTPUT_DIR's lock (a second run into it is refused in one line, before
 # anything there is touched), clears its metrics.jsonl, runs the trainer and keeps its full output in
 # train.log; Ctrl-C or SIGTERM stops the trainer after the step in progress, in one line.
+mkdir -p "$OUTPUT_DIR"
 status=0
 (
   cd "$OUTPUT_DIR"  # hydra writes its run directory (outputs/) under the working directory

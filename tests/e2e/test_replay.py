@@ -163,11 +163,21 @@ def test_td0_instead_of_mc_gives_hand_computed_whitened_td_errors(traced_run, ca
 
 
 @pytest.mark.parametrize("traced_run", [pytest.param("grpo", marks=fit_group("grpo"))], indirect=True)
-def test_a_replay_it_cannot_do_is_one_line_and_exit_2(traced_run, capsys, tmp_path):
+def test_a_replay_it_cannot_do_is_one_line_and_exit_2(traced_run, capsys, tmp_path, monkeypatch):
+    import tempfile
+
     from verl_ext.trace.reader import open_trace
 
     _, trace_dir = traced_run
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where a model replay's work directory would go
+    (tmp_path / "tmp").mkdir()
     cases = {
+        # issue 59: refused before anything is replayed (the first two were replayed; the third built the workers,
+        # which failed, and left its work directory; the last was "not registered by its module")
+        ("--step", "2", "--model-free", "--", "actor_rollout_ref.actor.clip_ratio_high=-5"): "clip_ratio_high must be > 0",
+        ("--step", "2", "--model-free", "--", "algorithm.gama=0.9"): "not a key of the run's algorithm config: did you mean algorithm.gamma?",
+        ("--step", "2", "--", "actor_rollout_ref.actor.ppo_epochs=abc"): "actor_rollout_ref.actor.ppo_epochs=abc: Value 'abc' of type 'str' could not be converted to Integer",
+        ("--step", "2", "--", "algorithm.adv_estimator=mcc"): "algorithm.adv_estimator='mcc' is not a known advantage estimator. Valid names: ",
         ("--step", "2", "--model-free", "--", "algorithm.adv_estimator=td0"): "needs the critic's values",
         ("--step", "2", "--", "algorithm.adv_estimator=td0"): "needs the critic's values",
         ("--step", "2", "--", "actor_rollout_ref.actor.optim.lr=1e-3"): "restores the optimizer",
@@ -186,6 +196,7 @@ def test_a_replay_it_cannot_do_is_one_line_and_exit_2(traced_run, capsys, tmp_pa
     for argv, message in cases.items():
         code, out, err = replay(capsys, trace_dir, *argv)
         assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not list((tmp_path / "tmp").glob("verl-ext-replay-*"))  # no work directory left behind, no log
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     code, _, err = replay(capsys, trace_dir, "--step", "2", "--model-free", "--out", tmp_path / "full")

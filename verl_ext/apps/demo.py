@@ -38,15 +38,38 @@ from pathlib import Path
 from typing import Callable
 
 
+def check_demo(args: argparse.Namespace) -> None:
+    """The demo's arguments and overrides checked before anything starts (no folder, no trainer): the
+    config its trainer would compose, checked as the trainer's driver checks it
+    (:func:`verl_ext.apps.learning.check_run`). UsageError, one line. Fills in ``steps`` and
+    ``estimator`` when None (the task's, its record in :data:`verl_ext.tasks.TASKS`)."""
+    from verl_ext.apps.learning import check_run
+    from verl_ext.tasks import get_task
+
+    task = get_task(args.task)
+    if args.steps is None:
+        args.steps = task.steps
+    if args.estimator is None:
+        args.estimator = task.estimator
+    check_run(
+        args.output_dir.resolve(), args.estimator, args.seed, args.steps, args.steps, True, _extra_overrides(args),
+        task=args.task, precision=args.precision, rollout=args.rollout,
+    )  # fmt: skip
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """The five parts (module docstring), holding the output directory's lock
     (:mod:`verl_ext.apps.output_lock`): a second demo into it is refused before it touches anything.
-    ``args``: the CLI's (``verl-ext demo --help``); ``steps`` and ``estimator`` None take the task's
-    (its record in :data:`verl_ext.tasks.TASKS`)."""
+    ``args``: the CLI's (``verl-ext demo --help``), checked by :func:`check_demo`."""
     from verl_ext.apps.output_lock import output_lock
 
     with output_lock(args.output_dir, "verl-ext demo") as lock:
         return _run_demo(args, lock)
+
+
+def _extra_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides the demo adds to the learning recipe's: the turn rewards, then the user's (they win)."""
+    return [*(["verl_ext.turn_rewards=true"] if args.turn_rewards else []), *args.overrides]
 
 
 def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
@@ -57,10 +80,6 @@ def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
     from verl_ext.view import write_page
 
     task = get_task(args.task)
-    if args.steps is None:
-        args.steps = task.steps
-    if args.estimator is None:
-        args.estimator = task.estimator
     started = time.monotonic()
     output = args.output_dir.resolve()
     trace_dir = output / "trace"
@@ -183,7 +202,7 @@ def _train(args: argparse.Namespace, output: Path, before: Callable[[], None], l
         sys.executable, "-m", "verl_ext.apps.learning", str(output), "--task", args.task,
         "--estimator", args.estimator, "--seed", str(args.seed), "--steps", str(args.steps),
         "--test-freq", str(args.steps), "--trace", "--precision", args.precision, "--rollout", args.rollout, "--",
-        *(["verl_ext.turn_rewards=true"] if args.turn_rewards else []), *args.overrides,
+        *_extra_overrides(args),
     ]  # fmt: skip
     # the lock goes to the trainer; a module of VERL_USE_EXTERNAL_MODULES is found where the user started
     environment = {**os.environ, **user_modules_path()}

@@ -41,6 +41,9 @@ from verl_ext.options import STOP_FILE_ENV
 from verl_ext.tasks import DEFAULT_TASK, TASKS, get_task
 
 STEPS = get_task(DEFAULT_TASK).steps
+#: verl-ext's trainer config (verl's ppo_trainer and verl-ext's keys), which a learning run composes.
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_NAME = "verl_ext_trainer"
 #: Validation every TEST_FREQ steps (and before training).
 TEST_FREQ = 10
 PROMPTS_PER_STEP = 32
@@ -161,18 +164,39 @@ def run(
     before it touches anything there. The run stops between two steps once its stop file exists
     (:mod:`verl_ext.stopping`): in process, :class:`~verl_ext.stopping.StopRequested` comes out of here."""
     from verl_ext.apps.output_lock import output_lock
-    from verl_ext.cpu.overrides import METRICS_FILE, cpu_environment, merge_overrides
+    from verl_ext.cpu.overrides import METRICS_FILE, cpu_environment
 
     with output_lock(output_dir, "python -m verl_ext.apps.learning"):
         (output_dir / METRICS_FILE).unlink(missing_ok=True)
         environment = cpu_environment(output_dir)
-        overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra, task, precision, rollout)
-        if trace:
-            overrides = merge_overrides([f"verl_ext.trace.dir={output_dir / 'trace'}"], overrides)
-        configs = Path(__file__).resolve().parents[1] / "configs"
+        overrides = run_overrides(output_dir, estimator, seed, steps, test_freq, trace, extra, pretrained_critic, task, precision, rollout)
         for name in ("VERL_FILE_LOGGER_PATH", STOP_FILE_ENV):  # what the in-process trainer reads of a CPU run's environment
             os.environ[name] = environment[name]
-        _train_in_process(overrides, configs, seed)
+        _train_in_process(overrides, CONFIGS, seed)
+
+
+def run_overrides(
+    output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int, trace: bool, extra: list[str],
+    pretrained_critic: bool = True, task: str = DEFAULT_TASK, precision: str = "fp32", rollout: str = ROLLOUT_NAME,
+) -> list[str]:
+    """The overrides :func:`run` trains with (:func:`learning_overrides`, and the trace in ``output_dir/trace``)."""
+    from verl_ext.cpu.overrides import merge_overrides
+
+    overrides = learning_overrides(output_dir, estimator, seed, steps, test_freq, pretrained_critic, extra, task, precision, rollout)
+    if trace:
+        overrides = merge_overrides([f"verl_ext.trace.dir={output_dir / 'trace'}"], overrides)
+    return overrides
+
+
+def check_run(output_dir: Path, estimator: str, seed: int, steps: int, test_freq: int, trace: bool, extra: list[str],
+              pretrained_critic: bool = True, task: str = DEFAULT_TASK, precision: str = "fp32", rollout: str = ROLLOUT_NAME) -> None:  # fmt: skip
+    """The config :func:`run` would train with, composed and checked as its driver checks it
+    (:func:`verl_ext.apps.composition.checked_config`), without writing anything: what ``verl-ext demo``
+    calls before it creates a folder. UsageError, one line."""
+    from verl_ext.apps.composition import checked_config
+
+    overrides = run_overrides(output_dir, estimator, seed, steps, test_freq, trace, extra, pretrained_critic, task, precision, rollout)
+    checked_config(overrides, CONFIGS, CONFIG_NAME)
 
 
 def _train_in_process(overrides: list[str], configs: Path, seed: int) -> None:
@@ -191,7 +215,7 @@ def _train_in_process(overrides: list[str], configs: Path, seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    run_in_process(overrides, config_dir=configs, config_name="verl_ext_trainer")
+    run_in_process(overrides, config_dir=configs, config_name=CONFIG_NAME)
 
 
 def read_metrics(output_dir: Path) -> dict[int, dict]:

@@ -16,6 +16,7 @@ and the number of epochs need the model; the model-free replay says so and does 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -98,7 +99,67 @@ class Overrides:
                 name == "loss_scale_factor" and value is None
             ):
                 raise ReplayError(f"override {name}={value!r}: expected a number")
+        # verl's ActorConfig takes any number; its loss clips the ratio to [1 − low, 1 + high], and asserts c > 1
+        for name, bound, why in (
+            ("clip_ratio_low", 0, "the ratio's lower clip is 1 − clip_ratio_low"),
+            ("clip_ratio_high", 0, "the ratio's upper clip is 1 + clip_ratio_high"),
+            ("clip_ratio_c", 1, "the lower bound of dual-clip PPO: verl's loss asserts it"),
+        ):
+            if name in overrides.actor and not overrides.actor[name] > bound:
+                key = next(key for key in reversed(overrides.given) if name in ACTOR_OVERRIDES.get(key.partition("=")[0], ()))
+                raise ReplayError(f"override {key}: {name} must be > {bound} ({why}), got {overrides.actor[name]}")
         return overrides
+
+
+def check_overrides(trace, overrides: Overrides, model: bool = False) -> None:
+    """The overrides checked against the run before anything is replayed, as a run's driver checks its
+    config (ReplayError, one line naming the key and the value): the estimator a known name (the valid
+    names listed); an ``algorithm`` key the run's config has or verl-ext declares; verl-ext's estimator
+    options (:func:`verl_ext.registry.check_algorithm`); and, where the run record holds the run's config,
+    the values given against verl's typed config (:func:`verl_ext.apps.composition.check_types`). With the
+    ``model`` (whose workers are built from that config with the overrides) also verl's ``validate_config``."""
+    import warnings
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from verl_ext import registry
+    from verl_ext.apps.composition import check_types, verl_validation
+    from verl_ext.errors import UsageError
+    from verl_ext.integration.validation import known_estimator_names
+    from verl_ext.options import ALGORITHM_OPTIONS
+
+    recorded = OmegaConf.create(trace.record.config) if trace.record.config is not None else None
+    if "adv_estimator" in overrides.algorithm:
+        name = registry.name_of(overrides.algorithm["adv_estimator"])
+        valid = known_estimator_names()
+        if name not in valid:
+            raise ReplayError(f"algorithm.adv_estimator={name!r} is not a known advantage estimator. Valid names: {', '.join(sorted(valid))}")
+    declared = {option.key for option in (*ALGORITHM_OPTIONS, *(o for e in registry.all_estimators() for o in e.options))}
+    has = (recorded.get("algorithm") if recorded is not None else None) or OmegaConf.create(dict(trace.record.algorithm))
+    for key in overrides.algorithm:
+        if key.partition(".")[0] not in declared and OmegaConf.select(has, key, default=KeyError) is KeyError:
+            nearest = difflib.get_close_matches(key, [str(k) for k in has.keys()], n=1, cutoff=0.6)
+            hint = f": did you mean algorithm.{nearest[0]}?" if nearest else ""
+            raise ReplayError(f"override algorithm.{key}: not a key of the run's algorithm config{hint}")
+    if overrides.algorithm:
+        with warnings.catch_warnings():  # an option the estimator ignores: the report lists the overrides
+            warnings.simplefilter("ignore")
+            try:
+                registry.check_algorithm({**trace.record.algorithm, **overrides.algorithm})
+            except ValueError as error:
+                raise ReplayError(one_line(error)) from None
+    if recorded is None or not overrides.given:
+        return
+    try:
+        merged = OmegaConf.merge(recorded, OmegaConf.from_dotlist(overrides.given))
+        check_types(merged, keys=[item.partition("=")[0] for item in overrides.given])
+        if model and overrides.config:
+            verl_validation(merged)
+    except OmegaConfBaseException as error:
+        raise ReplayError(f"overrides {' '.join(overrides.given)}: {one_line(error)}") from None
+    except UsageError as error:
+        raise ReplayError(str(error)) from None
 
 
 @dataclass
@@ -142,6 +203,7 @@ def replay_step(trace, step: int, overrides: Overrides) -> Replay:
             f"step {step} of {trace.path} has no actor update table: a replay needs what the update did "
             "(verl_ext.trace.update=true, and a step whose update finished)"
         )
+    check_overrides(trace, overrides)
     recorded_settings = dict((trace.record.update or {}).get("actor") or {})
     if not recorded_settings:
         raise ReplayError(f"{trace.path}: the run record does not say how the actor computed its loss (a trace before format 2)")

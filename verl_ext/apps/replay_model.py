@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl_ext.apps.replay import Overrides, ReplayError, clip_changes_line
+from verl_ext.apps.replay import Overrides, ReplayError, check_overrides, clip_changes_line
 
 #: The columns of each update table the replay must reproduce; the rest are keys or copies of inputs.
 COMPARED = {
@@ -138,6 +140,7 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
             raise ReplayError(f"override {key}: verl restores the optimizer and its schedule (the learning rate too) from the checkpoint, over the config")
         if OmegaConf.select(config, key, default=KeyError) is KeyError:
             raise ReplayError(f"override {key}: not a key of the run's verl config")
+    check_overrides(trace, overrides, model=True)  # a value verl's config or verl-ext refuses: before any worker
     if step > 1:
         _require_the_runs_model(root / f"global_step_{step - 1}", config)
     tokens, whiten = None, None
@@ -148,7 +151,7 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
         pq.write_table(tokens, work / "tokens.parquet")
     if progress is not None:
         progress(f"step {step} with verl's workers, from {root} (a fresh process: seconds on a tiny model) ...")
-    # where the workers failed, ``work`` keeps their log (the error names it); else it goes once read
+    # ``work`` goes once read; where the workers failed, too (an unexpected failure keeps their log beside it: the error names it)
     result = run_replay(str(trace.path), step, str(root), work, overrides.config, str(work / "tokens.parquet") if tokens is not None else None)
     try:
         recorded = {kind: trace.update_table(kind, step) for kind in kinds}
@@ -401,8 +404,40 @@ def run_replay(trace_path: str, step: int, checkpoint_root: str, work: Path, ove
     result_file = work / "result.json"
     if process.returncode != 0 or not result_file.exists():
         problem = next((line for line in reversed(process.stderr.splitlines()) if line.startswith("verl-ext replay:")), None)
-        raise ReplayError(problem.removeprefix("verl-ext replay: ") if problem else f"the replay's workers failed (exit {process.returncode}): see {work / 'replay.log'}")
+        if problem:  # said in one line: nothing of the work directory is worth keeping
+            shutil.rmtree(work, ignore_errors=True)
+        else:  # not a refusal of theirs (a bug, the machine): its last line here, their whole output beside, the rest gone
+            log = work.with_name(f"{work.name}.log")
+            (work / "replay.log").replace(log)
+            shutil.rmtree(work, ignore_errors=True)
+        raise ReplayError(problem.removeprefix("verl-ext replay: ") if problem else
+                          f"the replay's workers failed ({_how_it_ended(process.returncode)}): {last_error(process.stderr)}; their whole output: {log}")  # fmt: skip
     return json.loads(result_file.read_text())
+
+
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+#: What torch.distributed puts before each line a rank prints.
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
+
+def last_error(stderr: str) -> str:
+    """The exception a Python process ended with, from its ``stderr``: the first unindented line after the
+    last ``Traceback`` (ranks' ``[rank0]: `` prefixes removed); else its last line that is not empty."""
+    lines = [_RANK_PREFIX.sub("", line) for line in stderr.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        error = next((line for line in lines[starts[-1] + 1 :] if line.strip() and not line[0].isspace()), None)
+        if error is not None:
+            return error.strip()
+    return next((line.strip() for line in reversed(lines) if line.strip()), "it printed nothing on stderr")
 
 
 # --------------------------------------------------------------------------- in the fresh interpreter

@@ -57,20 +57,45 @@ class SelftestRun:
 RUNS = (SelftestRun("mc", prompts=8, samples_per_prompt=1), SelftestRun("grpo", prompts=4, samples_per_prompt=4))
 
 
+def check_selftest(user_overrides: list[str], output_dir: Path | None, precision: str = "fp32", rollout: str | None = None) -> dict[str, dict]:
+    """Both runs' configs composed with the user's overrides and checked as the trainer's driver checks
+    them (:func:`_compose`), before anything starts: no folder, no Ray, no trainer. Returns estimator ->
+    its config (plain data); UsageError, one line, on the first bad override or value. ``output_dir``
+    None: the runs' paths point into the temporary directory (nothing there is created)."""
+    from verl_ext.errors import UsageError
+    from verl_ext.tasks import get_task
+
+    device = _device()
+    rollout = rollout or rollout_for(device)
+    assets = get_task("arith").build_assets()
+    output = Path(output_dir).resolve() if output_dir is not None else Path(tempfile.gettempdir()) / "verl-ext-selftest-check"
+    configs = {}
+    for run in RUNS:  # a bad override or value fails here, in seconds, before Ray or any trainer starts
+        try:
+            configs[run.estimator] = _compose(_plan(run, assets, output / run.estimator, device, user_overrides, None, precision, rollout))
+        except UsageError as error:
+            raise UsageError(f"{error} (the {run.estimator} run)" if run is not RUNS[0] else str(error)) from None
+    return configs
+
+
 def run_selftest(
-    user_overrides: list[str], output_dir: Path | None, quiet: bool = False, precision: str = "fp32", rollout: str | None = None
+    user_overrides: list[str], output_dir: Path | None, quiet: bool = False, precision: str = "fp32", rollout: str | None = None,
+    configs: dict[str, dict] | None = None,
 ) -> int:
     """The two runs, their checks and the screen (module docstring); returns the exit code. ``precision``:
     the CPU backend's (:data:`verl_ext.cpu.overrides.PRECISIONS`), unused on a GPU. ``rollout``: verl's
-    name of the rollout to run (None: :func:`rollout_for` the device)."""
+    name of the rollout to run (None: :func:`rollout_for` the device). ``configs``: what
+    :func:`check_selftest` returned, else it runs here first (UsageError before any folder is made)."""
     from verl_ext.apps.output_lock import output_lock
 
+    if configs is None:
+        configs = check_selftest(user_overrides, output_dir, precision, rollout)
     output = Path(output_dir).resolve() if output_dir is not None else Path(tempfile.mkdtemp(prefix="verl-ext-selftest-"))
     with output_lock(output, "verl-ext selftest"):
-        return _run_selftest(user_overrides, output, quiet, precision, rollout)
+        return _run_selftest(user_overrides, output, quiet, precision, rollout, configs)
 
 
-def _run_selftest(user_overrides: list[str], output: Path, quiet: bool, precision: str, rollout: str | None) -> int:
+def _run_selftest(user_overrides: list[str], output: Path, quiet: bool, precision: str, rollout: str | None, configs: dict[str, dict]) -> int:
     started = time.monotonic()
     say = (lambda message: None) if quiet else (lambda message: print(f"[selftest] {message}", file=sys.stderr, flush=True))
     device = _device()
@@ -79,24 +104,16 @@ def _run_selftest(user_overrides: list[str], output: Path, quiet: bool, precisio
     from verl_ext.tasks import get_task
 
     assets = get_task("arith").build_assets()
-    say("composing verl's config with your overrides")
-    configs, outcomes = {}, []
-    for run in RUNS:  # a bad override or value fails here, in seconds, before Ray or any trainer starts
-        try:
-            configs[run.estimator] = _compose(_plan(run, assets, output / run.estimator, device, user_overrides, None, precision, rollout))
-        except Exception as error:  # noqa: BLE001 - hydra's, omegaconf's and verl-ext's errors alike become one line
-            outcomes.append(RunOutcome(run.estimator, "ERROR", 0.0, diagnose_log(f"{type(error).__name__}: {error}")))
-    if not outcomes:
-        with _shared_cluster(device, user_overrides, say) as address:
-            for run in RUNS:
-                directory = output / run.estimator
-                overrides = _plan(run, assets, directory, device, user_overrides, address, precision, rollout)
-                outcomes.append(_train_and_check(run, overrides, directory, device, say))
-                if outcomes[-1].verdict == "STOPPED":
-                    print(f"[selftest] stopped on request during the {run.estimator} run; its outputs so far are in {directory}", flush=True)
-                    return INTERRUPTED
-    config = configs.get("mc") or next(iter(configs.values()), None)  # mc's: the run with every part (critic)
-    setting = what_ran(config, device, _versions(output)) if config is not None else {"config": "did not compose (below)"}
+    outcomes = []
+    with _shared_cluster(device, user_overrides, say) as address:
+        for run in RUNS:
+            directory = output / run.estimator
+            overrides = _plan(run, assets, directory, device, user_overrides, address, precision, rollout)
+            outcomes.append(_train_and_check(run, overrides, directory, device, say))
+            if outcomes[-1].verdict == "STOPPED":
+                print(f"[selftest] stopped on request during the {run.estimator} run; its outputs so far are in {directory}", flush=True)
+                return INTERRUPTED
+    setting = what_ran(configs["mc"], device, _versions(output))  # mc's: the run with every part (critic)
     print(format_screen(setting, user_overrides, outcomes, time.monotonic() - started, str(output)), flush=True)
     return 0 if all(outcome.passed for outcome in outcomes) else 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from verl_ext.apps.demo import run_demo
+from verl_ext.apps.demo import check_demo, run_demo
 from verl_ext.cli.common import at_least, require_writable
 from verl_ext.cpu.overrides import add_precision_argument, add_rollout_argument
 from verl_ext.tasks import DEFAULT_TASK, TASKS
@@ -34,5 +34,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_demo(args)  # a bad estimator or override: one line now, before any folder or trainer
     require_writable(args.output_dir, "the demo's outputs")
     return run_demo(args)
