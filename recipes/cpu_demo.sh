@@ -22,7 +22,8 @@
 #                                                          # verl-ext's estimator and trace
 #
 # Outputs under OUTPUT_DIR: train.log (verl's full output), metrics.jsonl (one line per step),
-# checkpoints/, outputs/ (hydra's run directory). Needs verl==0.9.1 and this package (`make setup`).
+# checkpoints/, outputs/ (hydra's run directory); an earlier run's train.log and metrics.jsonl move to
+# earlier/<UTC time>/. Needs verl==0.9.1 and this package (`make setup`).
 set -euo pipefail
 
 python_found=$(command -v "${PYTHON:-python}") || { echo "[cpu-demo] no python at '${PYTHON:-python}'" >&2; exit 1; }
@@ -57,8 +58,9 @@ mapfile -t ENVIRONMENT <<<"$environment"
 
 echo "[cpu-demo] python -m verl.trainer.main_ppo: $STEPS steps of $ESTIMATOR on Ray, CPU only, rollout $ROLLOUT"
 # verl_ext.apps.progress holds OUTPUT_DIR's lock (a second run into it is refused in one line, before
-# anything there is touched), clears its metrics.jsonl, runs the trainer and keeps its full output in
-# train.log; Ctrl-C or SIGTERM stops the trainer after the step in progress, in one line.
+# anything there is touched), moves an earlier run's train.log and metrics.jsonl to
+# OUTPUT_DIR/earlier/<UTC time>/, runs the trainer and keeps its full output in train.log; Ctrl-C or
+# SIGTERM stops the trainer after the step in progress, in one line.
 mkdir -p "$OUTPUT_DIR"
 status=0
 (

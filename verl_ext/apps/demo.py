@@ -31,11 +31,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+from verl_ext.apps.learning import RUN_OUTPUTS
+
+#: What a demo writes in its output directory: an earlier demo's are moved to ``earlier/<UTC time>/``
+#: before it starts (:func:`verl_ext.apps.output_lock.keep_earlier_run`), never deleted.
+DEMO_OUTPUTS = (*RUN_OUTPUTS, "train.log", "plots", "view.html")
 
 
 def check_demo(args: argparse.Namespace) -> None:
@@ -59,8 +64,9 @@ def check_demo(args: argparse.Namespace) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """The five parts (module docstring), holding the output directory's lock
-    (:mod:`verl_ext.apps.output_lock`): a second demo into it is refused before it touches anything.
-    ``args``: the CLI's (``verl-ext demo --help``), checked by :func:`check_demo`."""
+    (:mod:`verl_ext.apps.output_lock`): a second demo into it is refused before it touches anything,
+    and an earlier demo's outputs there are moved to ``earlier/<UTC time>/``. ``args``: the CLI's
+    (``verl-ext demo --help``), checked by :func:`check_demo`."""
     from verl_ext.apps.output_lock import output_lock
 
     with output_lock(args.output_dir, "verl-ext demo") as lock:
@@ -73,6 +79,7 @@ def _extra_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
+    from verl_ext.apps.output_lock import keep_earlier_run
     from verl_ext.check.run import check_trace
     from verl_ext.inspect.render import format_report
     from verl_ext.tasks import get_task
@@ -83,9 +90,8 @@ def _run_demo(args: argparse.Namespace, lock: int | None) -> int:
     started = time.monotonic()
     output = args.output_dir.resolve()
     trace_dir = output / "trace"
-    # a demo's outputs replace an earlier demo's (its trace would otherwise be merged into this one's)
-    for earlier in (trace_dir, output / "plots"):
-        shutil.rmtree(earlier, ignore_errors=True)
+    # an earlier demo's outputs are kept, moved aside (its trace would otherwise be merged into this one's)
+    keep_earlier_run(output, DEMO_OUTPUTS, "[demo]")
 
     _say("1/5 the task, the warm-started policy" + (" and its pretrained critic" if task.pretrained_critic else ""))
     status, stopped = _train(args, output, before=task.describe, lock=lock)

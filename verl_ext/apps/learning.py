@@ -19,7 +19,8 @@ From a shell (one run per process: verl's registries and the CPU backend are pro
     python -m verl_ext.apps.learning OUTPUT_DIR --estimator mc --seed 0 --steps 40 [--task tool] [--trace] [--precision bf16] [--rollout vllm] [--fresh-critic] [-- OVERRIDE ...]
 
 writes ``OUTPUT_DIR/metrics.jsonl`` (verl's metrics, one line per step), ``train.log`` and, with
-``--trace``, the per-token trace in ``OUTPUT_DIR/trace``.
+``--trace``, the per-token trace in ``OUTPUT_DIR/trace``; an earlier run's (:data:`RUN_OUTPUTS`) are
+moved to ``OUTPUT_DIR/earlier/<UTC time>/`` first.
 
 With ``--rollout vllm`` the responses come from verl's own vLLM server (:mod:`verl_ext.cpu.vllm_rollout`),
 a Ray actor beside the in-process trainer (on the cluster ``RAY_ADDRESS`` names, else a local one),
@@ -44,6 +45,9 @@ STEPS = get_task(DEFAULT_TASK).steps
 #: verl-ext's trainer config (verl's ppo_trainer and verl-ext's keys), which a learning run composes.
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CONFIG_NAME = "verl_ext_trainer"
+#: What a learning run writes in its output directory; an earlier run's are moved aside first
+#: (:func:`verl_ext.apps.output_lock.keep_earlier_run`).
+RUN_OUTPUTS = ("trace", "metrics.jsonl", "checkpoints")
 #: Validation every TEST_FREQ steps (and before training).
 TEST_FREQ = 10
 PROMPTS_PER_STEP = 32
@@ -163,11 +167,11 @@ def run(
     ``output_dir``'s lock (or the one the command that started it holds: :mod:`verl_ext.apps.output_lock`)
     before it touches anything there. The run stops between two steps once its stop file exists
     (:mod:`verl_ext.stopping`): in process, :class:`~verl_ext.stopping.StopRequested` comes out of here."""
-    from verl_ext.apps.output_lock import output_lock
-    from verl_ext.cpu.overrides import METRICS_FILE, cpu_environment
+    from verl_ext.apps.output_lock import keep_earlier_run, output_lock
+    from verl_ext.cpu.overrides import cpu_environment
 
     with output_lock(output_dir, "python -m verl_ext.apps.learning"):
-        (output_dir / METRICS_FILE).unlink(missing_ok=True)
+        keep_earlier_run(output_dir, RUN_OUTPUTS, "[learning]")
         environment = cpu_environment(output_dir)
         overrides = run_overrides(output_dir, estimator, seed, steps, test_freq, trace, extra, pretrained_critic, task, precision, rollout)
         for name in ("VERL_FILE_LOGGER_PATH", STOP_FILE_ENV):  # what the in-process trainer reads of a CPU run's environment

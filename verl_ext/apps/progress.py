@@ -10,7 +10,8 @@ rollout's server named), one line per training step with its main metrics (verl-
 and ``top_token_share`` among them), validation scores, and any traceback in full. Ctrl-C or SIGTERM
 stops the trainer between two steps (:mod:`verl_ext.stopping`: the run's stop file), and one line
 says where it stopped. With ``--lock DIR`` the folder's lock (:mod:`verl_ext.apps.output_lock`) is
-taken first, and DIR's ``metrics.jsonl`` of an earlier run removed. Without a command it follows its
+taken first, and an earlier run's ``metrics.jsonl`` and log in DIR moved to ``DIR/earlier/<UTC time>/``
+(its checkpoints stay, for verl to resume from). Without a command it follows its
 standard input. From Python: :func:`run_trainer`, :func:`follow`.
 """
 
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("log_file")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--rollout", default="hf_generate", help="verl's name of the run's rollout (the progress names its server)")
-    parser.add_argument("--lock", type=Path, default=None, metavar="DIR", help="hold DIR's lock; remove its metrics.jsonl first")
+    parser.add_argument("--lock", type=Path, default=None, metavar="DIR", help="hold DIR's lock; move an earlier run's metrics.jsonl and log to DIR/earlier/<UTC time>/ first")
     parser.add_argument("--label", default="progress", help="what the stop line starts with (default: progress)")
     parser.add_argument("--holder", default=None, help="the command named to a second one the lock refuses (default: the label)")
     args = parser.parse_args(own)
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # copy to the end, when the trainer stopped, not before
         follow(sys.stdin, args.log_file, args.steps, rollout=args.rollout)
         return 0
-    from verl_ext.apps.output_lock import output_lock
+    from verl_ext.apps.output_lock import keep_earlier_run, output_lock
     from verl_ext.cpu.overrides import METRICS_FILE
     from verl_ext.errors import UsageError
     from verl_ext.options import STOP_FILE
@@ -205,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     directory = args.lock or Path(args.log_file).parent
     try:
         with output_lock(args.lock, args.holder or args.label) if args.lock else contextlib.nullcontext() as fd:
-            if args.lock:
-                (args.lock / METRICS_FILE).unlink(missing_ok=True)
+            if args.lock:  # an earlier run's log and metrics (verl's file logger appends): kept, moved aside
+                log = Path(args.log_file).resolve()
+                earlier = (METRICS_FILE, *([log.name] if log.parent == args.lock.resolve() else []))
+                keep_earlier_run(args.lock, earlier, f"[{args.label}]")
             status, stopped = run_trainer(
                 command, args.log_file, steps=args.steps, rollout=args.rollout, stop_file=directory / STOP_FILE,
                 pass_fds=(fd,) if fd is not None else (),

@@ -54,16 +54,21 @@ from pathlib import Path
 from verl_ext.apps.learning import (
     ESTIMATOR_OPTIONS,
     PROMPTS_PER_STEP,
+    RUN_OUTPUTS,
     SAMPLES_PER_PROMPT,
     read_metrics,
     recipe,
     validation_accuracy,
     validation_setting,
 )
+from verl_ext.apps.output_lock import keep_earlier_run
 from verl_ext.errors import UsageError
 from verl_ext.options import import_external_modules
 from verl_ext.tasks import DEFAULT_TASK, get_task
 
+#: What a run of the study writes in its folder (``DIR/runs/<name>/``): an earlier attempt's are moved to
+#: its ``earlier/<UTC time>/`` before the run trains again (:func:`verl_ext.apps.output_lock.keep_earlier_run`).
+STUDY_RUN_OUTPUTS = (*RUN_OUTPUTS, "train.log", "run.json")
 COLUMNS = ("estimator", "critic", "seed", "step", "val_acc", "score", "critic_explained_var", "ev_after_verdict", "verdict_share")
 #: More columns on a task with a tool call (module docstring).
 TOOL_COLUMNS = ("call_start", "calls_made", "decision_share", "share_turn1", "ev_turn0", "ev_after_hole")
@@ -283,7 +288,8 @@ def _run_one(estimator: str, critic: str, seed: int, settings: StudySettings, ru
         if {key: recorded.get(key) for key in wanted} == wanted:
             return _read_run(estimator, critic, seed, recorded["seconds"], run_dir, settings.task, reused=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    done_file.unlink(missing_ok=True)
+    # an earlier attempt (other settings, failed, stopped): kept under earlier/<time>/, not merged into this one
+    keep_earlier_run(run_dir, STUDY_RUN_OUTPUTS, f"[study] {_run_name(estimator, critic, seed)}:")
     command = [
         sys.executable, "-m", "verl_ext.apps.learning", str(run_dir), "--task", settings.task, "--estimator", estimator, "--seed", str(seed),
         "--steps", str(settings.steps), "--test-freq", str(settings.test_freq), "--trace",
