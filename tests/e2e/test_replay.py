@@ -348,12 +348,16 @@ def open_trace_at(path):
 
 
 @pytest.mark.parametrize("traced_run", [pytest.param("mc", marks=fit_group("mc"))], indirect=True)
-def test_step_1_of_a_run_whose_initial_critic_cannot_be_rebuilt_is_one_line_and_exit_2(traced_run, capsys, tmp_path, assets):
+def test_step_1_of_a_run_whose_initial_critic_cannot_be_rebuilt_is_one_line_and_exit_2(traced_run, capsys, tmp_path, assets, monkeypatch):
     """A critic built for step 1 that is not the run's (its values on step 1 differ from the recorded ones)
-    is said in one line, exit 2, the same twice: a value head the run drew from another seed than its
-    recorded config names (as a run before the CPU backend seeded it drew it, unseeded), and a model path
-    that holds another critic now (the task's pretrained one, with its own head)."""
+    is said in one line, exit 2, the same twice, and leaves no work directory: a value head the run drew
+    from another seed than its recorded config names (as a run before the CPU backend seeded it drew it,
+    unseeded), and a model path that holds another critic now (the task's pretrained one, with its head)."""
+    import tempfile
+
     _, trace_dir = traced_run
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the replay makes its work directory
     cases = {
         ("critic", "fsdp", "seed"): (43, ["drawn at random (score.weight, score.bias, which", "not from critic.fsdp.seed=43",
                                           "--model-free", "critic.model.path holds the value head"]),
@@ -376,7 +380,7 @@ def test_step_1_of_a_run_whose_initial_critic_cannot_be_rebuilt_is_one_line_and_
             assert said_in[0].startswith("verl-ext replay: step 1 cannot be replayed with the model"), err
             assert all(message in said_in[0] for message in messages), err
             said.append(err)
-        assert said[0] == said[1]
+        assert said[0] == said[1] and not any((tmp_path / "tmp").iterdir())
 
 
 @pytest.mark.parametrize("traced_run", [pytest.param("mc", marks=fit_group("mc"))], indirect=True)
