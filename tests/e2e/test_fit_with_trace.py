@@ -59,13 +59,23 @@ def cut_at_the_limit(estimator: str) -> list[str]:
     return [f"algorithm.truncation={TRUNCATION[estimator]}", f"data.max_response_length={CUT_AT}"]
 
 
+#: verl's rollout correction (docs/definitions.md#off-policy-tokens) on the td0 run: token-level weights
+#: truncated at 2, and token_k1 rejection of every token whose ratio π_old/π_rollout is off 1 by more than
+#: 5e-7 (an fp32 trainer and the HF-generate rollout disagree by up to a few 1e-6 on some tokens)
+REJECTION_THRESHOLD = "0.9999995_1.0000005"
+CORRECTION = [
+    "algorithm.rollout_correction.rollout_is=token",
+    "algorithm.rollout_correction.rollout_is_threshold=2.0",
+    "algorithm.rollout_correction.rollout_rs=token_k1",
+    f"algorithm.rollout_correction.rollout_rs_threshold='{REJECTION_THRESHOLD}'",
+]
 #: scenario -> (estimator, its overrides)
 #: verl saves a checkpoint after every step of the runs ``verl-ext replay`` replays with the model
 #: (tests/e2e/test_replay.py), in the CPU recipe's trainer.default_local_dir
 CHECKPOINTS = "trainer.save_freq=1"
 RUNS = {
     "mc": ("mc", [CHECKPOINTS]),
-    "td0": ("td0", []),
+    "td0": ("td0", CORRECTION),
     # V(s_L) kept from the critic, checked against a separate forward pass (test_bootstrap_value_...)
     "nstep": ("nstep", ["algorithm.n_step=3", *cut_at_the_limit("nstep")]),
     "gae_ext": ("gae_ext", ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.8"]),
@@ -172,9 +182,11 @@ def test_values_are_present_and_the_critic_trains(finished_run):
 def test_rewards_are_scores_minus_beta_kl(finished_run):
     from verl.trainer.ppo import core_algos
 
-    _, _, batches = finished_run
+    estimator, _, batches = finished_run
     for step, batch in batches["steps"].items():
         mask = batch["response_mask"]
+        if estimator == "td0":  # the KL is applied before verl's rejection: on the policy's own tokens
+            mask = batch["attention_mask"][:, -mask.shape[1]:]
         kld = core_algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kl_penalty="kl") * mask
         expected = batch["token_level_scores"] - 0.05 * kld
         np.testing.assert_allclose(batch["token_level_rewards"].numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
@@ -285,10 +297,14 @@ def test_trace_equals_what_the_trainer_used(finished_run):
     for step, batch in batches["steps"].items():
         table = trace.read_step(step).to_pandas()
         mask = batch["response_mask"].numpy()
-        lengths = [int(np.flatnonzero(row).max()) + 1 if row.any() else 0 for row in mask]
+        # the policy's own tokens: the response mask before verl's rejection (single-turn: the attention's)
+        own = batch["attention_mask"][:, -mask.shape[1]:].numpy() if estimator == "td0" else mask
+        lengths = [int(np.flatnonzero(row).max()) + 1 if row.any() else 0 for row in own]
         assert len(table) == sum(lengths)
         positions = (table["sample"].to_numpy(), table["token_index"].to_numpy())
         assert (table["mask"].to_numpy() == (mask[positions] != 0)).all()
+        if estimator == "td0":
+            assert_the_rejection_is_verls(batch, own, table, positions)
         assert (table["token_id"].to_numpy() == batch["responses"].numpy()[positions]).all()
         assert list(table["uid"]) == [batches["steps"][step]["uid"][s] for s in positions[0]]
         for column, key in columns.items():
@@ -311,6 +327,21 @@ def test_trace_equals_what_the_trainer_used(finished_run):
         assert trace.step_record(step).kl_coef == pytest.approx(0.05)
 
 
+def assert_the_rejection_is_verls(batch, own, table, positions) -> None:
+    """The trace's rejected tokens are the policy's tokens the batch's mask lacks, and verl's own
+    rejection of them from the recorded log-probs gives that mask; a rejection is no turn boundary."""
+    import torch
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
+
+    mask = batch["response_mask"].numpy()
+    rejected = (own != 0) & (mask == 0)
+    assert (table["rejected"].to_numpy(bool) == rejected[positions]).all()
+    log_ratio = batch["old_log_probs"] - batch["rollout_log_probs"]
+    kept, _ = compute_rollout_rejection_mask(log_ratio, torch.from_numpy(own), "token_k1", REJECTION_THRESHOLD)
+    np.testing.assert_array_equal(kept.numpy(), mask)
+    assert (table["turn"] == 0).all() and (table["role"] == "assistant").all()  # single-turn: one turn, the policy's
+
+
 def test_run_record_matches_the_config(finished_run):
     from verl_ext.trace.reader import open_trace
 
@@ -327,6 +358,12 @@ def test_run_record_matches_the_config(finished_run):
         assert (algorithm["lam_critic"], algorithm["lam_actor"]) == (1.0, 0.8)
     if estimator == "td_half":
         assert algorithm["estimator_module"] == "my_estimators"
+    if estimator == "td0":
+        correction = algorithm["rollout_correction"]
+        assert (correction["rollout_is"], correction["is_upper"]) == ("token", 2.0)
+        assert [option["name"] for option in correction["rejection"]] == ["token_k1"]
+    else:
+        assert algorithm["rollout_correction"] is None
     assert Path(record.model_path).is_dir()
 
 
@@ -345,6 +382,8 @@ def test_check_passes(finished_run):
     assert statuses["returns"] == statuses["advantage_raw"] == recomputed
     update = {"update_rows", "ratio", "ratio_first", "pg_loss", "clip", "update_metrics"}
     assert {statuses[key] for key in update} == {"pass"}
+    correction = {"is_weights", "rejection"}
+    assert {statuses.get(key) for key in correction} == ({"pass"} if estimator == "td0" else {None})
     assert statuses["vf_loss"] == ("skipped" if estimator == "grpo" else "pass")
     if estimator != "td_half":
         return
@@ -478,6 +517,9 @@ def test_the_batch_settings_took_effect(finished_run, request):
             sizes += [len(rows) for rows in samples]
             if dynamic:
                 assert max(sequence_lengths[rows].sum() for rows in samples) <= TOKEN_BUDGET[kind], kind
+        if estimator == "td0":  # a sample whose tokens verl's rejection took out trains no row: fewer
+            assert max(sizes) == FIXED_MICRO_BATCH[kind] and min(sizes) >= 1, (kind, sizes)
+            continue
         assert (set(sizes) == {FIXED_MICRO_BATCH[kind]}) != dynamic, (kind, sizes)
     trained = [metrics for metrics in read_metrics(out).values() if "critic/score/mean" in metrics]
     assert len(trained) == 2 and all(("global_seqlen/min" in metrics) != dynamic for metrics in trained)

@@ -85,6 +85,8 @@ class Batch:
     rollout_log_prob: torch.Tensor | None = None
     rollout_is_weight: torch.Tensor | None = None
     rejected: torch.Tensor | None = None
+    #: the numbers verl logged of the step's correction (rollout_corr/…)
+    logged: dict | None = None
 
 
 def random_batch(
@@ -269,6 +271,7 @@ def write_trace(
                     stop_reasons=(stop_reasons or {}).get(step),
                     whitening=registry.whitening_statistics(b.advantage_raw, b.mask, (truncations or {}).get(step)),
                     rejected=b.rejected,
+                    logged=b.logged,
                 )
             )
             for update in (updates or {}).get(step, []):

@@ -41,11 +41,11 @@ def corrected_batch(seed: int, settings: dict):
     rollout = old + torch.randn(batch.mask.shape, generator=g) * 0.03
     options = {key: settings.get(key) for key in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")}
     options["rollout_is_batch_normalize"] = bool(options["rollout_is_batch_normalize"])
-    weights, kept_mask, _ = compute_rollout_correction_and_rejection_mask(old, rollout, batch.mask, **options)
+    weights, kept_mask, logged = compute_rollout_correction_and_rejection_mask(old, rollout, batch.mask, **options)
     rejected = batch.mask.bool() & ~kept_mask.bool()
     corrected = dataclasses.replace(
         batch, mask=kept_mask.float(), old_log_prob=old, rollout_log_prob=rollout, rejected=rejected,
-        rollout_is_weight=None if weights is None else weights.batch["rollout_is_weights"],
+        rollout_is_weight=None if weights is None else weights.batch["rollout_is_weights"], logged=logged,
     )  # fmt: skip
     return by_definition(corrected, "mc", gamma=1.0)
 
@@ -62,6 +62,9 @@ def test_verls_own_weights_and_rejections_pass(tmp_path, case):
     report = check_trace(corrected_trace(tmp_path, CASES[case]))
     assert report.passed, report
     assert report["is_weights"].status == "pass" and report["rejection"].status == "pass"
+    # verl's own numbers of each step, as its function returned them: the batch-normalised run's weight
+    # numbers are before the normalisation, which the trace does not hold (only the others are compared)
+    assert report["offpolicy_logged"].status == "pass" and report["offpolicy_logged"].checked >= 2 * 4
     assert report["turns"].status == "pass" and report["roles"].status == "pass"  # a rejection is no turn boundary
 
 
@@ -113,6 +116,18 @@ def test_a_planted_rejection_fails(tmp_path):
     assert "say kept" in result.first.detail
 
 
+def test_a_logged_number_off_by_a_hundredth_fails(tmp_path):
+    settings = CASES["token TIS, token_k1"]
+    batches = {step: corrected_batch(step, settings) for step in (1, 2)}
+    logged = dict(batches[2].logged)
+    logged["rollout_corr/rollout_rs_masked_fraction"] += 0.01
+    batches[2] = dataclasses.replace(batches[2], logged=logged)
+    path = write_trace(tmp_path / "trace", algorithm("mc", rollout_correction=Correction.from_config(settings).settings()), batches)
+    result = check_trace(path)["offpolicy_logged"]
+    assert result.status == "fail" and result.violations == 1
+    assert (str(result.first.location), result.first.column) == ("step 2", "rollout_corr/rollout_rs_masked_fraction")
+
+
 def test_bypass_mode_old_log_probs_are_the_rollouts(tmp_path):
     batch = random_batch(1, kl_coef=None)
     rollout = -torch.rand(batch.mask.shape) * 3
@@ -130,3 +145,49 @@ def test_a_run_without_correction_has_none_of_its_identities(tmp_path):
     batch = by_definition(random_batch(1, kl_coef=None), "mc", gamma=1.0)
     report = check_trace(write_trace(tmp_path / "t", algorithm("mc"), {1: batch}))
     assert {"is_weights", "rejection", "bypass"}.isdisjoint(r.identity for r in report.identities)
+
+
+def test_summary_gives_the_gap_the_weights_and_the_rejection_by_hand(tmp_path):
+    """summary's off-policy columns, against numpy over the batch's own tokens (the mask before verl's
+    rejection) and verl's weights; a step whose effective sample size falls below verl's warning level
+    (IcePop zeroing most weights) is named in a note."""
+    import numpy as np
+
+    from verl_ext.inspect.summary import offpolicy_notes, summarize
+
+    settings = CASES["token TIS, token_k1"]
+    path = corrected_trace(tmp_path, settings)
+    rows = {row["step"]: row for row in summarize(path).to_pylist()}
+    for step in (1, 2):
+        b = corrected_batch(step, settings)
+        own = random_batch(step, kl_coef=None).mask.bool()
+        gap = (b.old_log_prob - b.rollout_log_prob).abs()[own].double().numpy()
+        weights = b.rollout_is_weight[own].double().numpy()
+        rejected_rows = b.rejected.any(-1)[own.any(-1)]
+        expected = {
+            "lp_gap_p50": np.median(gap), "lp_gap_max": gap.max(), "offpolicy_kl": -(b.old_log_prob - b.rollout_log_prob)[own].double().mean().item(),
+            "is_mean": weights.mean(), "rejected_tokens": b.rejected[own].double().mean().item(),
+            "rejected_responses": rejected_rows.double().mean().item(),
+        }  # fmt: skip
+        assert {key: rows[step][key] for key in expected} == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert offpolicy_notes(summarize(path)) == []
+    narrow = {"rollout_is": "token", "rollout_is_threshold": "0.999_1.001"}
+    low = summarize(write_trace(tmp_path / "narrow", algorithm("mc", rollout_correction=Correction.from_config(narrow).settings()),
+                                {1: corrected_batch(1, narrow)}))  # fmt: skip
+    mean, ess = low["is_mean"][0].as_py(), low["is_ess"][0].as_py()
+    assert mean < 0.5 and ess < 0.3  # most weights zeroed: their mean and the effective sample size fall
+    assert offpolicy_notes(low) == [
+        f"step 1: mean IS weight outside [0.5, 2] ({mean:.3g}); effective sample size < 0.3 ({ess:.3g}): past verl's warning level "
+        "(its docs/algo/rollout_corr.md)"
+    ]
+
+
+def test_a_rollout_that_sampled_with_top_p_is_noted_as_biasing_the_ratio(tmp_path):
+    settings = CASES["token TIS, token_k1"]
+    correction = Correction.from_config(settings).settings()
+    batches = {1: corrected_batch(1, settings)}
+    rollout = {"name": "vllm", "version": None, "dtype": None, "top_p": 0.8, "top_k": -1}
+    report = check_trace(write_trace(tmp_path / "t", algorithm("mc", rollout_correction=correction), batches, run={"rollout": rollout}))
+    assert report.passed and any("top_p 0.8" in note and "biases the ratio" in note for note in report["is_weights"].notes)
+    whole = check_trace(write_trace(tmp_path / "u", algorithm("mc", rollout_correction=correction), batches, run={"rollout": {**rollout, "top_p": 1.0}}))
+    assert not any("biases" in note for note in whole["is_weights"].notes)

@@ -42,6 +42,9 @@ def test_summary_numbers_by_hand(tmp_path):
         "turns": 1.5, "adv_share_after_hole": 0.2 / 2.4,
         "tool_calls": None,  # no agent loop said how many
         "truncated_share": None, "adv_truncated": None, "adv_rest": None,  # the trace records no truncated flags
+        # no rollout log-probs, weights or rejection: tests/inspect/test_check_correction.py has them
+        "lp_gap_p50": None, "lp_gap_p99": None, "lp_gap_max": None, "offpolicy_kl": None, "is_mean": None, "is_ess": None,
+        "is_truncated": None, "rejected_tokens": None, "rejected_responses": None,
     }  # fmt: skip
     assert row == pytest.approx(expected, abs=1e-6)
 

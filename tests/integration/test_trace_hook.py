@@ -139,7 +139,7 @@ def test_the_run_record_says_finished_once_fit_returned(compose, tmp_path):
     record = open_trace(str(tmp_path / "trace")).record
     assert (record.finished, record.planned_steps) == (True, 40)
     # hf_generate generates with transformers; a trainer without rollout servers has no engine to ask its dtype
-    assert record.rollout == {"name": "hf_generate", "version": version("transformers"), "dtype": None}
+    assert record.rollout == {"name": "hf_generate", "version": version("transformers"), "dtype": None, "top_p": 1.0, "top_k": -1}
 
 
 def test_the_run_record_names_the_dtype_the_rollout_engine_computed_in_not_the_configs(compose, tmp_path, assets):
@@ -238,6 +238,9 @@ def test_the_rollout_engine_is_named_with_its_packages_version(name, distributio
             continue
     imported = set(sys.modules)
     # the dtype is the engine's own answer (engine_dtype), never the config's
-    assert rollout_engine({"name": name, "dtype": "float32"}) == {"name": name, "version": expected, "dtype": None}
+    expected_record = {"name": name, "version": expected, "dtype": None, "top_p": None, "top_k": None}
+    assert rollout_engine({"name": name, "dtype": "float32"}) == expected_record
+    # the sampling whose truncated distribution the engine's log-probs are of (docs/definitions.md#off-policy-tokens)
+    assert rollout_engine({"name": name, "top_p": 0.8, "top_k": -1}) == {**expected_record, "top_p": 0.8, "top_k": -1}
     assert rollout_engine({"name": name, "dtype": "float32"}, "float64")["dtype"] == "float64"
     assert not {module for module in set(sys.modules) - imported if module.split(".")[0] in ("vllm", "sglang")}

@@ -1,6 +1,8 @@
 """The identities of verl's rollout correction (docs/definitions.md#off-policy-tokens), on one step's
 token table: the importance weights and the rejection recomputed from the recorded log-probs by
-verl's definitions (:mod:`verl_ext.rollout_correction`, in float64), and bypass mode's π_old = π_rollout.
+verl's definitions (:mod:`verl_ext.rollout_correction`, in float64), bypass mode's π_old = π_rollout,
+and verl's own logged ``rollout_corr/…`` numbers of the step recomputed from its rows
+(:func:`verl_ext.offpolicy_metrics.verls_logged`).
 
 Both are computed over the policy's own tokens (``mask`` ∨ ``rejected``: verl corrects the response
 mask before its rejection), densely, one row per sample. A weight is checked within the float32 error
@@ -10,6 +12,7 @@ threshold (an IcePop bound, a rejection bound), either outcome is the trainer's 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +29,8 @@ SECTION = "docs/definitions.md#off-policy-tokens"
 WEIGHT = Tolerance(f"{ATOL:g} + w·(float32 error of its exponent + ε)")
 #: The rejection's: exact, but a statistic within its float32 error of a threshold may fall either way.
 THRESHOLD = Tolerance("exact; either side within a statistic's float32 error of its bound")
+#: verl's logged numbers: float32 means of n terms (fractions: exact counts).
+LOGGED = Tolerance(f"{ATOL:g} + ε·n·max|term|")
 
 
 def _dense(t: "TokenStep", name: str) -> np.ndarray:
@@ -50,6 +55,16 @@ def _absent(t: "TokenStep", *names: str) -> str | None:
     table = t.data.table
     missing = [name for name in names if table.column(name).null_count == table.num_rows]
     return f"{', '.join(missing)} not in the trace (a trace before format 10, or a rollout that reported no log-probs)" if missing else None
+
+
+def _noted(finding: Finding, t: "TokenStep") -> Finding:
+    """``finding``, noting that the ratio is biased where the rollout sampled from a truncated distribution."""
+    sampling = t.algorithm.truncated_sampling
+    if sampling is None:
+        return finding
+    said = f"the rollout sampled with {sampling}: its log-probs are of the truncated, renormalised distribution, " \
+           f"which biases the ratio π_old/π_rollout ({SECTION})"  # fmt: skip
+    return dataclasses.replace(finding, note=said if finding.note is None else f"{finding.note}; {said}")
 
 
 def _located(t: "TokenStep", sample_index: int, position: int) -> Location:
@@ -92,10 +107,10 @@ def is_weights(t: "TokenStep") -> Finding:
         error = float(abs(actual[i, j] - expected[i, j]))
         first = Violation(_located(t, i, j), "rollout_is_weight", float(actual[i, j]), float(expected[i, j]), error, float(bound[i, j]))
     compared = np.abs(actual - expected)[recorded]
-    return Finding(
+    return _noted(Finding(
         "fail" if wrong.any() else "pass", checked=int(recorded.sum()), violations=int(wrong.sum()),
         max_abs_error=float(compared.max()) if compared.size else None, first=first,
-    )  # fmt: skip
+    ), t)  # fmt: skip
 
 
 def _without_band(correction):
@@ -141,7 +156,7 @@ def rejection(t: "TokenStep") -> Finding:
     note = f"{int((own & actual).sum())} of {int(own.sum())} of the policy's tokens rejected"
     if ambiguous.any():
         note += f"; {int((own & ambiguous).sum())} within rounding of a threshold, either outcome accepted"
-    return Finding("fail" if wrong.any() else "pass", checked=int(own.sum()), violations=int(wrong.sum()), first=first, note=note)
+    return _noted(Finding("fail" if wrong.any() else "pass", checked=int(own.sum()), violations=int(wrong.sum()), first=first, note=note), t)
 
 
 def bypass(t: "TokenStep") -> Finding:
@@ -158,4 +173,45 @@ def bypass(t: "TokenStep") -> Finding:
     if wrong.any():
         i, j = np.argwhere(wrong)[0]
         first = Violation(_located(t, i, j), "old_log_prob", float(old[i, j]), float(rollout[i, j]), float(abs(old[i, j] - rollout[i, j])), 0.0)
-    return Finding("fail" if wrong.any() else "pass", checked=int(own.sum()), violations=int(wrong.sum()), first=first)
+    return _noted(Finding("fail" if wrong.any() else "pass", checked=int(own.sum()), violations=int(wrong.sum()), first=first), t)
+
+
+def logged_numbers(t: "TokenStep") -> Finding:
+    """verl's logged ``rollout_corr/…`` numbers of the step = the same definitions over its rows."""
+    from verl_ext.check.results import EPS32, compare
+    from verl_ext.offpolicy_metrics import verls_logged
+
+    logged = {key.removeprefix("rollout_corr/"): value for key, value in (getattr(t.step_record, "logged", None) or {}).items()
+              if key.startswith("rollout_corr/")}  # fmt: skip
+    if not logged:
+        return skipped("no rollout_corr/… numbers of verl's recorded at this step (a trace before format 10)")
+    if (kept := t._kept_part()) is not None:
+        return skipped(f"traced {kept[0]} of {kept[1]} samples: verl's numbers are over the whole batch")
+    data, correction = t.data, t.correction
+    old, rollout = data.at_own_tokens("old_log_prob"), data.at_own_tokens("rollout_log_prob")
+    if old is None or rollout is None:
+        return unchecked_for("old_log_prob or rollout_log_prob is not in the trace")
+    weights = data.at_own_tokens("rollout_is_weight")
+    rejected = data.at_own_tokens("rejected") if correction is not None and correction.rejection else None
+    normalised = correction is not None and correction.batch_normalize  # verl's weight numbers are before it
+    ours = verls_logged(
+        old, rollout, data.layout.own_counts, t.step_record.batch_samples, None if normalised else weights,
+        None if correction is None else correction.is_upper, None if rejected is None else rejected != 0,
+    )  # fmt: skip
+    names = [name for name in ours if name in logged]
+    if not names:
+        return skipped("none of verl's logged numbers of the step is one verl-ext recomputes")
+    n, gap = len(old), np.abs(old - rollout)
+    magnitude = {"kl": gap.max(), "k3_kl": np.abs(np.expm1(old - rollout) - (old - rollout)).max()}
+    if weights is not None:
+        # ESS = 1 / mean((w/mean w)²) ≤ 1: two float32 means and a division, each off by ε·n at most
+        magnitude |= {"rollout_is_mean": weights.max(), "rollout_is_eff_sample_size": 3.0}
+    tolerance = np.array([ATOL + EPS32 * n * float(magnitude.get(name, 0.0)) for name in names])
+    return compare([logged[name] for name in names], [ours[name] for name in names], tolerance,
+                   lambda i: (Location(t.step), f"rollout_corr/{names[i]}"))  # fmt: skip
+
+
+def unchecked_for(why: str) -> Finding:
+    from verl_ext.check.results import unchecked
+
+    return unchecked(f"{why} ({SECTION})")

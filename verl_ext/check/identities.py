@@ -154,6 +154,11 @@ IDENTITIES = (
         applies=lambda a: a.correction is not None and a.correction.bypass_mode,
     ),
     Identity(
+        "offpolicy_logged", "8.8", TOKEN, "verl's logged rollout_corr/… numbers = the same definitions over the rows",
+        correction_checks.LOGGED, correction_checks.logged_numbers, counts="metric",
+        applies=lambda a: a.correction is not None and not a.correction.bypass_mode,
+    ),
+    Identity(
         "update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table; count as recorded",
         EXACT, update_checks.update_rows,
     ),

@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     # empty list for them at RUN and refuse the rest)
     tail = argv[argv.index("--") + 1 :] if "--" in argv else []
     head = argv[: len(argv) - len(tail) - 1] if "--" in argv else argv
-    parser, module = build_parser(head[0] if head and head[0] in COMMANDS else None)
+    chosen = head[0] if head and head[0] in COMMANDS else None
+    try:  # the command's module is imported here: Ctrl-C while it loads is an interruption too
+        parser, module = build_parser(chosen)
+    except KeyboardInterrupt:
+        print(f"verl-ext{'' if chosen is None else ' ' + chosen}: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(head)
     if tail:
         if not hasattr(args, "overrides"):

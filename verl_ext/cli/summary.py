@@ -8,7 +8,7 @@ from verl_ext.cli.common import emit, format_arguments, quiet_argument, run_argu
 from verl_ext.cli.traces import STEPS_LEFT_OUT_EPILOG, left_out, open_run, parallel_arguments, parallel_options, progress_printer, run_header
 from verl_ext.inspect.critic import critic_diagnostics, critic_report
 from verl_ext.inspect.render import render
-from verl_ext.inspect.summary import blank_notes, summarize
+from verl_ext.inspect.summary import blank_notes, offpolicy_notes, summarize
 from verl_ext.inspect.unread import UnreadSteps
 from verl_ext.step_metrics import MIN_EV_TOKENS
 from verl_ext.steps.recorded import RecordedAlgorithm
@@ -36,13 +36,12 @@ def run(args: argparse.Namespace) -> int:
         return _critic_summary(trace, args, unread)
     table = summarize(trace, progress=progress_printer(args, "summary"), unread=unread, **parallel_options(args))
     emit(run_header(trace, args.format) + render(table, args.format, args.digits))
-    say(blank_notes(trace, table))
+    say(blank_notes(trace, table) + offpolicy_notes(table))
     return left_out(unread)
 
 
 def _critic_summary(trace, args: argparse.Namespace, unread) -> int:
     """``summary --critic``: steps × position buckets, EV then mean |V − G| (CSV: the long table)."""
-
     diagnostics = critic_diagnostics(trace, progress=progress_printer(args, "summary --critic"), unread=unread, **parallel_options(args))
     gamma = RecordedAlgorithm.from_record(trace.record).gamma
     emit(run_header(trace, args.format) + critic_report(diagnostics, gamma, args.format, args.digits))

@@ -117,14 +117,17 @@ def traced_step_metrics(trace, step: int) -> dict[str, float]:
     G is recomputed from the recorded rewards with the run's γ; the raw advantage is the recorded
     ``advantage_raw``, or the advantage where there is none (verl's estimators other than ``gae``,
     e.g. ``grpo``, whose normalization is their own); a response's score is the sum of its tokens'
-    ``score``."""
+    ``score``; the off-policy numbers are :func:`verl_ext.inspect.offpolicy.step_offpolicy`'s."""
+    from verl_ext.inspect import offpolicy
+
     trace = as_trace(trace)
     trace.require_step(step)
-    data = StepData.read(trace, step, ("reward", "value", "advantage_raw", "advantage", "score"))
+    data = StepData.read(trace, step, ("reward", "value", "advantage_raw", "advantage", "score", *offpolicy.COLUMNS))
     layout, columns = data.layout, data.columns
+    algorithm = RecordedAlgorithm.from_record(trace.record)
     returns = None
     if columns["value"] is not None and columns["reward"] is not None:
-        returns = monte_carlo_returns(data, RecordedAlgorithm.from_record(trace.record).gamma)
+        returns = monte_carlo_returns(data, algorithm.gamma)
     scores = None
     if columns["score"] is not None:
         scores = layout.sample_sums(columns["score"])
@@ -139,7 +142,7 @@ def traced_step_metrics(trace, step: int) -> dict[str, float]:
         advantage=columns["advantage"],
         scores=None if scores is None else scores[has_tokens],
         uid=None if None in uid else [uid[row] for row in layout.starts[has_tokens]],
-    )
+    ) | offpolicy.step_offpolicy(data, algorithm.correction)
 
 
 def monte_carlo_returns(data: StepData, gamma: float) -> np.ndarray:

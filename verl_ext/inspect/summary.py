@@ -21,6 +21,13 @@
   advantage) on the tokens after a hole (turns k ≥ 1); null on a single-turn step
 * ``tool_calls``: the mean number of tool messages merged into a response, over the samples whose
   agent loop said (the prompt table's ``tool_calls``, format 5); null when none did
+* ``lp_gap_p50``, ``lp_gap_p99``, ``lp_gap_max``, ``offpolicy_kl``: how far the rollout engine and the
+  trainer disagree, |log π_old − log π_rollout| and KL(π_rollout ‖ π_old) over the policy's tokens;
+  ``is_mean``, ``is_ess``, ``is_truncated``: verl's importance weights (mean, effective sample size, the
+  share the threshold changed); ``rejected_tokens``, ``rejected_responses``: what verl's rejection took
+  out (docs/definitions.md#off-policy-tokens; :mod:`verl_ext.offpolicy_metrics`); null where the run has
+  no rollout log-probs, weights or rejection. :func:`offpolicy_notes` names the steps past verl's own
+  warning levels
 * ``truncated_share``, ``adv_truncated``, ``adv_rest`` (docs/definitions.md#truncated-responses): the
   share of the samples (with a valid token) cut at the length limit (the prompt table's ``truncated``),
   and the mean advantage the actor trained on (whitened as recorded) over the valid tokens of the cut
@@ -36,6 +43,8 @@ from typing import Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
+from verl_ext import offpolicy_metrics as off
+from verl_ext.inspect import offpolicy
 from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
 from verl_ext.steps.cuts import SECTION, StepCuts
 from verl_ext.steps.layout import Progress, StepData, as_trace
@@ -46,6 +55,12 @@ from verl_ext.check.update_checks import update_statistics, why_no_correlation
 from verl_ext.steps.update_rows import UpdateRows
 from verl_ext.step_metrics import critic_by_position, turn_shares
 
+#: summary column -> the off-policy number it shows (verl_ext.offpolicy_metrics)
+OFFPOLICY_COLUMNS = {
+    "lp_gap_p50": off.GAP_P50, "lp_gap_p99": off.GAP_P99, "lp_gap_max": off.GAP_MAX, "offpolicy_kl": off.KL,
+    "is_mean": off.IS_MEAN, "is_ess": off.IS_ESS, "is_truncated": off.IS_TRUNCATED,
+    "rejected_tokens": off.REJECTED_TOKENS, "rejected_responses": off.REJECTED_RESPONSES,
+}  # fmt: skip
 SUMMARY_SCHEMA = pa.schema(
     [("step", pa.int64()), ("samples", pa.int64()), ("tokens", pa.int64())]
     + [
@@ -73,10 +88,11 @@ SUMMARY_SCHEMA = pa.schema(
             "truncated_share",
             "adv_truncated",
             "adv_rest",
+            *OFFPOLICY_COLUMNS,
         )
     ]
 )
-_COLUMNS = ("score", "reward", "kl", "value", "return", "advantage_raw", "advantage")
+_COLUMNS = ("score", "reward", "kl", "value", "return", "advantage_raw", "advantage", *offpolicy.COLUMNS)
 
 
 def summarize(
@@ -100,11 +116,23 @@ def summarize(
 
 def summary_row(trace, step: int) -> tuple[dict, int]:
     """One step's row of :func:`summarize` and its valid tokens."""
-    gamma = RecordedAlgorithm.from_record(trace.record).gamma
+    algorithm = RecordedAlgorithm.from_record(trace.record)
     data = StepData.read(trace, step, _COLUMNS)
     prompts = trace.prompts(step)
-    row = step_summary(data, gamma) | update_statistics(trace, step) | tool_statistics(prompts) | truncation_statistics(prompts, data)
-    return row, data.tokens
+    row = step_summary(data, algorithm.gamma) | update_statistics(trace, step) | tool_statistics(prompts) | truncation_statistics(prompts, data)
+    numbers = offpolicy.step_offpolicy(data, algorithm.correction)
+    return row | {column: numbers.get(name) for column, name in OFFPOLICY_COLUMNS.items()}, data.tokens
+
+
+def offpolicy_notes(summary: pa.Table) -> list[str]:
+    """One line per step whose off-policy numbers cross the warning levels of verl's
+    docs/algo/rollout_corr.md (mean IS weight outside [0.5, 2], effective sample size < 0.3, |KL| > 0.1)."""
+    lines = []
+    for row in summary.to_pylist():
+        numbers = {name: row[column] for column, name in OFFPOLICY_COLUMNS.items() if row[column] is not None}
+        if crossed := off.warnings(numbers):
+            lines.append(f"step {row['step']}: {'; '.join(crossed)}: past verl's warning level (its docs/algo/rollout_corr.md)")
+    return lines
 
 
 def blank_notes(trace, summary: pa.Table) -> list[str]:

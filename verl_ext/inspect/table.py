@@ -3,7 +3,10 @@
 The decoded response shows the tokens the policy did not write (mask 0 inside it: a tool's answer)
 inline, between ⟦ and ⟧. Columns: t (token_index), token_id, token (decoded), mask, turn and role
 (only for a response of several assistant turns: the trace's ``turn`` and ``role``), score, kl, reward, value, delta, return, advantage_raw,
-advantage. ``delta`` is the TD residual δ_t = r_t + γ·V_{t+1} − V_t on the
+advantage, and where the run has them the off-policy columns (docs/definitions.md#off-policy-tokens):
+``log_ratio`` = old_log_prob − rollout_log_prob (ℓ_t, the trainer's against the rollout engine's),
+``is_weight`` (verl's importance weight) and ``rejected`` (verl's rejection took the token out of the
+mask). ``delta`` is the TD residual δ_t = r_t + γ·V_{t+1} − V_t on the
 sample's valid tokens (V of the next valid token, 0 after the last one); it is null on masked
 tokens and when the run has no values. Every other number is the trace's, unchanged.
 
@@ -124,6 +127,7 @@ def sample_view(trace, step: int, sample: int, tokenizer=None, epoch: int | None
             **{name: rows.column(name) for name in ("score", *turn_rewards, "kl", "reward", "value")},
             "delta": _td_residual(rows, mask, gamma),
             **{name: rows.column(name) for name in ("return", "advantage_raw", "advantage")},
+            **_offpolicy_columns(rows),
         }
     )
     if epoch is not None:
@@ -135,9 +139,28 @@ def sample_view(trace, step: int, sample: int, tokenizer=None, epoch: int | None
         uid=rows.column("uid")[0].as_py(),
         table=table,
         prompt_text=decoder.text(prompt_ids) if prompt_ids is not None else None,
-        response_text=_response_text(decoder, token_ids, mask),
+        response_text=_response_text(decoder, token_ids, _own(rows, mask)),
         prompt_token_ids=prompt_ids,
     )
+
+
+def _offpolicy_columns(rows: pa.Table) -> dict[str, pa.Array]:
+    """``log_ratio``, ``is_weight`` and ``rejected`` (module docstring), each where the run has it."""
+    columns = {}
+    old, rollout = rows.column("old_log_prob"), rows.column("rollout_log_prob")
+    if old.null_count < len(old) and rollout.null_count < len(rollout):
+        columns["log_ratio"] = pc.subtract(old, rollout)
+    if rows.column("rollout_is_weight").null_count < rows.num_rows:
+        columns["is_weight"] = rows.column("rollout_is_weight")
+    if rows.column("rejected").null_count < rows.num_rows:
+        columns["rejected"] = rows.column("rejected")
+    return columns
+
+
+def _own(rows: pa.Table, mask: np.ndarray) -> np.ndarray:
+    """The tokens the policy wrote: the valid ones and those verl's rejection took out of the mask."""
+    rejected = rows.column("rejected")
+    return mask if rejected.null_count == len(rejected) else mask | rejected.fill_null(False).to_numpy(zero_copy_only=False)
 
 
 #: Around the tokens of a response the policy did not write (mask 0 inside it: a tool's answer).

@@ -20,10 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 
-def live_metrics(data: Any, gamma: float, advantage_raw: Any, own_mask: Any = None) -> dict[str, float]:
+def live_metrics(data: Any, gamma: float, advantage_raw: Any, own_mask: Any = None, correction: Any = None) -> dict[str, float]:
     """``verl_ext/…`` -> value for a verl ``DataProto`` holding rewards, advantages (and values,
     returns), computed from its valid tokens by :func:`verl_ext.step_metrics.step_metrics`; the turns
-    from ``own_mask``, the response mask before verl's rollout correction rejected tokens (None: none)."""
+    from ``own_mask``, the response mask before verl's rollout correction rejected tokens (None: none),
+    and the off-policy numbers over it (:func:`verl_ext.offpolicy_metrics.offpolicy_metrics`) where the
+    batch has the rollout's log-probs; ``correction``: the run's rollout correction, None without one."""
     import numpy as np
     import torch
 
@@ -65,7 +67,7 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any, own_mask: Any = No
     else:  # a rejected token is the policy's: the turns are the own mask's, their starts its first valid tokens
         rows = np.repeat(np.arange(len(lengths)), lengths)
         starts = first_of_each_turn(rows, at_valid_tokens(turn_index(turn_starts(own_mask))))
-    metrics = step_metrics(
+    metrics = _offpolicy(batch, keys, mask if own_mask is None else own_mask, correction) | step_metrics(
         Responses.of(lengths, starts),
         returns=at_valid_tokens(returns),
         values=at_valid_tokens(values),
@@ -75,3 +77,25 @@ def live_metrics(data: Any, gamma: float, advantage_raw: Any, own_mask: Any = No
         uid=uid,
     )
     return prefixed(metrics)
+
+
+def _offpolicy(batch: Any, keys: set, own_mask: Any, correction: Any) -> dict[str, float]:
+    """The off-policy numbers over the policy's own tokens ``own_mask`` (empty without the rollout's log-probs)."""
+    import numpy as np
+
+    from verl_ext.offpolicy_metrics import offpolicy_metrics
+
+    if "rollout_log_probs" not in keys or "old_log_probs" not in keys:
+        return {}
+    own = own_mask.bool()
+    flat = np.flatnonzero(own.numpy())
+
+    def at_own(tensor):
+        return tensor.float().reshape(-1).numpy().take(flat).astype(np.float64)
+
+    weights = at_own(batch["rollout_is_weights"]) if "rollout_is_weights" in keys else None
+    rejected = None
+    if correction is not None and correction.rejection and not correction.bypass_mode:
+        rejected = at_own(own & ~batch["response_mask"].bool()) != 0
+    upper = None if correction is None else correction.is_upper
+    return offpolicy_metrics(at_own(batch["old_log_probs"]), at_own(batch["rollout_log_probs"]), own.sum(-1).numpy(), weights, upper, rejected)

@@ -112,12 +112,13 @@ ROLLOUT_DISTRIBUTIONS = {
 
 
 def rollout_engine(rollout: Any, dtype: str | None = None) -> dict[str, Any]:
-    """{"name", "version", "dtype"} of the engine that generates the responses: its name from the rollout
+    """{"name", "version", "dtype", "top_p", "top_k"} of the engine that generates the responses: its name from the rollout
     config (``actor_rollout_ref.rollout``), its version read from package metadata (never by importing the
     engine, which is slow and may start its own processes), None for an engine verl-ext does not know or
     that is not installed here; ``dtype``: what the engine computes in, as its servers report it
     (:func:`engine_dtype`), never the config's ``rollout.dtype``, which an engine may not follow
-    (hf_generate computes in float64 on a CPU and float32 on a GPU, whatever it says)."""
+    (hf_generate computes in float64 on a CPU and float32 on a GPU, whatever it says); ``top_p``, ``top_k``:
+    the sampling settings whose truncated distribution the engine's log-probs are of (docs/definitions.md#off-policy-tokens)."""
     from importlib.metadata import PackageNotFoundError, version
 
     name = _setting(rollout, "name")
@@ -128,7 +129,11 @@ def rollout_engine(rollout: Any, dtype: str | None = None) -> dict[str, Any]:
             break
         except PackageNotFoundError:
             continue
-    return {"name": None if name is None else str(name), "version": found, "dtype": dtype}
+    top_p, top_k = _setting(rollout, "top_p"), _setting(rollout, "top_k")
+    return {
+        "name": None if name is None else str(name), "version": found, "dtype": dtype,
+        "top_p": None if top_p is None else float(top_p), "top_k": None if top_k is None else int(top_k),
+    }  # fmt: skip
 
 
 def engine_dtype(trainer: Any) -> str | None:

@@ -50,6 +50,7 @@ from verl_ext.options import (
     nonfinite_mode,
     turn_rewards_enabled,
 )
+from verl_ext.rollout_correction import Correction
 from verl_ext.trace.batch_keys import ROW_KEY
 
 # --------------------------------------------------------------------------- the run
@@ -67,6 +68,8 @@ class Run:
     truncation: str = TRUNCATION_DEFAULT  # algorithm.truncation
     trace: TraceOptions = field(default_factory=TraceOptions)
     writer: Any = None  # the TraceWriter, while the run traces
+    #: algorithm.rollout_correction (verl_ext.rollout_correction.Correction); None: none
+    correction: Any = None
 
     def global_step(self) -> int | None:
         steps = getattr(self.trainer, "global_steps", None)
@@ -103,6 +106,7 @@ def fit_session(trainer: Any, kind: str) -> Iterator[Run]:
         turn_rewards=turn_rewards_enabled(config),
         truncation=truncation_hook.mode_of(config.get("algorithm")),
         trace=TraceOptions.from_config(config),
+        correction=Correction.from_config((config.get("algorithm") or {}).get("rollout_correction")),
     )
     global _current
     with contextlib.ExitStack() as stack:
@@ -141,7 +145,7 @@ class Estimated:
     #: what verl computed before the advantage step and handed over: the KL apply_kl_penalty applied,
     #: the response mask before its rollout correction rejected tokens (None: none at this step)
     kl: KlApplied | None = None
-    own_mask: Any = None
+    corrected: OwnMask | None = None
 
 
 def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dict[str, Any], verl_compute_advantage: Callable[[], Any]) -> Estimated:
@@ -150,8 +154,7 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
     from verl_ext import registry
 
     data, traced, step = arguments["data"], run.traces_current_step(), run.global_step()
-    kl, own = _handed_over(_KL_APPLIED, step), _handed_over(_OWN_MASK, step)
-    own_mask = None if own is None else own.mask
+    kl, corrected = _handed_over(_KL_APPLIED, step), _handed_over(_OWN_MASK, step)
     placed = turn_rewards_hook.place(data, *turn_rewards_hook.sources(data, source.extra_fields)) if run.turn_rewards else None
     mode = truncation_hook.mode_of(arguments.get("config"))
     truncation = None if mode == TRUNCATION_DEFAULT else truncation_hook.truncation_of(data, mode, run.trainer, source.stored)
@@ -170,18 +173,19 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
         whitening = registry.whitening_statistics(raw, data.batch["response_mask"], truncation) if traced else None
     metrics = {}
     if run.metrics:
-        metrics = metrics_hook.live_metrics(data, arguments["gamma"], raw, own_mask) | ({} if placed is None else placed.metrics)
+        metrics = metrics_hook.live_metrics(data, arguments["gamma"], raw, None if corrected is None else corrected.mask, run.correction)
+        metrics |= {} if placed is None else placed.metrics
     if step is None:  # outside fit(): the batch's step when it has one
         step = getattr(data, "meta_info", {}).get("global_steps")
     nonfinite = nonfinite_hook.check(data, run.nonfinite, None if step is None else int(step))
-    return Estimated(data, traced, placed, raw, truncation, whitening, metrics, nonfinite, kl, own_mask)
+    return Estimated(data, traced, placed, raw, truncation, whitening, metrics, nonfinite, kl, corrected)
 
 
 def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch) -> Any:
     """The trace's capture of a traced step (step 3 of the story), from the batch verl keeps."""
     tensors, uid, agent_turns, stop_reasons = source.captured(estimated.data)
-    own_mask, kl = estimated.own_mask, estimated.kl
-    rejected = None if own_mask is None else own_mask.bool() & ~tensors["response_mask"].bool()
+    corrected, kl = estimated.corrected, estimated.kl
+    rejected = None if corrected is None else corrected.mask.bool() & ~tensors["response_mask"].bool()
     placed = estimated.placed
     if placed is not None:  # V1 on grpo: verl estimates on a copy of the batch, which has them
         tensors["token_level_rewards"] = placed.rewards
@@ -193,8 +197,9 @@ def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueue
     }
     kl_coef = None if kl is None else kl.beta
     return trace_hook.step_capture(
-        run.trainer, tensors, uid, computed, kl_coef, agent_turns, estimated.truncation, stop_reasons, estimated.whitening, rejected
-    )
+        run.trainer, tensors, uid, computed, kl_coef, agent_turns, estimated.truncation, stop_reasons, estimated.whitening,
+        rejected, None if corrected is None else corrected.logged,
+    )  # fmt: skip
 
 
 def written(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch) -> Any:
@@ -344,10 +349,12 @@ def kl_penalty_returned(kld: Any) -> None:
 
 @dataclass(frozen=True)
 class OwnMask:
-    """The response mask of ``step`` before verl's rollout correction rejected tokens from it."""
+    """The response mask of ``step`` before verl's rollout correction rejected tokens from it, and the
+    numbers verl logged of the correction (``rollout_corr/…``)."""
 
     step: int | None
     mask: Any
+    logged: dict[str, float]
 
 
 _OWN_MASK: contextvars.ContextVar[OwnMask | None] = contextvars.ContextVar("verl_ext_own_mask", default=None)
@@ -358,9 +365,10 @@ def rollout_corrected(batch: Any, correct: Callable[[], Any]) -> Any:
     its response mask with the one left after rejection: the mask before is kept for the step (the tokens
     the policy wrote: the rejected ones are not holes), for its capture and its live metrics' turns."""
     own = batch.batch["response_mask"]  # verl assigns a new tensor to the key: this one stays as it is
-    result = correct()
-    _OWN_MASK.set(OwnMask(current_run().global_step(), own))
-    return result
+    corrected, metrics = correct()
+    logged = {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+    _OWN_MASK.set(OwnMask(current_run().global_step(), own, logged))
+    return corrected, metrics
 
 
 def _handed_over(variable: contextvars.ContextVar, step: int | None) -> Any:

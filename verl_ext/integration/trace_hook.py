@@ -68,6 +68,7 @@ def step_capture(
     stop_reasons: Any = None,
     whitening: dict[str, float] | None = None,
     rejected: torch.Tensor | None = None,
+    logged: dict[str, float] | None = None,
 ) -> Any:
     """One step's :class:`~verl_ext.trace.capture.StepCapture`, for the writer. ``batch``: verl's tensors
     under verl's batch keys; ``computed``: the columns verl-ext computed (advantage_raw, kl, turn_score,
@@ -77,7 +78,7 @@ def step_capture(
     trace records; ``stop_reasons``: the rollout engine's per sample, or None
     (:mod:`verl_ext.integration.stop_reasons`); ``whitening``: the estimate's statistics of the raw
     advantage the step's advantages were whitened with; ``rejected``: the tokens verl's rollout correction
-    took out of the response mask (None: no correction)."""
+    took out of the response mask (None: no correction); ``logged``: the numbers verl logged of it."""
     from verl_ext.trace.capture import StepCapture
     from verl_ext.trace.schema import FLOAT_COLUMNS
 
@@ -105,6 +106,7 @@ def step_capture(
         stop_reasons=None if stop_reasons is None else list(stop_reasons),
         whitening=whitening,
         rejected=rejected,
+        logged=logged,
     )
 
 

@@ -127,6 +127,14 @@ class StepData:
             raw[group.tokens] = group.gather(result.advantage_raw.numpy())
         return returns, raw
 
+    def at_own_tokens(self, name: str) -> np.ndarray | None:
+        """Column ``name`` of :attr:`table` at the policy's own tokens (valid or rejected, in row order;
+        float64, NaN where null); None for a column null everywhere."""
+        column = self.table.column(name)
+        if column.null_count == len(column):
+            return None
+        return floats(column.cast("float64") if column.type == pa.bool_() else column)[self.layout.own_rows]
+
     def location(self, valid_token: int) -> tuple[int, int]:
         """(sample, token_index) of a valid token."""
         return self.row_location(int(self.layout.valid_rows[valid_token]))
@@ -230,6 +238,16 @@ class StepLayout:
     @property
     def samples(self) -> int:
         return len(self.starts)
+
+    @cached_property
+    def own_rows(self) -> np.ndarray:
+        """Row indices of the policy's own tokens (valid or rejected), in row order."""
+        return np.flatnonzero(self.own)
+
+    @cached_property
+    def own_counts(self) -> np.ndarray:
+        """Per sample (0 … B-1), its own tokens (the valid ones where nothing was rejected)."""
+        return np.bincount(self.row_sample[self.own_rows], minlength=self.samples)
 
     @cached_property
     def row_turn_starts(self) -> np.ndarray:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from verl_ext.errors import TraceError
-from verl_ext.truncation import TRUNCATION_DEFAULT, TRUNCATION_MODES
+from verl_ext.options import TRUNCATION_DEFAULT, TRUNCATION_MODES
 
 # --------------------------------------------------------------------------- the run's estimator
 
@@ -46,6 +46,8 @@ class RecordedAlgorithm:
     #: ``algorithm.rollout_correction`` (:class:`verl_ext.rollout_correction.Correction`); None: the run
     #: corrects nothing, or a trace before format 10
     correction: Any = None
+    #: the rollout's truncated sampling (:func:`truncated_sampling`), None where it sampled from the whole distribution
+    truncated_sampling: str | None = None
 
     @classmethod
     def from_record(cls, record) -> "RecordedAlgorithm":
@@ -61,6 +63,7 @@ class RecordedAlgorithm:
             truncation=recorded_truncation(algorithm),
             rollout=(getattr(record, "rollout", None) or {}).get("name"),
             correction=recorded_correction(algorithm),
+            truncated_sampling=truncated_sampling(getattr(record, "rollout", None)),
         )
         gamma = algorithm.get("gamma", 1.0)
         for key in ("gamma", "lam"):
@@ -181,6 +184,20 @@ def recorded_truncation(algorithm: Mapping[str, Any]) -> str:
     if mode not in TRUNCATION_MODES:
         raise TraceError(f"run record: algorithm.truncation is {mode!r}, expected one of {', '.join(TRUNCATION_MODES)}")
     return str(mode)
+
+
+def truncated_sampling(rollout: Mapping[str, Any] | None) -> str | None:
+    """``top_p 0.8, top_k 50`` where the run record's rollout sampled from a truncated distribution, whose
+    renormalised log-probs bias the ratio π_old/π_rollout (docs/definitions.md#off-policy-tokens); None
+    where it did not, or the record does not say (a trace before format 10)."""
+    rollout = rollout or {}
+    top_p, top_k = rollout.get("top_p"), rollout.get("top_k")
+    said = []
+    if isinstance(top_p, (int, float)) and top_p < 1:
+        said.append(f"top_p {top_p:g}")
+    if isinstance(top_k, int) and top_k > 0:
+        said.append(f"top_k {top_k}")
+    return ", ".join(said) or None
 
 
 def recorded_correction(algorithm: Mapping[str, Any]):

@@ -62,6 +62,8 @@ class StepCapture:
     #: (B, T) 0/1: the tokens verl's rollout-correction rejection took out of the response mask (the
     #: policy wrote them; ``mask`` lacks them); None: the run rejects nothing
     rejected: torch.Tensor | None = None
+    #: numbers verl logged for the step that the trace must reproduce (its rollout correction's)
+    logged: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class StepSnapshot:
     turn_limit: np.ndarray | None = None  # (N,) int8: 1, 0, −1 where unknown
     stop_reason: list[str | None] | None = None  # N: the rollout engine's, None where it said none
     stored_dtypes: dict[str, str] = field(default_factory=dict)  # StepEntry.stored_dtypes
+    logged: dict[str, float] = field(default_factory=dict)  # StepEntry.logged
 
     @property
     def samples(self) -> int:
@@ -161,6 +164,7 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             **_end_flags(capture, lengths.numpy(), copies["token_id"]),
             **_agent_turns(capture.agent_turns, copies["mask"] if copies["rejected"] is None else copies["mask"] | copies["rejected"], lengths.numpy()),
             stop_reason=None if capture.stop_reasons is None else [_reason(r) for r in capture.stop_reasons[:kept]],
+            logged={str(key): float(value) for key, value in (capture.logged or {}).items()},
         )
 
 

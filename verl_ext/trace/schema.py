@@ -298,6 +298,9 @@ class StepEntry:
     #: float column -> the dtype the trainer's batch held it in, where that was not float32 or float64
     #: ("bf16", "fp16": a bf16 run's values, or rewards on the V1 trainer); stored exactly as float32
     stored_dtypes: dict[str, str] = field(default_factory=dict)
+    #: (since format 10) numbers verl logged for the step that its trace must reproduce: its rollout
+    #: correction's ``rollout_corr/…`` (docs/definitions.md#off-policy-tokens); {} where there are none
+    logged: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "StepEntry":

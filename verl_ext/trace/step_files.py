@@ -141,6 +141,7 @@ class StepFiles:
             kl_coef=snapshot.kl_coef,
             whiten=snapshot.whiten,
             stored_dtypes=snapshot.stored_dtypes,
+            logged=snapshot.logged,
         )
         write_id = {WRITE_ID_METADATA_KEY: uuid.uuid4().hex}
         tokens, prompts = layout.stored(token_table(snapshot)), layout.stored(prompt_table(snapshot), prompts=True)
