@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import tests.support.reference as ref
 from verl_ext import estimators as E
 from verl_ext import kernels, registry
-from verl_ext.inspect.comparison import compared_settings
+from verl_ext.steps.as_run import compared_settings
 from verl_ext.options import LAM_CRITIC
 
 settings.register_profile("verl_ext", max_examples=60, deadline=None)

@@ -13,7 +13,7 @@ import torch
 
 from tests.support.registry_helpers import isolated_registry  # noqa: F401 - a fixture
 from verl_ext import builtin_estimators, estimators, registry
-from verl_ext.inspect.comparison import column_label, compared_settings
+from verl_ext.steps.as_run import column_label, compared_settings
 from verl_ext.options import TRUNCATION
 
 # --------------------------------------------------------------------------- registering

@@ -65,7 +65,7 @@ class Estimator:
       the checker then verifies elementwise (otherwise it recomputes the advantage with ``fn``);
     * ``uses_lam``: whether ``algorithm.lam`` matters, for descriptions (by default :func:`reads_lam`);
     * ``compared_at`` and ``label``: its columns in ``verl-ext compare``
-      (:func:`verl_ext.inspect.comparison.estimator_columns` says how they are read);
+      (:func:`verl_ext.steps.as_run.estimator_columns` says how they are read);
     * ``computed_by_verl``: one of verl's own estimators, which verl computes and verl-ext only
       describes (``fn`` None: verl-ext cannot recompute it from a trace); ``verl_whitens`` says
       whether verl whitens its advantages (None: verl-ext cannot tell), where verl-ext's own

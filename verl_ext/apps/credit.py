@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verl_ext.inspect.comparison import DEFAULT_N, step_estimates
-from verl_ext.inspect.critic import explained_variance, monte_carlo_returns
-from verl_ext.steps.as_run import as_run
+from verl_ext.step_metrics import explained_variance
+from verl_ext.steps.as_run import DEFAULT_N, as_run, monte_carlo_returns, step_estimates
 from verl_ext.steps.cuts import StepCuts
 from verl_ext.steps.layout import LAYOUT_COLUMNS, StepData
 from verl_ext.steps.recorded import RecordedAlgorithm
@@ -41,7 +40,7 @@ SIDE_BY_SIDE_LAMBDA = 0.95
 def side_by_side() -> tuple[str, ...]:
     """The compare labels of mc, GAE(SIDE_BY_SIDE_LAMBDA) and td0 (λ = 1, in between, 0)."""
     from verl_ext import registry
-    from verl_ext.inspect.comparison import column_label
+    from verl_ext.steps.as_run import column_label
 
     return ("mc", column_label(registry.get("gae"), {"lam": SIDE_BY_SIDE_LAMBDA}), "td0")
 

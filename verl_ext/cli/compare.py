@@ -7,8 +7,9 @@ import argparse
 from verl_ext.cli.common import LAST_READABLE, at_least, emit, format_arguments, headless_matplotlib, run_argument, say, tokenizer_argument
 from verl_ext.cli.traces import one_step, open_run
 from verl_ext.errors import UsageError
-from verl_ext.inspect.comparison import DEFAULT_LAMBDAS, DEFAULT_N, compare as compare_step, comparison_report
+from verl_ext.inspect.comparison import compare as compare_step, comparison_report
 from verl_ext.options import TRUNCATION_MODES
+from verl_ext.steps.as_run import DEFAULT_LAMBDAS, DEFAULT_N
 from verl_ext.steps.cuts import last_step_with_cuts
 
 

@@ -36,18 +36,12 @@ import pyarrow as pa
 from verl_ext.errors import UsageError
 from verl_ext.inspect.render import render
 from verl_ext.step_metrics import prompt_groups
-from verl_ext.steps.as_run import as_run
+from verl_ext.steps.as_run import DEFAULT_LAMBDAS, DEFAULT_N, as_run, step_estimates
 from verl_ext.steps.cuts import SECTION, StepCuts
 from verl_ext.steps.layout import StepData, StepLayout, as_trace
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.trace.reader import listing
 from verl_ext.truncation import TRUNCATION_MODES
-
-#: The λ of the GAE columns by default (0 is td0, 1 is mc: the two ends of the family).
-DEFAULT_LAMBDAS = (0.5, 0.9, 0.95)
-#: n of the n-step column by default. Both defaults are also `verl-ext compare`'s.
-DEFAULT_N = 3
-
 
 @dataclass(frozen=True)
 class Comparison:
@@ -70,41 +64,6 @@ class Comparison:
         from verl_ext.inspect.plots import comparison_figure
 
         return comparison_figure(self)
-
-
-def estimator_columns(algorithm: RecordedAlgorithm, n: int, lambdas: tuple[float, ...]) -> tuple[dict, list[str]]:
-    """label -> (registered estimator, settings), every estimator of the registry at the settings its
-    entry asks for (:func:`compared_settings`, at the run's γ), then the run's own estimator at the
-    run's settings (in place of the column of the same label); and notes on what could not be compared."""
-    from verl_ext import registry
-
-    columns, notes = {}, []
-    for estimator in registry.all_estimators():
-        for asked in compared_settings(estimator, n, lambdas):
-            try:
-                settings = estimator.settings({**asked, "gamma": algorithm.gamma})
-            except ValueError as exc:  # an option without a default, which compare cannot choose
-                notes.append(f"{estimator.name} is not compared: {exc}")
-                continue
-            columns[column_label(estimator, settings)] = (estimator, settings)
-    if algorithm.recomputable:
-        columns[column_label(algorithm.estimator, algorithm.settings)] = (algorithm.estimator, algorithm.settings)
-    else:
-        notes.append(f"the run's own estimator is not compared: {algorithm.why_not}")
-    return columns, notes
-
-
-def compared_settings(estimator, n: int, lambdas: tuple[float, ...]) -> tuple[dict, ...]:
-    """The ``algorithm`` settings of an estimator's columns (the run's γ is added), from compare's n
-    (of the n-step estimator) and λs: its entry's ``compared_at(n, lambdas)``; by default one column
-    at its options' defaults."""
-    return estimator.compared_at(n, lambdas) if estimator.compared_at else ({},)
-
-
-def column_label(estimator, settings) -> str:
-    """The name of an estimator's column at ``settings``: its entry's ``label(settings)`` (two settings
-    that give different numbers get different labels); by default its name."""
-    return estimator.label(settings) if estimator.label else estimator.name
 
 
 def compare(
@@ -266,31 +225,6 @@ def _with_columns(table: pa.Table, columns: dict[str, np.ndarray]) -> pa.Table:
     for name, values in columns.items():
         table = table.append_column(name, pa.array(values, pa.float64()))
     return table
-
-
-def step_estimates(
-    data: StepData,
-    algorithm: RecordedAlgorithm,
-    n: int = DEFAULT_N,
-    lambdas: tuple[float, ...] = DEFAULT_LAMBDAS,
-    labels: tuple[str, ...] | None = None,
-    cuts: StepCuts | None = None,
-    mode: str | None = None,
-) -> tuple[dict[str, np.ndarray], list[str]]:
-    """label -> advantage before whitening (float64) at the valid tokens of ``data`` (which holds
-    ``reward`` and ``value``), one entry per estimator of :func:`estimator_columns`, or per one of
-    ``labels`` in that order (ValueError for a label that is not a column); and notes on what was left
-    out. Each estimator as the run would have trained on it (:func:`verl_ext.steps.as_run.as_run`): cut
-    responses (``cuts``, of ``data``'s layout) treated as the run did, or as ``mode`` says."""
-    columns, notes = estimator_columns(algorithm, n, tuple(lambdas))
-    if labels is not None:
-        unknown = [label for label in labels if label not in columns]
-        if unknown:
-            raise ValueError(f"no estimator column {', '.join(unknown)} at λ = {lambdas}; columns: {', '.join(columns)}")
-        columns = {label: columns[label] for label in labels}
-    estimates = {label: as_run(data, algorithm, cuts, estimator, settings, mode) for label, (estimator, settings) in columns.items()}
-    notes += dict.fromkeys(note for estimate in estimates.values() for note in estimate.notes)  # the same for every column
-    return {label: estimate.before_whitening for label, estimate in estimates.items()}, notes
 
 
 def estimator_statistics(raw: dict[str, np.ndarray], uid: np.ndarray, sample_ids: np.ndarray) -> tuple[pa.Table, list[str]]:

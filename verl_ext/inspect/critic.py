@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import numpy as np
 import pyarrow as pa
 
 from verl_ext.errors import UsageError
+from verl_ext.steps.as_run import monte_carlo_returns
 from verl_ext.steps.layout import Progress, StepData, StepLayout, as_trace
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.inspect.render import render
@@ -143,16 +143,6 @@ def traced_step_metrics(trace, step: int) -> dict[str, float]:
         scores=None if scores is None else scores[has_tokens],
         uid=None if None in uid else [uid[row] for row in layout.starts[has_tokens]],
     ) | offpolicy.step_offpolicy(data, algorithm.correction)
-
-
-def monte_carlo_returns(data: StepData, gamma: float) -> np.ndarray:
-    """(N,) float64 G_t = Σ_{k≥t} γ^{k−t} r_k at the step's N valid tokens, from its ``reward``
-    column, by the registry's ``mc`` estimator (the code path of training). Needs ``value`` too
-    (``mc`` needs the critic), although G does not depend on it."""
-    from verl_ext import registry
-
-    mc = registry.get("mc")
-    return data.estimate(mc, mc.settings({"gamma": gamma}))[0]
 
 
 def responses(layout: StepLayout) -> Responses:

@@ -44,16 +44,17 @@ import numpy as np
 import pyarrow as pa
 
 from verl_ext import offpolicy_metrics as off
+from verl_ext.check.update_checks import update_statistics, why_no_correlation
 from verl_ext.inspect import offpolicy
-from verl_ext.inspect.critic import explained_variance, monte_carlo_returns, responses
+from verl_ext.inspect.critic import explained_variance, responses
+from verl_ext.inspect.unread import UnreadSteps, readable
+from verl_ext.step_metrics import critic_by_position, turn_shares
+from verl_ext.steps.as_run import monte_carlo_returns
 from verl_ext.steps.cuts import SECTION, StepCuts
 from verl_ext.steps.layout import Progress, StepData, as_trace
 from verl_ext.steps.recorded import RecordedAlgorithm
-from verl_ext.trace.parallel import map_steps
-from verl_ext.inspect.unread import UnreadSteps, readable
-from verl_ext.check.update_checks import update_statistics, why_no_correlation
 from verl_ext.steps.update_rows import UpdateRows
-from verl_ext.step_metrics import critic_by_position, turn_shares
+from verl_ext.trace.parallel import map_steps
 
 #: summary column -> the off-policy number it shows (verl_ext.offpolicy_metrics)
 OFFPOLICY_COLUMNS = {

@@ -1,6 +1,8 @@
 """A traced step's estimate made again as the run made it: returns, raw advantages, the advantages
 before and after whitening, the whitening's statistics and what could not be done as the run did.
-The checker, ``compare``, the view, ``replay`` and the credit analysis all ask :func:`as_run`.
+The checker, ``compare``, the view, ``replay`` and the credit analysis all ask :func:`as_run`; and each
+registered estimator in the run's place (:func:`step_estimates`: ``compare``'s columns), and the
+Monte-Carlo return, the critic's yardstick (:func:`monte_carlo_returns`).
 
 The treatments of responses cut at the length limit (``algorithm.truncation``,
 docs/definitions.md#truncated-responses), settled here once:
@@ -138,3 +140,81 @@ def _cannot_treat(cuts: StepCuts | None, mode: str) -> str | None:
     if cuts is None:
         return "the step's cut responses are not known here"
     return cuts.why_not(mode)
+
+
+# --------------------------------------------------------------------------- every estimator in the run's place
+
+#: The λ of the GAE columns by default (0 is td0, 1 is mc: the two ends of the family).
+DEFAULT_LAMBDAS = (0.5, 0.9, 0.95)
+#: n of the n-step column by default. Both defaults are also `verl-ext compare`'s.
+DEFAULT_N = 3
+
+
+def estimator_columns(algorithm: RecordedAlgorithm, n: int, lambdas: tuple[float, ...]) -> tuple[dict, list[str]]:
+    """label -> (registered estimator, settings), every estimator of the registry at the settings its
+    entry asks for (:func:`compared_settings`, at the run's γ), then the run's own estimator at the
+    run's settings (in place of the column of the same label); and notes on what could not be compared."""
+    from verl_ext import registry
+
+    columns, notes = {}, []
+    for estimator in registry.all_estimators():
+        for asked in compared_settings(estimator, n, lambdas):
+            try:
+                settings = estimator.settings({**asked, "gamma": algorithm.gamma})
+            except ValueError as exc:  # an option without a default, which compare cannot choose
+                notes.append(f"{estimator.name} is not compared: {exc}")
+                continue
+            columns[column_label(estimator, settings)] = (estimator, settings)
+    if algorithm.recomputable:
+        columns[column_label(algorithm.estimator, algorithm.settings)] = (algorithm.estimator, algorithm.settings)
+    else:
+        notes.append(f"the run's own estimator is not compared: {algorithm.why_not}")
+    return columns, notes
+
+
+def compared_settings(estimator, n: int, lambdas: tuple[float, ...]) -> tuple[dict, ...]:
+    """The ``algorithm`` settings of an estimator's columns (the run's γ is added), from compare's n
+    (of the n-step estimator) and λs: its entry's ``compared_at(n, lambdas)``; by default one column
+    at its options' defaults."""
+    return estimator.compared_at(n, lambdas) if estimator.compared_at else ({},)
+
+
+def column_label(estimator, settings) -> str:
+    """The name of an estimator's column at ``settings``: its entry's ``label(settings)`` (two settings
+    that give different numbers get different labels); by default its name."""
+    return estimator.label(settings) if estimator.label else estimator.name
+
+
+def step_estimates(
+    data: StepData,
+    algorithm: RecordedAlgorithm,
+    n: int = DEFAULT_N,
+    lambdas: tuple[float, ...] = DEFAULT_LAMBDAS,
+    labels: tuple[str, ...] | None = None,
+    cuts: StepCuts | None = None,
+    mode: str | None = None,
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """label -> advantage before whitening (float64) at the valid tokens of ``data`` (which holds
+    ``reward`` and ``value``), one entry per estimator of :func:`estimator_columns`, or per one of
+    ``labels`` in that order (ValueError for a label that is not a column); and notes on what was left
+    out. Each estimator as the run would have trained on it (:func:`verl_ext.steps.as_run.as_run`): cut
+    responses (``cuts``, of ``data``'s layout) treated as the run did, or as ``mode`` says."""
+    columns, notes = estimator_columns(algorithm, n, tuple(lambdas))
+    if labels is not None:
+        unknown = [label for label in labels if label not in columns]
+        if unknown:
+            raise ValueError(f"no estimator column {', '.join(unknown)} at λ = {lambdas}; columns: {', '.join(columns)}")
+        columns = {label: columns[label] for label in labels}
+    estimates = {label: as_run(data, algorithm, cuts, estimator, settings, mode) for label, (estimator, settings) in columns.items()}
+    notes += dict.fromkeys(note for estimate in estimates.values() for note in estimate.notes)  # the same for every column
+    return {label: estimate.before_whitening for label, estimate in estimates.items()}, notes
+
+
+def monte_carlo_returns(data: StepData, gamma: float) -> np.ndarray:
+    """(N,) float64 G_t = Σ_{k≥t} γ^{k−t} r_k at the step's N valid tokens, from its ``reward``
+    column, by the registry's ``mc`` estimator (the code path of training). Needs ``value`` too
+    (``mc`` needs the critic), although G does not depend on it."""
+    from verl_ext import registry
+
+    mc = registry.get("mc")
+    return data.estimate(mc, mc.settings({"gamma": gamma}))[0]

@@ -412,7 +412,7 @@ class StepSource:
         return self._estimates
 
     def _estimate(self, table: pa.Table, layout: StepLayout | None = None) -> tuple[dict[str, np.ndarray], list[str]]:
-        from verl_ext.inspect.comparison import step_estimates
+        from verl_ext.steps.as_run import step_estimates
 
         if "reward" not in self.present or "value" not in self.present:
             return {}, ["no rewards or values to re-estimate from (a run without a critic?)"]
