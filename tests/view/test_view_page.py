@@ -48,7 +48,7 @@ def valid_rows(trace: str, step: int, sample: int) -> list[dict]:
 
 def test_every_token_of_the_first_response_equals_the_trace(view_page, view_trace):
     """--dump-dom after the scripts ran: each token's text, id, mask, every column of the token table,
-    the rollout/trainer gap and each PPO epoch's update row, against the Parquet files."""
+    the log-ratio old − rollout log-prob and each PPO epoch's update row, against the Parquet files."""
     dom = chromium.dump_dom(url(view_page))
     assert f'data-rendered="{START[0]}:{START[1]}"' in dom
     tokens = tokens_in_dom(dom)
@@ -288,7 +288,7 @@ def test_every_quantity_of_the_issue_can_colour_and_the_estimators_too(view_page
     show(page, view_page, 3, 1)
     options = page.evaluate("[...document.getElementById('colour').options].map(o => o.value)")
     assert options[0] == "advantage"
-    for key in ("advantage", "advantage_raw", "value", "return", "reward", "score", "kl", "delta", "entropy", "ratio", "clip", "gap"):
+    for key in ("advantage", "advantage_raw", "value", "return", "reward", "score", "kl", "delta", "entropy", "ratio", "clip", "log_ratio"):
         assert key in options
     assert {"est:mc", "est:td0", "est:nstep3", "est:gae0.5", "est:gae0.9", "est:gae0.95"} <= set(options)
     page.click("#compare-table tr[data-estimator='td0'] a")

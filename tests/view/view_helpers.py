@@ -205,9 +205,9 @@ def compare_tokens(tokens: list[dict], trace: str, step: int, sample: int) -> li
         for name in FLOATS:
             if not same_number(numbers.get(name), row[name]):
                 problems.append(f"token {t}: {name} = {numbers.get(name)!r}, trace {row[name]!r}")
-        gap = float(np.float32(row["rollout_log_prob"])) - float(np.float32(row["old_log_prob"]))
-        if not same_number(numbers.get("gap"), gap):
-            problems.append(f"token {t}: gap = {numbers.get('gap')!r}, trace {gap!r}")
+        log_ratio = float(np.float32(row["old_log_prob"])) - float(np.float32(row["rollout_log_prob"]))  # ℓ_t
+        if not same_number(numbers.get("log_ratio"), log_ratio):
+            problems.append(f"token {t}: log_ratio = {numbers.get('log_ratio')!r}, trace {log_ratio!r}")
         expected_names = set()
         for kind, names in UPDATE_SHOWN.items():
             for update in (u for u in updates[kind] if u["token_index"] == t):

@@ -12,10 +12,11 @@ encodes only: every statistic, flag and re-estimate comes from :mod:`verl_ext.in
   notes: a run that did not finish, the steps missing or that do not read).
 * :class:`StepSource`: one step read once (token table, prompts, update tables), and from it
   - :meth:`~StepSource.overview`: every sample of the step with its flags (wrong answer, truncated,
-    clipped by PPO, non-finite), its assistant turns and tool calls, the PPO epochs, and the colour
-    scale of each quantity over the step;
+    clipped by PPO, non-finite), its assistant turns, tool calls and rejected tokens, the PPO epochs,
+    and the colour scale of each quantity over the step;
   - :meth:`~StepSource.chunk`: the tokens of some samples: decoded pieces, every column of the token
-    table (a token's role as its index in ``role_names``, NO_CODE when unknown), the estimators' raw
+    table (a token's role as its index in ``role_names``, NO_CODE when unknown; ``rejected``, by verl's
+    rollout correction, as 0/1 where the run records it, else null), the estimators' raw
     advantages re-estimated (``td0``'s is δ_t), and per PPO epoch the update rows of each token;
   - :meth:`~StepSource.statistics`: the step's ``summary`` row, whitening μ/σ, the estimators
     compared (what ``verl-ext compare`` computes) and the ``check`` failures located in the step.
@@ -49,7 +50,11 @@ from verl_ext.trace import schema
 from verl_ext.trace.reader import listing
 
 #: The value a quantity's colour scale is centred on (0 for every other one).
-CENTRES = {"ratio": 1.0}
+CENTRES = {"ratio": 1.0, "rollout_is_weight": 1.0}
+#: The quantities defined on every token the policy wrote, the ones verl's rollout correction rejected
+#: included (docs/definitions.md#off-policy-tokens): a rejected token is coloured by these (its other
+#: numbers are those of a token nothing trained on), and their colour scales are over those tokens.
+OWN_TOKENS = ("log_ratio", "rollout_is_weight")
 #: A code column (``clip``, ``role``) as small integers: the index in its codes (CLIP_CODES,
 #: ROLE_CODES), NO_CODE when null or unknown (:func:`code_indices`).
 NO_CODE = 255
@@ -86,14 +91,18 @@ SUMMARY_NOT_SHOWN = ("step", "reward", "value", "return", "adv_raw_mean", "adv_r
 #: Labels and decimals of the summary's fields where not their name and 4.
 SUMMARY_LABELS = {"explained_var": "explained var", "ev_mc": "EV vs MC return", "ev_mc_last": "EV at last token",
                   "adv_dlogp_corr": "corr(A, Δlog π)", "clip_low": "clip low", "clip_high": "clip high", "clip_dual": "clip dual",
-                  "truncated_share": "cut share", "adv_truncated": "mean A of cut", "adv_rest": "mean A of the rest"}  # fmt: skip
-SUMMARY_DIGITS = {"samples": 0, "tokens": 0, "score": 3, "explained_var": 3, "ev_mc": 3, "ev_mc_last": 3, "adv_dlogp_corr": 3, "truncated_share": 3}
+                  "truncated_share": "cut share", "adv_truncated": "mean A of cut", "adv_rest": "mean A of the rest",
+                  "lp_gap_p50": "|ℓ| p50", "lp_gap_p99": "|ℓ| p99", "lp_gap_max": "|ℓ| max", "offpolicy_kl": "KL(rollout‖old)",
+                  "is_mean": "mean IS weight", "is_ess": "IS ESS", "is_truncated": "IS weights truncated/zeroed",
+                  "rejected_tokens": "rejected token share", "rejected_responses": "responses with a rejection"}  # fmt: skip
+SUMMARY_DIGITS = {"samples": 0, "tokens": 0, "score": 3, "explained_var": 3, "ev_mc": 3, "ev_mc_last": 3, "adv_dlogp_corr": 3, "truncated_share": 3,
+                  "is_mean": 3, "is_ess": 3, "is_truncated": 3, "rejected_tokens": 3, "rejected_responses": 3}  # fmt: skip
 #: Headers of the comparison's columns (verl_ext.inspect.comparison's statistics) where not their name.
 COMPARISON_LABELS = {"var_batch": "Var over the step", "var_within_group": "Var within a prompt's group", "mean_abs": "mean |A|"}
 #: What a token can be coloured by, in the page's order: (key, kind, label[, what it reads: by
 #: default the column of that name]). kind: column (token table), delta (td0's re-estimate), update
-#: (the chosen PPO epoch's row), difference (of two token columns); the re-estimated raw advantages
-#: follow, one per estimator.
+#: (the chosen PPO epoch's row), difference (of two token columns: the first minus the second); the
+#: re-estimated raw advantages follow, one per estimator. Centred at CENTRES, over OWN_TOKENS.
 QUANTITIES = (
     ("advantage", "column", "advantage (whitened, as trained)"),
     ("advantage_raw", "column", "advantage, raw (before whitening)"),
@@ -110,7 +119,8 @@ QUANTITIES = (
     ("clip", "update", "clip region (epoch)"),
     ("pg_loss", "update", "policy-loss term (epoch)"),
     ("vf_loss", "update", "value-loss term (epoch)"),
-    ("gap", "difference", "rollout − trainer log-prob", ("rollout_log_prob", "old_log_prob")),
+    ("log_ratio", "difference", "log-ratio ℓ = log π_old − log π_rollout", ("old_log_prob", "rollout_log_prob")),
+    ("rollout_is_weight", "column", "importance weight w_t (verl's rollout_is_weight)"),
 )  # fmt: skip
 
 
@@ -151,6 +161,8 @@ def page_schema() -> dict:
         quantity = {"key": key, "label": label, "kind": kind, "name": list(name) if isinstance(name, tuple) else name}
         if quantity["key"] in CENTRES:
             quantity["centre"] = CENTRES[quantity["key"]]
+        if quantity["key"] in OWN_TOKENS:
+            quantity["own"] = True
         if quantity["kind"] == "update" and shown.get(quantity["name"]) == "code":
             quantity["categorical"] = True
         quantities.append(quantity)
@@ -186,6 +198,22 @@ def clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def own_scales(data: StepData) -> dict[str, float | None]:
+    """The colour scale of each quantity of OWN_TOKENS the step has: its largest |x − centre| over the
+    policy's own tokens, valid or rejected (``data``'s table holds the columns it reads)."""
+    scales = {}
+    for key, kind, _, *reads in QUANTITIES:
+        if key not in OWN_TOKENS:
+            continue
+        names = reads[0] if reads else (key,)
+        values = [data.at_own_tokens(name) if name in data.table.column_names else None for name in names]
+        if any(v is None for v in values):
+            continue
+        at = values[0] - values[1] if kind == "difference" else values[0]
+        scales[key] = _largest(at, CENTRES.get(key, 0.0))
+    return scales
 
 
 def _largest(values: np.ndarray, centre: float = 0.0, finite: np.ndarray | None = None) -> float | None:
@@ -286,6 +314,7 @@ class StepSource:
         flagged = sample_flags(data, [shown.rows for shown in self.updates.values()])
         score = flagged["score"]
         scales: dict[str, float | None] = {name: _largest(values) for name, values in data.columns.items()}
+        scales |= own_scales(data)
         for shown in self.updates.values():
             epochs = {epoch: shown.rows.epoch == epoch for epoch in self.epochs}
             for name, values in shown.floats.items():
@@ -294,6 +323,7 @@ class StepSource:
                     scales[f"e{epoch}:{name}"] = _largest(values, CENTRES.get(name, 0.0), finite & in_epoch)
         keys = _prompt_keys(self._prompt_ids)
         flags = self._prompt_flags
+        rejected = None if layout.rejected is None else np.bincount(layout.row_sample, weights=layout.rejected, minlength=layout.samples)
         entries = []
         for i, sample in enumerate(layout.sample_ids.tolist()):
             row = self._prompt_row.get(sample)
@@ -309,6 +339,7 @@ class StepSource:
                 "eos": None if row is None else flags["eos"][row],
                 "turns": None if row is None else flags["assistant_turns"][row],
                 "tool_calls": None if row is None else flags["tool_calls"][row],
+                "rejected": None if rejected is None else int(rejected[i]),
                 "clipped": bool(flagged["clipped"][i]),
                 "nonfinite": bool(flagged["nonfinite"][i]),
                 "prompt": None if row is None else keys[row],
@@ -341,6 +372,7 @@ class StepSource:
             sample_ids = ids[begin:end].tolist()
             pieces += self.decoder.pieces(sample_ids) if -1 not in sample_ids else ["?"] * (end - begin)
         mask = part.column("mask").to_numpy(zero_copy_only=False)
+        rejected = part.column("rejected")  # null in a run without verl's rollout correction: not sent
         columns, nulls = {}, {}
         for name in self.present:
             column = part.column(name)
@@ -360,6 +392,7 @@ class StepSource:
             "token_index": encode(part.column("token_index").to_numpy(), "i4"),
             "token_id": encode(ids, "i4"),
             "mask": encode(mask, "u1"),
+            "rejected": None if rejected.null_count == len(rejected) else encode(rejected.fill_null(False).to_numpy(zero_copy_only=False), "u1"),
             "turn": encode(part.column("turn").fill_null(0).to_numpy(zero_copy_only=False), "i4"),
             "role": encode(code_indices(part.column("role"), schema.ROLE_CODES), "u1"),
             "role_names": list(schema.ROLE_CODES),

@@ -48,8 +48,11 @@
     const legend = clear($("legend"));
     if (!q) return;
     const spans = [...view.spans];
-    const mask = decode(view.chunk.mask);
-    const values = spans.map((span, i) => (mask[view.begin + i] === 1 ? valueOf(q, view.chunk, view.begin + i, view.epoch) : null));
+    // the valid tokens; and the rejected ones (the policy's, left out by verl's rollout correction) for a
+    // quantity defined on every token the policy wrote (q.own: the log-ratio, the weight)
+    const mask = decode(view.chunk.mask), rejected = q.own ? decode(view.chunk.rejected) : null;
+    const shown = (row) => mask[row] === 1 || (rejected !== null && rejected[row] === 1);
+    const values = spans.map((span, i) => (shown(view.begin + i) ? valueOf(q, view.chunk, view.begin + i, view.epoch) : null));
     if (q.categorical) {
       spans.forEach((span, i) => paint(span, values[i] === null || !(values[i] in CLIP_COLOURS) ? null : `clip-${values[i]}`));
       legend.appendChild(document.createTextNode(`${q.label}, epoch ${view.epoch}:`));

@@ -9,6 +9,8 @@
   let pinned = null;  // the token span whose details show when the mouse is not on a token
   let current = null;  // the view the tokens on the page were drawn from
   let listKey = null;  // what the sample list was drawn for
+  // a token verl's rollout correction took out of the mask: the policy's own, not a hole (docs/definitions.md#off-policy-tokens)
+  const REJECTED_TEXT = "rejected by verl's rollout correction: the policy wrote this token, nothing trained on it";
 
   // ------------------------------------------------------------------ the run, the step, its responses
 
@@ -66,6 +68,7 @@
     if (s.wrong) out.push(el("span", { class: "badge wrong", title: "score below the step's best", text: "wrong" }));
     if (s.truncated) out.push(el("span", { class: "badge truncated", title: "cut at the length limit", text: "cut" }));
     if (s.clipped) out.push(el("span", { class: "badge clipped", title: "PPO clipped some of its tokens", text: "clip" }));
+    if (s.rejected > 0) out.push(el("span", { class: "badge rejected", title: `${s.rejected} token(s) rejected by verl's rollout correction`, text: "rej" }));
     if (s.nonfinite) out.push(el("span", { class: "badge nonfinite", title: "a value is NaN, infinite or missing", text: "NaN" }));
     if (s.tool_calls > 0) out.push(el("span", { class: "badge tool", title: `${s.tool_calls} tool call(s), ${s.turns} assistant turns`, text: "tool" }));
     return out;
@@ -184,7 +187,7 @@
     if (view.sample === null) { head.textContent = "this step has no responses"; return; }
     const meta = view.info.samples.find((s) => s.sample === view.sample);
     head.appendChild(el("b", { text: `step ${view.step} · sample ${view.sample}` }));
-    head.appendChild(document.createTextNode(` · uid ${meta.uid} · ${meta.rows} tokens (${meta.valid} valid) · score ${fmt(meta.score, 3)} · ${meta.truncated ? "truncated at the length limit" : meta.eos ? "ended with EOS" : "no EOS"}`));
+    head.appendChild(document.createTextNode(` · uid ${meta.uid} · ${meta.rows} tokens (${meta.valid} valid) · score ${fmt(meta.score, 3)} · ${meta.truncated ? "truncated at the length limit" : meta.eos ? "ended with EOS" : "no EOS"}${meta.rejected ? ` · ${meta.rejected} rejected by verl's rollout correction (struck through)` : ""}`));
     for (const badge of badges(meta)) head.appendChild(badge);
     if (!view.chunk) {
       response.appendChild(el("span", { class: "muted", text: "this response is not in this file (its step was cut to fit the page's size); verl-ext view TRACE serves every response" }));
@@ -200,7 +203,7 @@
     view.q = q;
     view.colourKey = q ? q.key : null;
     const mask = decode(chunk.mask), ids = decode(chunk.token_id), positions = decode(chunk.token_index);
-    const turns = decode(chunk.turn), roles = decode(chunk.role);
+    const turns = decode(chunk.turn), roles = decode(chunk.role), rejected = decode(chunk.rejected);  // null: no rejection in the run
     // Every number of a token also goes into one attribute, data-q="score=0 reward=-0.01 … e1.ratio=1.02"
     // (for scripts and tests: one attribute per token instead of dozens keeps drawing fast).
     const fields = view.fields = tokenFields(chunk);
@@ -211,17 +214,19 @@
     const fragment = document.createDocumentFragment();
     for (let row = view.begin; row < view.end; row++) {
       const span = document.createElement("span");
-      const valid = mask[row] === 1;
-      span.className = valid ? "tok" : "tok masked";
+      const valid = mask[row] === 1, dropped = rejected !== null && rejected[row] === 1;
+      span.className = valid ? "tok" : dropped ? "tok rejected" : "tok masked";
       span.textContent = chunk.pieces[row];
       span.setAttribute("data-t", positions[row]);
       if (!(idNull && idNull[row] === 1)) span.setAttribute("data-id", ids[row]);
       span.setAttribute("data-mask", valid ? "1" : "0");
+      if (rejected !== null) span.setAttribute("data-rejected", dropped ? "1" : "0");
+      if (dropped) span.title = REJECTED_TEXT;
       span.setAttribute("data-turn", turns[row]);
       if (roles[row] !== NO_CODE) span.setAttribute("data-role", chunk.role_names[roles[row]]);
-      if (!valid && roles[row] !== NO_CODE) span.classList.add(`role-${chunk.role_names[roles[row]]}`);
+      if (!valid && !dropped && roles[row] !== NO_CODE) span.classList.add(`role-${chunk.role_names[roles[row]]}`);
       // the first token the policy wrote after a hole opens an assistant turn
-      if (valid && row > view.begin && turns[row] !== turns[row - 1]) span.classList.add("turn-start");
+      if ((valid || dropped) && row > view.begin && turns[row] !== turns[row - 1]) span.classList.add("turn-start");
       span._row = row;
       const parts = [];
       let bad = false;
@@ -336,7 +341,8 @@
     const values = view.fields.map((f) => [f, f.read(row)]).filter(([, v]) => v !== null);
     const id = span.getAttribute("data-id");
     const role = span.getAttribute("data-role");
-    const written = span.getAttribute("data-mask") === "1" ? "" : ` · masked (not trained)${role ? `, written by: ${role}` : ""}`;
+    const written = span.getAttribute("data-mask") === "1" ? "" : span.classList.contains("rejected") ? ` · ${REJECTED_TEXT}`
+      : ` · masked (not trained)${role ? `, written by: ${role}` : ""}`;
     box.appendChild(el("div", {}, el("span", { class: "piece", text: span.textContent }), ` t = ${span.getAttribute("data-t")} · id ${id === null ? "—" : id} · turn ${span.getAttribute("data-turn")}${written}`));
     const table = (rows, attrs) => {
       const t = el("table", attrs || {});

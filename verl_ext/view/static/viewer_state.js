@@ -21,6 +21,7 @@
     truncated: (s) => s.truncated,
     clipped: (s) => s.clipped,
     nonfinite: (s) => s.nonfinite,
+    rejected: (s) => s.rejected > 0,
     tool: (s) => s.tool_calls > 0,
     notool: (s) => s.tool_calls === 0,
   };
