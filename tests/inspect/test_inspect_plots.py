@@ -150,3 +150,86 @@ def test_the_heatmaps_title_and_footnote_stay_inside_the_figure(monkeypatch, tmp
     for text in texts:
         box = text.get_window_extent(renderer)
         assert 0 <= box.x0 and box.x1 <= fig.bbox.width and 0 <= box.y0 and box.y1 <= fig.bbox.height, text.get_text()
+
+
+# ------------------------------------------------------------------ the off-policy figure
+
+
+def _offpolicy_expected(path: str):
+    """From the token table with pandas: per step the quantiles of |old − rollout| over the policy's own
+    tokens (mask or rejected); per (step, decile of a response's own tokens, ⌊10·i/L⌋) the same, the
+    rejected share and the mean weight."""
+    import numpy as np
+
+    from verl_ext.trace.reader import open_trace
+
+    frame = open_trace(path).to_pandas()
+    own = frame[frame["mask"] | frame["rejected"].fillna(False).astype(bool)].copy()
+    own["gap"] = (own["old_log_prob"].astype("float64") - own["rollout_log_prob"].astype("float64")).abs()
+    rank = own.groupby(["step", "sample"]).cumcount()
+    length = own.groupby(["step", "sample"])["gap"].transform("size")
+    own["decile"] = (10 * rank) // length
+    quantiles = {"p50": lambda g: np.quantile(g, 0.5), "p99": lambda g: np.quantile(g, 0.99), "max": np.max}
+    per_step = {label: own.groupby("step")["gap"].agg(q) for label, q in quantiles.items()}
+    per_decile = {label: own.groupby(["step", "decile"])["gap"].agg(q) for label, q in quantiles.items()}
+    return own, per_step, per_decile
+
+
+def test_the_offpolicy_figure_draws_the_gap_per_step_and_by_position_with_the_correction(tmp_path):
+    """On verl's own weights and rejection (tests/inspect/test_check_correction.py's trace): the top
+    panel's lines are each step's p50, p99, max of |ℓ|, on a log scale; below, at the step, the same
+    per decile of each response's own tokens, and the rejected share (bars) and mean weight (line)."""
+    import numpy as np
+
+    from tests.inspect.test_check_correction import CASES, corrected_trace
+
+    path = corrected_trace(tmp_path, CASES["token TIS, token_k1"])
+    own, per_step, per_decile = _offpolicy_expected(path)
+    step = 1
+    fig = plots.offpolicy_gap(path, step)
+    steps, gap, correction, weights = fig.axes
+    assert steps.get_yscale() == "log" and gap.get_yscale() == "log"
+    drawn = {line.get_label(): line.get_xydata() for line in steps.lines}
+    by_decile = {line.get_label(): line.get_xydata() for line in gap.lines}
+    deciles = own[own.step == step].groupby("decile")
+    assert list(deciles.groups) == list(range(10))  # every decile has tokens: 10 points each
+    for label in ("p50", "p99", "max"):
+        np.testing.assert_allclose(drawn[f"|ℓ| {label}"], np.column_stack([per_step[label].index, per_step[label].to_numpy()]), rtol=1e-12)
+        np.testing.assert_allclose(by_decile[f"|ℓ| {label}"], np.column_stack([range(10), per_decile[label][step].to_numpy()]), rtol=1e-12)
+    assert (drawn["|ℓ| p50"][:, 1] < drawn["|ℓ| p99"][:, 1]).all() and (drawn["|ℓ| p99"][:, 1] <= drawn["|ℓ| max"][:, 1]).all()
+    heights = [bar.get_height() for bar in correction.patches]
+    np.testing.assert_allclose(heights, deciles["rejected"].mean().to_numpy(), rtol=1e-12)
+    assert 0 < min(heights) and max(heights) < 1  # this case rejects some tokens of each decile
+    (weight_line,) = [line for line in weights.lines if line.get_label() == "mean importance weight"]
+    np.testing.assert_allclose(weight_line.get_ydata(), deciles["rollout_is_weight"].mean().to_numpy(), rtol=1e-6)
+    assert [t.get_text() for t in correction.get_legend().get_texts()] == ["rejected share", "mean importance weight"]
+
+
+def test_the_offpolicy_figure_is_drawn_only_where_the_rollouts_log_probs_are(gae_trace, tmp_path, run_cli):
+    """verl-ext plot draws it for a run with rollout log-probs (without a correction: the gap alone), not
+    for one without (gae_trace: test_plot_command_writes_every_figure lists its figures), and the
+    function says why; a gap of 0 on every token (bypass mode) is said, not drawn on the log scale."""
+    import numpy as np
+
+    from verl_ext.errors import UsageError
+
+    with pytest.raises(UsageError, match="no step has the rollout's log-probs"):
+        plots.offpolicy_gap(gae_trace)
+    batches = {}
+    for step in (1, 2):
+        b = by_verl_gae(random_batch(step, kl_coef=0.05), 1.0, 0.95)
+        old = -torch.rand(b.mask.shape, generator=torch.Generator().manual_seed(step)) * 3
+        batches[step] = replace(b, old_log_prob=old, rollout_log_prob=old + 1e-3 * torch.linspace(-1, 1, b.mask.numel()).reshape(b.mask.shape))
+    path = write_trace(tmp_path / "gap", algorithm("gae", lam=0.95, kl="kl"), batches)
+    code, out, _ = run_cli("plot", path, "--out", str(tmp_path / "plots"))
+    assert code == 0 and out.splitlines()[-1].endswith("/offpolicy_step2.png")
+    with open(out.splitlines()[-1], "rb") as png:
+        assert png.read(8) == PNG_SIGNATURE
+    _, per_step, _ = _offpolicy_expected(path)
+    fig = plots.offpolicy_gap(path)
+    assert len(fig.axes) == 2  # no correction: no panel of it
+    np.testing.assert_allclose(fig.axes[0].lines[2].get_ydata(), per_step["max"].to_numpy(), rtol=1e-12)
+    same = {step: replace(b, rollout_log_prob=b.old_log_prob) for step, b in batches.items()}
+    fig = plots.offpolicy_gap(write_trace(tmp_path / "bypass", algorithm("gae", lam=0.95, kl="kl"), same))
+    for axis in fig.axes:
+        assert len(axis.lines) == 0 and any("|ℓ| = 0 on every token" in t.get_text() for t in axis.texts)

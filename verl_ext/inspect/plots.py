@@ -14,6 +14,10 @@ notebook (a returned Figure displays itself) and in ``verl-ext plot`` (Agg, save
 * :func:`comparison_figure`: the estimators side by side on one step (``verl-ext compare``)
 * :func:`critic_heatmap`: steps × position buckets, the explained variance of the values against
   the Monte-Carlo return and the mean |V − G| (:mod:`verl_ext.inspect.critic`; needs values)
+* :func:`offpolicy_gap`: how far the rollout engine and the trainer disagree, |log π_old − log π_rollout|
+  per step (p50, p99, max) and by position on one step, with what verl's rollout correction did there
+  (the rejected share, the mean importance weight; docs/definitions.md#off-policy-tokens; needs the
+  rollout's log-probs)
 
 A figure that draws token text says so in a footnote when a character had to be shown as a code
 point, and warns (``FontFallbackWarning``, a :class:`PlotNote`).
@@ -46,8 +50,10 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from verl_ext.errors import UsageError
+from verl_ext.inspect import offpolicy
 from verl_ext.inspect.critic import MIN_EV_TOKENS, critic_diagnostics, explained_variance, steps_by_bucket
 from verl_ext.inspect.render import display_width
+from verl_ext.step_metrics import DECILES
 from verl_ext.steps.layout import Progress, StepData, as_trace
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.inspect.summary import summarize
@@ -118,11 +124,16 @@ def position_curves(trace, step: int | None = None) -> Figure:
     return fig
 
 
-def over_steps(trace, progress: Progress | None = None, unread: UnreadSteps | None = None, *, jobs: int = 1, ray_address: str | None = None) -> Figure:
+def over_steps(
+    trace, progress: Progress | None = None, unread: UnreadSteps | None = None, *, jobs: int = 1, ray_address: str | None = None,
+    summary=None,
+) -> Figure:  # fmt: skip
     """Mean sequence score (and reward), explained variance of values vs returns, and KL, per step;
     ``unread``: where to note the steps that do not read, left out; ``jobs``, ``ray_address``: the
-    steps in parallel (:func:`summarize`)."""
-    summary = summarize(as_trace(trace), progress=progress, unread=unread, jobs=jobs, ray_address=ray_address).to_pydict()
+    steps in parallel (:func:`summarize`); ``summary``: the trace's :func:`summarize` table, when made already."""
+    if summary is None:
+        summary = summarize(as_trace(trace), progress=progress, unread=unread, jobs=jobs, ray_address=ray_address)
+    summary = summary.to_pydict()
     steps = summary["step"]
     has_kl = any(v is not None for v in summary["kl"])
     fig = Figure(figsize=(9, 7.5 if has_kl else 5.5), layout="constrained")
@@ -404,6 +415,105 @@ def critic_heatmap(trace, progress: Progress | None = None, unread: UnreadSteps 
     return fig
 
 
+#: The gap's quantiles (summary's columns, offpolicy.by_decile's keys) and their colours.
+GAP_QUANTILES = (("p50", "lp_gap_p50", "gap_p50", VALUE_COLOR), ("p99", "lp_gap_p99", "gap_p99", ADVANTAGE_COLOR), ("max", "lp_gap_max", "gap_max", RETURN_COLOR))
+REJECTED_COLOR, WEIGHT_COLOR = "#8c8c8c", "#ff7f0e"
+
+
+def has_rollout_log_probs(summary) -> bool:
+    """Some step of a :func:`summarize` table has the rollout's log-probs (a gap)."""
+    return summary.column("lp_gap_max").null_count < summary.num_rows
+
+
+def offpolicy_gap(
+    trace, step: int | None = None, progress: Progress | None = None, unread: UnreadSteps | None = None, *,
+    jobs: int = 1, ray_address: str | None = None, summary=None,
+) -> Figure:  # fmt: skip
+    """How far the rollout engine and the trainer disagree (docs/definitions.md#off-policy-tokens), on the
+    policy's own tokens (valid or rejected). Top: per step, the p50, p99 and max of |ℓ_t| = |log π_old −
+    log π_rollout| (``summary``'s lp_gap_* columns), on a log scale. Below, at ``step``: the same by position,
+    per decile of each response's own tokens (:func:`verl_ext.inspect.offpolicy.by_decile`), and beside it,
+    where the run has them, the share of each decile's tokens verl's rejection took out (bars) and their mean
+    importance weight (line). A gap of exactly 0 (bypass mode: π_old := π_rollout) cannot sit on a log
+    scale; the panel says so. UsageError when no step has the rollout's log-probs. ``summary``: the
+    trace's :func:`summarize` table, when made already (else made here, with ``progress``, ``unread``,
+    ``jobs``, ``ray_address``)."""
+    trace = as_trace(trace)
+    step = _step(trace, step)
+    if summary is None:
+        summary = summarize(trace, progress=progress, unread=unread, jobs=jobs, ray_address=ray_address)
+    if not has_rollout_log_probs(summary):
+        raise UsageError("no step has the rollout's log-probs (rollout_log_prob): nothing to compare π_old with")
+    decile = offpolicy.by_decile(StepData.read(trace, step, offpolicy.COLUMNS), RecordedAlgorithm.from_record(trace.record).correction)
+    corrected = decile is not None and ("rejected" in decile or "is_mean" in decile)
+    fig = Figure(figsize=(11, 8), layout="constrained")
+    axes = fig.subplot_mosaic([["steps", "steps"], ["gap", "correction"]] if corrected else [["steps"], ["gap"]])
+    table = summary.to_pydict()
+    marker = "o" if len(table["step"]) <= 50 else None
+    zeros = {"steps": False, "gap": False}  # a gap of 0 somewhere, left out of the log scale
+    for label, column, _, color in GAP_QUANTILES:
+        zeros["steps"] |= _positive(axes["steps"], table["step"], table[column], f"|ℓ| {label}", color, marker)
+    axes["steps"].set_xlabel("training step")
+    axes["steps"].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes["steps"].set_title("|ℓ| = |log π_old − log π_rollout| over the policy's tokens, per step", fontsize=10)
+    gap = axes["gap"]
+    if decile is None:
+        gap.text(0.5, 0.5, f"step {step} has no rollout log-probs", transform=gap.transAxes, ha="center", color="grey")
+    else:
+        for label, _, key, color in GAP_QUANTILES:
+            zeros["gap"] |= _positive(gap, range(len(DECILES)), decile[key], f"|ℓ| {label}", color, "o")
+        gap.set_xticks(range(len(DECILES)), DECILES)
+        gap.set_xlabel("decile of each response's own tokens (valid or rejected)")
+        gap.set_title(f"step {step}: |ℓ| by position", fontsize=10)
+    if corrected:
+        _correction_by_decile(axes["correction"], decile, step)
+    for name, axis in (("steps", axes["steps"]), ("gap", gap)):
+        axis.set_ylabel("|ℓ| (log scale)")
+        if axis.lines:
+            axis.set_yscale("log")
+            axis.legend(loc="best", frameon=False, fontsize=8)
+        axis.grid(alpha=0.3)
+        if zeros[name] and axis.lines:
+            axis.text(0.01, 0.02, f"|ℓ| = 0 at some {name if name == 'steps' else 'deciles'}: not drawn on the log scale",
+                      transform=axis.transAxes, fontsize=7.5, color="dimgrey")  # fmt: skip
+        elif zeros[name]:
+            axis.text(0.5, 0.5, "|ℓ| = 0 on every token: π_old = π_rollout exactly (bypass mode?)", transform=axis.transAxes, ha="center", color="grey")
+    fig.suptitle("Off-policy tokens: how far the rollout engine and the trainer disagree, and what verl's rollout correction did")
+    return fig
+
+
+def _positive(axis, x, values, label, color, marker) -> bool:
+    """Draw ``values`` (None or NaN: not there) where positive, for a log scale; True when a 0 was left out."""
+    y = np.array([np.nan if v is None else v for v in values], dtype=float)
+    zeros = bool((y == 0).any())
+    y[y <= 0] = np.nan
+    if np.isfinite(y).any():
+        axis.plot(list(x), y, marker=marker, markersize=3, color=color, label=label)
+    return zeros
+
+
+def _correction_by_decile(axis, decile: dict, step: int) -> None:
+    """The rejected share (bars) and the mean importance weight (line, its own axis on the right when
+    both are there) of each decile."""
+    x = np.arange(len(DECILES))
+    weights = axis
+    if "rejected" in decile:
+        axis.bar(x, decile["rejected"], color=REJECTED_COLOR, alpha=0.7, label="rejected share")
+        axis.set_ylabel("share of the decile's tokens rejected")
+        axis.set_ylim(0, max(1e-3, float(np.nanmax(decile["rejected"], initial=0))) * 1.35)  # room for the legend
+        weights = axis.twinx() if "is_mean" in decile else None
+    if weights is not None:
+        weights.plot(x, decile["is_mean"], marker="o", markersize=3, color=WEIGHT_COLOR, label="mean importance weight")
+        weights.axhline(1, color=WEIGHT_COLOR, linewidth=0.8, linestyle="--")
+        weights.set_ylabel("mean importance weight w")
+    handles = [h for a in dict.fromkeys((axis, weights)) if a is not None for h in a.get_legend_handles_labels()[0]]
+    axis.legend(handles=handles, loc="upper left", frameon=False, fontsize=8)
+    axis.set_xticks(x, DECILES)
+    axis.set_xlabel("decile of each response's own tokens (valid or rejected)")
+    axis.set_title(f"step {step}: verl's rollout correction by position", fontsize=10)
+    axis.grid(alpha=0.3, axis="y")
+
+
 def _step_ticks(steps: list[int], most: int = 30) -> tuple[list[int], list[str]]:
     """Row positions and labels of at most ``most`` evenly spread steps."""
     rows = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), most)).round().astype(int)) if steps else []
@@ -426,7 +536,7 @@ def save_plots(
     steps read them in ``jobs`` processes or as Ray tasks (:func:`verl_ext.trace.parallel.map_steps`).
 
     Figures that do not apply to the run (value vs return and the critic heatmap without values) are
-    left out. Nothing is written unless every figure that applies could be drawn. Without ``step``
+    left out, with a note; the off-policy figure without the rollout's log-probs, without one. Nothing is written unless every figure that applies could be drawn. Without ``step``
     (the last step that reads), the ratio against advantage is drawn at :func:`most_clipped_step`, and
     a :class:`PlotNote` says which when that is another step. ``unread``: where to note the steps whose
     files do not read, which the figures over steps then leave out (without it, such a step raises
@@ -437,12 +547,15 @@ def save_plots(
     if step is None and unread is not None:
         step = last_step_that_reads(trace, unread)[0]
     step = _step(trace, step)
+    summary = functools.cache(lambda: summarize(trace, progress=progress, unread=unread, jobs=jobs, ray_address=ray_address))
     figures = {
         f"positions_step{step}.png": lambda: position_curves(trace, step),
-        "over_steps.png": lambda: over_steps(trace, progress, unread, jobs=jobs, ray_address=ray_address),
+        "over_steps.png": lambda: over_steps(trace, summary=summary()),
         f"value_vs_return_step{step}.png": lambda: value_vs_return(trace, step),
         f"advantages_step{step}_sample{sample}.png": lambda: advantage_heatmap(trace, step, sample, tokenizer),
         "critic_ev.png": lambda: critic_heatmap(trace, progress, unread, jobs=jobs, ray_address=ray_address),
+        # only for a run whose steps have the rollout's log-probs (none: not drawn, no note)
+        f"offpolicy_step{step}.png": lambda: offpolicy_gap(trace, step, summary=summary()) if has_rollout_log_probs(summary()) else None,
     }
     ratio_step = step if chosen is not None else most_clipped_step(trace, unread)
     if ratio_step is not None and ratio_step != step:  # the last step's ratios may all sit at 1 (the lr decayed)
@@ -455,7 +568,9 @@ def save_plots(
     built = {}  # every figure first: a bad step or sample writes nothing
     for name, build in figures.items():
         try:
-            built[name] = build()
+            figure = build()
+            if figure is not None:
+                built[name] = figure
         except UsageError as skipped:
             if name.startswith(("value_vs_return", "logprob_change", "critic_ev")):
                 warnings.warn(f"{name} left out: {skipped}", PlotNote, stacklevel=2)
