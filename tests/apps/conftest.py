@@ -52,7 +52,8 @@ def tool_demo(tmp_path_factory, cpu_env):
     # its own run: what is tested is the `demo --task tool` command, which starts its trainer itself
     out = tmp_path_factory.mktemp("tool_demo")
     command = [
-        sys.executable, "-m", "verl_ext.cli", "demo", "--task", "tool", "--turn-rewards", "--steps", str(TOOL_DEMO_STEPS),
+        # the reproducible rollout (docs/tasks.md): the demo's default is verl's vLLM where vLLM's CPU build is installed
+        sys.executable, "-m", "verl_ext.cli", "demo", "--task", "tool", "--turn-rewards", "--steps", str(TOOL_DEMO_STEPS), "--rollout", "hf_generate",
         "--output-dir", str(out),
     ]  # fmt: skip
     return out, run(command, cpu_env(out), out, timeout=600).stdout

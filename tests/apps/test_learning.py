@@ -35,10 +35,10 @@ def test_held_out_accuracy_rises_by_a_clear_margin(learning_runs):
 
 
 def test_the_documented_accuracy_before_training_is_the_runs(learning_runs):
-    """docs/tasks.md's held-out accuracy before `make demo` trains (the warm start's seeded
+    """docs/tasks.md's held-out accuracy before `verl-ext demo --rollout hf_generate` trains (the warm start's seeded
     validation; this run has the demo's recipe, seed and assets) is in the range documented over the
     machines measured, to its rounding: not one machine's figure."""
-    low, high = documented_before("`make demo` (seed 0)")
+    low, high = documented_before("`verl-ext demo --rollout hf_generate` (seed 0)")
     assert low - DOCUMENTED_ROUNDING <= held_out_accuracy(learning_runs[0])[0] <= high + DOCUMENTED_ROUNDING
 
 

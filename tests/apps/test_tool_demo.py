@@ -200,7 +200,7 @@ def test_the_documented_accuracy_before_training_is_the_runs(demo):
     from verl_ext.apps.learning import read_metrics, validation_accuracy
 
     before = validation_accuracy(read_metrics(demo[0]))[0]
-    low, high = documented_before("`verl-ext demo --task tool` (seed 0)")
+    low, high = documented_before("`verl-ext demo --task tool --rollout hf_generate` (seed 0)")
     assert low - DOCUMENTED_ROUNDING <= before <= high + DOCUMENTED_ROUNDING
     assert re.search(rf"held-out accuracy .*: {before:.3f} before training", demo[1])
 

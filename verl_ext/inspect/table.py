@@ -152,7 +152,7 @@ def _offpolicy_columns(rows: pa.Table) -> dict[str, pa.Array]:
         columns["log_ratio"] = pc.subtract(old, rollout)
     if rows.column("rollout_is_weight").null_count < rows.num_rows:
         columns["is_weight"] = rows.column("rollout_is_weight")
-    if rows.column("rejected").null_count < rows.num_rows:
+    if pc.any(rows.column("rejected")).as_py():  # verl's correction runs on every step with rollout log-probs
         columns["rejected"] = rows.column("rejected")
     return columns
 

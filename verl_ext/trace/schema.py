@@ -186,8 +186,8 @@ TOKEN_COLUMNS = (
     Column("mask", pa.bool_(), "true on the tokens the advantage and the update used (verl's response_mask, after any rejection)",
            "response_mask", nullable=False),
     Column("rejected", pa.bool_(), "verl's rollout-correction rejection took token t out of the response_mask (algorithm.rollout_correction"
-           ".rollout_rs): the policy wrote it, nothing trained on it; the response's own tokens are mask ∨ rejected; null where the "
-           "run has no rollout correction", since=10),
+           ".rollout_rs): the policy wrote it, nothing trained on it; the response's own tokens are mask ∨ rejected; null where "
+           "verl's correction did not run (no rollout log-probs), false everywhere where it ran and rejected nothing", since=10),
     Column("turn", pa.int32(), TURN_DOC, since=4),
     Column("role", pa.string(), ROLE_DOC, since=5),
     *FLOAT_COLUMNS,
