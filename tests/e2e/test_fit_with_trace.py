@@ -69,6 +69,8 @@ CORRECTION = [
     "algorithm.rollout_correction.rollout_rs=token_k1",
     f"algorithm.rollout_correction.rollout_rs_threshold='{REJECTION_THRESHOLD}'",
 ]
+#: verl's bypass mode on the gae_ext run: π_old := π_rollout, the loss PPO's clipped one (loss_type ppo_clip)
+BYPASS = ["algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=ppo_clip"]
 #: scenario -> (estimator, its overrides)
 #: verl saves a checkpoint after every step of the runs ``verl-ext replay`` replays with the model
 #: (tests/e2e/test_replay.py), in the CPU recipe's trainer.default_local_dir (16 MB and well under a
@@ -79,7 +81,8 @@ RUNS = {
     "td0": ("td0", [*CORRECTION, CHECKPOINTS]),
     # V(s_L) kept from the critic, checked against a separate forward pass (test_bootstrap_value_...)
     "nstep": ("nstep", ["algorithm.n_step=3", *cut_at_the_limit("nstep")]),
-    "gae_ext": ("gae_ext", ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.8"]),
+    # in verl's bypass mode (docs/definitions.md#off-policy-tokens): old log-probs = the rollout's, vanilla PPO's loss
+    "gae_ext": ("gae_ext", ["algorithm.lam_critic=1.0", "algorithm.lam_actor=0.8", *BYPASS]),
     # verl's gae with the batch settings of GPU runs: micro-batches packed by token count (actor,
     # critic and every log-prob and value pass; verl reorders the rows and restores them after), and
     # no balancing; the other runs have verl's default, trainer.balance_batch=True (it reorders the batch)
@@ -359,7 +362,9 @@ def test_run_record_matches_the_config(finished_run):
         assert (algorithm["lam_critic"], algorithm["lam_actor"]) == (1.0, 0.8)
     if estimator == "td_half":
         assert algorithm["estimator_module"] == "my_estimators"
-    if estimator == "td0":
+    if estimator == "gae_ext":
+        assert algorithm["rollout_correction"]["bypass_mode"] is True
+    elif estimator == "td0":
         correction = algorithm["rollout_correction"]
         assert (correction["rollout_is"], correction["is_upper"]) == ("token", 2.0)
         assert [option["name"] for option in correction["rejection"]] == ["token_k1"]
@@ -385,6 +390,7 @@ def test_check_passes(finished_run):
     assert {statuses[key] for key in update} == {"pass"}
     correction = {"is_weights", "rejection"}
     assert {statuses.get(key) for key in correction} == ({"pass"} if estimator == "td0" else {None})
+    assert statuses.get("bypass") == ("pass" if estimator == "gae_ext" else None)  # old = rollout, bit for bit
     assert statuses["vf_loss"] == ("skipped" if estimator == "grpo" else "pass")
     if estimator != "td_half":
         return

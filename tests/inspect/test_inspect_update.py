@@ -417,3 +417,33 @@ def test_a_bf16_loss_is_checked_with_bf16_roundings(tmp_path):
         computed_in_bf16(parts)
         parts["actor"][0]["columns"]["ratio"][0] *= 1.05  # epoch 0, sample 1: ratio 1.5, no clip there
     assert statuses(hand_trace(tmp_path / "planted", planted, bf16))["ratio"] == "fail"
+
+
+def test_bypass_modes_reinforce_is_held_to_its_own_loss_and_a_vanilla_update_is_named(tmp_path):
+    """Bypass mode with loss_type=reinforce and no weights: each term is −A·log π_θ (old = rollout). The
+    worked example's terms are vanilla PPO's: they fail, named as the loss verl's workers ran instead
+    (found on verl 0.9.1's legacy trainer on Ray: docs/definitions.md#off-policy-tokens)."""
+    from verl_ext.rollout_correction import Correction
+
+    bypass = Correction.from_config({"bypass_mode": True, "loss_type": "reinforce"}).settings()
+
+    def reinforce(parts):
+        for call in parts["actor"]:
+            columns = call["columns"]
+            columns["pg_loss"] = (-columns["advantage"] * columns["log_prob"]).astype(np.float32)
+
+    def trace(directory, change=None) -> str:
+        batch = random_batch(1, B=2, T=3, interior=False)
+        batch.mask[:] = 1
+        batch.advantages = torch.tensor(ADVANTAGES)
+        batch.values, batch.returns = torch.tensor([[0.0, 0.0, 1.0]] * 2), torch.tensor([[0.0, 1.0, 1.0]] * 2)
+        batch.old_log_prob = batch.rollout_log_prob = torch.full((2, 3), -1.0)  # bypass: old = rollout
+        parts = {"actor": [actor_part(e, s) for e in (0, 1) for s in (1, 0)], "critic": [critic_part(e, s) for e in (0, 1) for s in (0, 1)]}
+        if change is not None:
+            change(parts)
+        updates = [UpdateCapture(1, kind, parts[kind], LOGGED[kind]) for kind in ("critic", "actor")]
+        return write_trace(directory, algorithm("grpo", rollout_correction=bypass), {1: batch}, updates={1: updates}, update_settings=SETTINGS)
+
+    assert check_trace(trace(tmp_path / "reinforce", reinforce))["bypass_loss"].status == "pass"
+    vanilla = check_trace(trace(tmp_path / "vanilla"))["bypass_loss"]
+    assert vanilla.status == "fail" and any("every term is vanilla PPO's, not REINFORCE's" in note for note in vanilla.notes)

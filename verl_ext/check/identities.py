@@ -165,6 +165,10 @@ IDENTITIES = (
     Identity("ratio", "8.6", UPDATE, "ratio = exp(log_prob − old_log_prob) = verl's unclipped term / −A", update_checks.RATIO, update_checks.ratio),
     Identity("ratio_first", "8.6", UPDATE, "ratio = 1 in epoch 0, mini-batch 0", update_checks.RATIO_FIRST, update_checks.ratio_first),
     Identity("pg_loss", "8.6", UPDATE, "pg_loss = vanilla PPO term with dual clip", update_checks.PG_TERM, update_checks.pg_loss),
+    Identity(
+        "bypass_loss", "8.8", UPDATE, "pg_loss = the loss bypass mode's loss_type asks for (REINFORCE: −A·w·log π_θ)",
+        update_checks.PG_TERM, update_checks.bypass_loss, applies=lambda a: a.correction is not None and a.correction.bypass_mode,
+    ),
     Identity("clip", "8.6", UPDATE, "clip code agrees with verl's loss term", update_checks.PG_TERM, update_checks.clip),
     Identity("vf_loss", "8.6", UPDATE, "vf_loss = max((v̂−R)², (clip(v̂)−R)²)", update_checks.VF_TERM, update_checks.vf_loss),
     Identity("update_metrics", "8.6", UPDATE, "aggregated terms = verl's logged update metrics", update_checks.AGGREGATE, update_checks.update_metrics, counts="metric"),

@@ -39,6 +39,7 @@ step, for the summary).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -267,6 +268,46 @@ def pg_loss(u: UpdateStep) -> Finding:
         term = term * actor["is_weight"]
     tolerance = PG_TERM(u.weighted_advantage(), exact, c, u.eps("actor"))  # the ratio verl used is rounded
     return compare(actor["pg_loss"], term, tolerance, u.where(actor, "pg_loss"))
+
+
+def bypass_loss(u: UpdateStep) -> Finding:
+    """Bypass mode (docs/definitions.md#off-policy-tokens): verl's loss matrix is the ``loss_type`` the run
+    asked for, recomputed from the update's log-probs (old = rollout): ``reinforce`` −A·w·log π_θ, w the
+    weight verl computes inside the loss from log π_θ − log π_rollout (token level, truncated or zeroed;
+    1 without ``rollout_is``), ``ppo_clip`` vanilla PPO (identity pg_loss). A term that is vanilla PPO's
+    where REINFORCE was asked is named as such: the workers did not run bypass mode's loss."""
+    import torch
+
+    from verl_ext.rollout_correction import is_weights
+    from verl_ext.steps.recorded import recorded_correction
+
+    if (unavailable := u.unavailable("actor")) is not None:
+        return unavailable
+    correction = recorded_correction(u.trace.record.algorithm)
+    if correction.loss_type != "reinforce":
+        return skipped("bypass mode's ppo_clip: vanilla PPO's term, which identity pg_loss checks")
+    if correction.rollout_is == "sequence" or correction.batch_normalize or correction.rejection:
+        return skipped("bypass mode's REINFORCE with sequence weights, normalisation or rejection: verl computes them per "
+                       "micro-batch, which the update table does not group by")  # fmt: skip
+    actor = u.actor
+    log_prob, advantage = actor["log_prob"], actor["advantage"]
+    log_ratio = actor["log_prob"] - actor["old_log_prob"]  # old = rollout in bypass mode
+    weight = np.ones(len(log_prob))
+    if correction.rollout_is == "token":
+        ones = torch.ones(1, len(log_prob), dtype=torch.float64)
+        weight = is_weights(torch.from_numpy(log_ratio)[None], ones, correction)[0].numpy()
+    term = -advantage * weight * log_prob
+    tolerance = ATOL + 8 * u.eps("actor") * np.abs(advantage) * weight * (np.abs(log_prob) + 1)
+    finding = compare(actor["pg_loss"], term, tolerance, u.where(actor, "pg_loss (REINFORCE)"))
+    if finding.status == "fail":
+        exact = np.exp(u.log_ratio())
+        l1 = np.maximum(-advantage * exact, -advantage * np.clip(exact, 1 - u.low, 1 + u.high))
+        vanilla = np.where(advantage < 0, np.minimum(l1, -advantage * u.c), l1)
+        if np.all(np.abs(actor["pg_loss"] - vanilla) <= PG_TERM(advantage, exact, u.c, u.eps("actor"))):
+            said = ("every term is vanilla PPO's, not REINFORCE's: verl's workers did not run bypass mode's loss (verl 0.9.1's "
+                    "apply_bypass_mode sets loss_mode=bypass_mode in the driver's config, which workers in other processes never see)")  # fmt: skip
+            finding = dataclasses.replace(finding, note=said)
+    return finding
 
 
 def clip(u: UpdateStep) -> Finding:
