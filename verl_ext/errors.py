@@ -23,6 +23,10 @@ class StepFileError(TraceError):
         return type(self), (str(self), self.step, self.file)
 
 
+class ReplayError(ValueError):
+    """One line for the user: ``verl-ext replay`` cannot be done as asked (its CLI says it, exit 2)."""
+
+
 class WorkerLost(UsageError):
     """A worker process that ended before returning its step (killed: out of memory, by a signal)."""
 

@@ -2,7 +2,10 @@
 session, saving a checkpoint after every step): the replay with the model reproduces a step's whole
 update and the parameters after it, and finds a planted change; the model-free replay of the first
 mini-batch reproduces it too and equals the model's; with overrides both give what hand calculation
-from the recorded columns gives, in traces the checker accepts."""
+from the recorded columns gives, in traces the checker accepts. On the td0 run, with verl's rollout
+correction (token IS and token_k1 rejection), both replays feed the recorded weights and mask, and
+another correction's weights and rejection are verl's own (compute_rollout_correction_and_rejection_mask)
+on the recorded log-probs."""
 
 from __future__ import annotations
 
@@ -225,7 +228,7 @@ def test_a_replay_it_cannot_do_is_one_line_and_exit_2(traced_run, capsys, tmp_pa
 
 # --------------------------------------------------------------------------- with the model
 
-MODEL_REPLAYED = ["mc", MULTI_TURN, "gae+dynamic_bsz"]
+MODEL_REPLAYED = ["mc", MULTI_TURN, "gae+dynamic_bsz", "td0"]
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=fit_group(name)) for name in MODEL_REPLAYED])
@@ -275,7 +278,7 @@ def test_the_model_free_replay_equals_the_model_replay_on_the_first_minibatch(re
     model = open_trace(str(out)).actor_update(2).to_pandas()
     model = model[first_minibatch(model)].reset_index(drop=True)
     assert len(free) == len(model) > 0
-    for column in ("sample", "token_index", "log_prob", "ratio", "clip", "pg_loss", "advantage"):
+    for column in ("sample", "token_index", "log_prob", "ratio", "clip", "pg_loss", "advantage", "is_weight"):
         np.testing.assert_array_equal(free[column].to_numpy(), model[column].to_numpy(), err_msg=column)
 
 
@@ -416,3 +419,199 @@ def test_another_number_of_epochs_reports_the_clip_codes_of_the_epoch_only_one_u
     tokens, clipped = codes(recorded, 1)
     assert code == 0 and report["clip_only"] == {"recorded": {"1": {"tokens": tokens, "clipped": clipped, "whole": True}}}, report["clip_only"]
     assert report["clip_changes"] == {} and sum(clipped.values()) > 0  # the run's epoch 1 clipped (clip_ratio 0.1, lr 1e-2)
+
+
+# --------------------------------------------------------------------------- verl's rollout correction (the td0 run)
+
+CORRECTED = "td0"
+
+
+@pytest.fixture(scope="module")
+def corrected_run(tmp_path_factory) -> Path:
+    """The td0 run's trace: token IS weights truncated at 2, token_k1 rejection (test_fit_with_trace.CORRECTION)."""
+    return fit_run(tmp_path_factory, CORRECTED) / "trace"
+
+
+def dense(tokens, column: str, fill=0.0, dtype=np.float32) -> np.ndarray:
+    """A token-table column as the (samples, positions) matrix verl's batch holds it in (``fill`` elsewhere)."""
+    matrix = np.full((tokens["sample"].max() + 1, tokens["token_index"].max() + 1), fill, dtype)
+    matrix[tokens["sample"], tokens["token_index"]] = tokens[column].to_numpy(dtype)
+    return matrix
+
+
+def verls_correction(tokens, **settings):
+    """verl's own weights and mask after rejection (rollout_corr_helper.compute_rollout_correction_and_rejection_mask)
+    from the recorded old and rollout log-probs over the policy's own tokens (mask ∨ rejected), at the table's rows."""
+    import torch
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    own = tokens.assign(own=tokens["mask"] | tokens["rejected"].fillna(False).astype(bool))
+    weights, mask, _ = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=torch.from_numpy(dense(tokens, "old_log_prob")), rollout_log_prob=torch.from_numpy(dense(tokens, "rollout_log_prob")),
+        response_mask=torch.from_numpy(dense(own, "own")), **settings,
+    )  # fmt: skip
+    at = (tokens["sample"].to_numpy(), tokens["token_index"].to_numpy())
+    return (None if weights is None else weights.batch["rollout_is_weights"].numpy()[at]), mask.numpy()[at] > 0.5, own["own"].to_numpy()
+
+
+def td0_whitened_by_hand(tokens, keep: np.ndarray, gamma: float) -> dict[tuple[int, int], float]:
+    """td0 over the kept tokens (docs/definitions.md#off-policy-tokens: a rejected token is skipped, V_{t+1} is the
+    next kept token's, 0 after the last): δ_t = r_t + γ·V_next − V_t, whitened over the step's kept tokens."""
+    deltas = {}
+    for sample, rows in tokens[keep].groupby("sample"):
+        reward, value = rows["reward"].to_numpy(np.float64), rows["value"].to_numpy(np.float64)
+        for index, delta in zip(rows["token_index"], reward + gamma * np.append(value[1:], 0.0) - value):
+            deltas[(sample, index)] = delta
+    raw = np.array(list(deltas.values()))
+    return dict(zip(deltas, (raw - raw.mean()) / np.sqrt(raw.var(ddof=1) + 1e-8)))
+
+
+@pytest.mark.xdist_group(f"fit_with_trace-{CORRECTED}")
+def test_the_model_free_replay_feeds_the_token_tables_weights(corrected_run, capsys, tmp_path):
+    """As recorded the model-free replay multiplies the token table's rollout_is_weight into the loss, as the model
+    replay puts it on the batch: REPRODUCED on the run (the update table's is_weight is the same number), and a weight
+    planted in a copy of the token table is found at its token (exit 1). The recorded weights are verl's own on the
+    recorded log-probs, and the run rejected tokens: the replay has something to honour."""
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(corrected_run))
+    step = trace.steps[-1]
+    tokens = trace.read_step(step).to_pandas()
+    weights, mask, _ = verls_correction(tokens, rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                                        rollout_rs_threshold="0.9999995_1.0000005")  # fmt: skip
+    np.testing.assert_array_equal(tokens["rollout_is_weight"].to_numpy(np.float32), weights)
+    np.testing.assert_array_equal(tokens["mask"].to_numpy(), mask)
+    assert tokens["rejected"].sum() > 0
+    code, out, _ = replay(capsys, corrected_run, "--step", step, "--model-free")
+    assert code == 0 and "as recorded: REPRODUCED" in out and "the token table's rollout_is_weight the weights it multiplied in" in out, out
+
+    copy = tmp_path / "planted"
+    shutil.copytree(corrected_run, copy)
+    update = trace.actor_update(step).to_pandas()
+    sample, token = (int(v) for v in update[first_minibatch(trace.actor_update(step))].iloc[3][["sample", "token_index"]])
+    path = copy / trace.layout.token_file(step)
+    table = pq.read_table(path)
+    row = int(np.flatnonzero((table["sample"].to_numpy() == sample) & (table["token_index"].to_numpy() == token))[0])
+    planted = table["rollout_is_weight"].to_numpy().copy()
+    planted[row] *= 1.5
+    field = table.schema.field("rollout_is_weight")
+    pq.write_table(table.set_column(table.schema.get_field_index("rollout_is_weight"), field, [planted]).replace_schema_metadata(table.schema.metadata), path)
+    code, out, _ = replay(capsys, copy, "--step", step, "--model-free")
+    assert code == 1 and f"as recorded: DIFFERS at sample {sample}, token {token}: is_weight" in out, out
+
+
+@pytest.mark.xdist_group(f"fit_with_trace-{CORRECTED}")
+def test_another_rollout_correction_model_free_is_verls_weights_and_rejection_on_the_recorded_log_probs(corrected_run, capsys, tmp_path):
+    """A tighter rejection and a TIS bound below 1: the replay's token table holds the mask, rejected tokens and
+    weights verl's compute_rollout_correction_and_rejection_mask gives on the recorded log-probs (bit for bit); the
+    first mini-batch trains the kept tokens of its samples, with td0's advantages re-estimated by hand over the kept
+    tokens and the new weights; its loss is token-mean's −Σ A·w / (trained tokens) (the ratio is 1 there); the report
+    counts what changed; the checker accepts the trace."""
+    from verl_ext.cli import main
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(corrected_run))
+    step = trace.steps[-1]
+    bounds = "0.9999998_1.0000002"
+    code, out, _ = replay(capsys, corrected_run, "--step", step, "--model-free", "--format", "json", "--out", tmp_path / "what-if", "--",
+                          f"algorithm.rollout_correction.rollout_rs_threshold='{bounds}'", "algorithm.rollout_correction.rollout_is_threshold=0.9999998")  # fmt: skip
+    report = json.loads(out.split("\nwritten:")[0])
+    assert code == 0 and report["as_recorded"] == "REPRODUCED", out
+    recorded = trace.read_step(step).to_pandas()
+    weights, keep, own = verls_correction(recorded, rollout_is="token", rollout_is_threshold=0.9999998, rollout_rs="token_k1",
+                                          rollout_rs_threshold=bounds)  # fmt: skip
+    written = open_trace(str(tmp_path / "what-if"))
+    tokens = written.read_step(step).to_pandas()
+    np.testing.assert_array_equal(tokens["mask"].to_numpy(), keep)
+    np.testing.assert_array_equal(tokens["rejected"].to_numpy(bool), own & ~keep)
+    np.testing.assert_array_equal(tokens["rollout_is_weight"].to_numpy(np.float32), weights)
+    was = recorded["mask"].to_numpy()
+    key = lambda where: sorted(map(list, zip(recorded["sample"][where], recorded["token_index"][where])))  # noqa: E731
+    correction = report["correction"]
+    assert sorted(correction["newly_rejected"]) == key(was & ~keep) != [] and correction["newly_kept"] == key(~was & keep) == []
+    assert correction["rejected"] == [int((own & ~was).sum()), int((own & ~keep).sum())]
+    assert written.record.algorithm["rollout_correction"]["is_upper"] == 0.9999998
+
+    rows = written.actor_update(step).to_pandas()
+    recorded_rows = trace.actor_update(step).to_pandas()
+    recorded_rows = recorded_rows[first_minibatch(trace.actor_update(step))]
+    kept = recorded[keep & recorded["sample"].isin(recorded_rows["sample"]).to_numpy()]
+    assert sorted(zip(rows["sample"], rows["token_index"])) == sorted(zip(kept["sample"], kept["token_index"]))
+    at = {(s, t): w for s, t, w in zip(recorded["sample"], recorded["token_index"], weights)}
+    np.testing.assert_array_equal(rows["is_weight"].to_numpy(np.float32), np.array([at[k] for k in zip(rows["sample"], rows["token_index"])], np.float32))
+    by_hand = td0_whitened_by_hand(recorded, keep, trace.record.algorithm["gamma"])
+    advantage = np.array([by_hand[k] for k in zip(rows["sample"], rows["token_index"])])
+    np.testing.assert_allclose(rows["advantage"].to_numpy(np.float64), advantage, rtol=1e-5, atol=1e-5)
+    assert (rows["ratio"] == 1).all() and trace.record.update["actor"]["loss_agg_mode"] == "token-mean"
+    loss = -(advantage * rows["is_weight"].to_numpy(np.float64)).sum() / len(rows)
+    assert report["loss"][1] == pytest.approx(loss, rel=1e-5) and report["trained"]["replayed"] == len(rows)
+    assert main(["check", str(tmp_path / "what-if"), "--quiet"]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.xdist_group(f"fit_with_trace-{CORRECTED}")
+def test_another_rollout_correction_with_the_model_trains_what_it_keeps(corrected_run, capsys, tmp_path):
+    """No rejection and a TIS bound below 1, with verl's workers: every token of the policy's is trained in every
+    epoch (the run's rejected ones too, where verl's own mini-batching put them), with verl's weights on the recorded
+    log-probs as the loss's is_weight; the critic trains on them too; the checker accepts the replay's trace."""
+    from verl_ext.cli import main
+    from verl_ext.trace.reader import open_trace
+
+    trace = open_trace(str(corrected_run))
+    step = trace.steps[-1]
+    code, out, _ = replay(capsys, corrected_run, "--step", step, "--format", "json", "--out", tmp_path / "what-if", "--",
+                          "algorithm.rollout_correction.rollout_rs=null", "algorithm.rollout_correction.rollout_is_threshold=0.9999998")  # fmt: skip
+    report = json.loads(out.split("\nwritten:")[0])
+    assert code == 0 and report["as_recorded"] is None, out
+    recorded = trace.read_step(step).to_pandas()
+    weights, keep, own = verls_correction(recorded, rollout_is="token", rollout_is_threshold=0.9999998)
+    assert (keep == own).all() and (own & ~recorded["mask"].to_numpy()).sum() > 0
+    assert sorted(report["correction"]["newly_kept"]) == sorted(map(list, zip(recorded["sample"][own & ~recorded["mask"]], recorded["token_index"][own & ~recorded["mask"]])))
+    written = open_trace(str(tmp_path / "what-if"))
+    at = {(s, t): w for s, t, w in zip(recorded["sample"], recorded["token_index"], weights)}
+    expected = sorted(zip(recorded["sample"][own], recorded["token_index"][own]))
+    actor, critic = written.actor_update(step).to_pandas(), written.critic_update(step).to_pandas()
+    assert sorted(set(actor["epoch"])) == [0, 1] and len(set(critic["epoch"])) > 0
+    for epoch, rows in actor.groupby("epoch"):
+        assert sorted(zip(rows["sample"], rows["token_index"])) == expected, epoch
+        np.testing.assert_array_equal(rows["is_weight"].to_numpy(np.float32), np.array([at[k] for k in zip(rows["sample"], rows["token_index"])], np.float32))
+    for epoch, rows in critic.groupby("epoch"):
+        assert sorted(zip(rows["sample"], rows["token_index"])) == expected, epoch
+    assert main(["check", str(tmp_path / "what-if"), "--quiet"]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.xdist_group(f"fit_with_trace-{CORRECTED}")
+def test_a_rollout_correction_verl_refuses_is_one_line_and_exit_2(corrected_run, capsys):
+    """A value verl's rollout correction refuses, a key it lacks, and bypass mode (computed inside the loss against
+    π_θ, which the recorded log-probs cannot give): one line, exit 2, with and without the model."""
+    cases = {
+        ("--model-free", "--", "algorithm.rollout_correction.rollout_is_threshold=abc"): "algorithm.rollout_correction.rollout_is_threshold: 'abc' is not a number",
+        ("--", "algorithm.rollout_correction.rollout_is_threshold=abc"): "algorithm.rollout_correction.rollout_is_threshold: 'abc' is not a number",
+        ("--model-free", "--", "algorithm.rollout_correction.rollout_rs=token_k9"): "algorithm.rollout_correction.rollout_rs: 'token_k9' is not one of",
+        ("--model-free", "--", "algorithm.rollout_correction.rollout_rs_threshold='2_1'"): "lower bound exceeds its upper bound",
+        ("--model-free", "--", "algorithm.rollout_correction.rollout_is=seq"): "algorithm.rollout_correction.rollout_is: 'seq' is not null, 'token' or 'sequence'",
+        ("--model-free", "--", "algorithm.rollout_correction.bypass_mode=true"): "override algorithm.rollout_correction.bypass_mode: bypass mode computes",
+        ("--", "algorithm.rollout_correction.loss_type=reinforce"): "override algorithm.rollout_correction.loss_type: bypass mode computes",
+        ("--model-free", "--", "algorithm.rollout_correction.rollout_is_treshold=1.5"): "did you mean algorithm.rollout_correction.rollout_is_threshold?",
+    }
+    for argv, message in cases.items():
+        code, out, err = replay(capsys, corrected_run, "--step", 2, *argv)
+        assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+@pytest.mark.parametrize("traced_run", [pytest.param("gae_ext", marks=fit_group("gae_ext"))], indirect=True)
+def test_a_bypass_run_replays_as_recorded_and_refuses_another_correction(traced_run, capsys):
+    """The gae_ext run is in verl's bypass mode (old log-probs = the rollout's, the mask not rejected, no weight on
+    the batch; verl 0.9.1's workers train vanilla PPO there: docs/definitions.md#off-policy-tokens). The model-free
+    replay feeds what the trace holds and reproduces the first mini-batch with no weight; another correction, which
+    verl would compute inside the loss against π_θ, is one line, exit 2."""
+    from verl_ext.trace.reader import open_trace
+
+    _, trace_dir = traced_run
+    trace = open_trace(str(trace_dir))
+    step = trace.steps[-1]
+    assert trace.record.algorithm["rollout_correction"]["bypass_mode"] is True
+    code, out, err = replay(capsys, trace_dir, "--step", step, "--model-free", "--", "algorithm.rollout_correction.rollout_is=token")
+    assert code == 2 and out == "" and "the run is in bypass mode" in err and len(err.strip().splitlines()) == 1, err
+    code, out, _ = replay(capsys, trace_dir, "--step", step, "--model-free", "--format", "json")
+    report = json.loads(out)
+    assert code == 0 and report["as_recorded"] == "REPRODUCED" and report["weights"] is None, out

@@ -9,8 +9,11 @@ computes that mini-batch's loss, so the log-probs it used are the recorded ones 
 recorded, that is a proof that the trace holds the loss's whole input (``REPRODUCED``, or the first
 token and column that differ). With overrides it is the what-if: other clip ranges, dual-clip bound,
 loss aggregation, policy-loss mode or estimator (the advantages are then re-estimated from the step's
-recorded rewards and values, and whitened as the run whitened). Later mini-batches, the learning rate
-and the number of epochs need the model; the model-free replay says so and does not approximate them.
+recorded rewards and values, and whitened as the run whitened), or another rollout correction (its
+weights and rejection recomputed from the recorded log-probs: :mod:`verl_ext.apps.replay_correction`).
+Later mini-batches, the learning rate and the number of epochs need the model; the model-free replay
+says so and does not approximate them. The loss multiplies in the weights verl put on the batch, the
+token table's ``rollout_is_weight`` (:func:`recorded_weights`), as the model replay does.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl_ext.errors import TraceError, one_line
+from verl_ext.errors import ReplayError, TraceError, one_line
 
 ACTOR = "actor_rollout_ref.actor."
 #: override key -> the key of the run record's ``update.actor`` it sets
@@ -40,13 +43,10 @@ ACTOR_OVERRIDES = {
     f"{ACTOR}loss_scale_factor": ("loss_scale_factor",),
     f"{ACTOR}policy_loss.loss_mode": ("loss_mode",),
 }
-#: the update's columns compared as recorded, in the order a difference is reported
-REPLAYED_COLUMNS = ("ratio", "clip", "pg_loss")
+#: the update's columns compared as recorded, in the order a difference is reported (is_weight: the weight
+#: fed to the loss, the token table's, against the one the recorded loss used)
+REPLAYED_COLUMNS = ("ratio", "clip", "is_weight", "pg_loss")
 MODEL_FREE = "model-free"
-
-
-class ReplayError(ValueError):
-    """One line for the user: the replay cannot be done as asked."""
 
 
 @dataclass
@@ -111,6 +111,30 @@ class Overrides:
         return overrides
 
 
+def estimate_overrides(overrides: Overrides) -> dict[str, Any]:
+    """The ``algorithm`` overrides other than the rollout correction's: those that change the estimate itself."""
+    from verl_ext.apps.replay_correction import correction_keys
+
+    keys = set(correction_keys(overrides.algorithm))
+    return {key: value for key, value in overrides.algorithm.items() if key not in keys}
+
+
+def replayed_correction(trace, algorithm_overrides):
+    """:func:`verl_ext.apps.replay_correction.replayed_correction` (imported when called)."""
+    from verl_ext.apps import replay_correction
+
+    return replay_correction.replayed_correction(trace, algorithm_overrides)
+
+
+def replayed_algorithm(trace, overrides: Overrides, correction) -> dict[str, Any]:
+    """The run record's ``algorithm`` as replayed: the estimate's overrides, and the rollout correction's
+    settings (as the run record keeps them) where an override sets it."""
+    algorithm = {**trace.record.algorithm, **estimate_overrides(overrides)}
+    if correction.given:
+        algorithm["rollout_correction"] = correction.settings()
+    return algorithm
+
+
 def check_overrides(trace, overrides: Overrides, model: bool = False) -> None:
     """The overrides checked against the run before anything is replayed, as a run's driver checks its
     config (ReplayError, one line naming the key and the value): the estimator a known name (the valid
@@ -139,16 +163,21 @@ def check_overrides(trace, overrides: Overrides, model: bool = False) -> None:
     has = (recorded.get("algorithm") if recorded is not None else None) or OmegaConf.create(dict(trace.record.algorithm))
     for key in overrides.algorithm:
         if key.partition(".")[0] not in declared and OmegaConf.select(has, key, default=KeyError) is KeyError:
-            nearest = difflib.get_close_matches(key, [str(k) for k in has.keys()], n=1, cutoff=0.6)
+            parent = key.rpartition(".")[0]
+            node = OmegaConf.select(has, parent, default=None) if parent else has
+            names = [f"{parent}.{k}" if parent else str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+            nearest = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
             hint = f": did you mean algorithm.{nearest[0]}?" if nearest else ""
             raise ReplayError(f"override algorithm.{key}: not a key of the run's algorithm config{hint}")
-    if overrides.algorithm:
+    estimator_overrides = estimate_overrides(overrides)
+    if estimator_overrides:
         with warnings.catch_warnings():  # an option the estimator ignores: the report lists the overrides
             warnings.simplefilter("ignore")
             try:
-                registry.check_algorithm({**trace.record.algorithm, **overrides.algorithm})
+                registry.check_algorithm({**trace.record.algorithm, **estimator_overrides})
             except ValueError as error:
                 raise ReplayError(one_line(error)) from None
+    replayed_correction(trace, overrides.algorithm)  # a value verl refuses, bypass mode: one line
     if recorded is None or not overrides.given:
         return
     try:
@@ -184,9 +213,18 @@ class Replay:
     #: the as-recorded verdict: None (REPRODUCED) or (sample, token_index, column, recorded, replayed)
     difference: tuple[int, int, str, Any, Any] | None
     bitwise: int  # rows whose replayed columns equal the recorded ones bit for bit (as recorded)
-    #: the step's token table with the advantages the replay used (re-estimated), None when unchanged
+    #: the step's token table with the advantages the replay used (re-estimated) and another rollout
+    #: correction's mask, rejection and weights; None when unchanged
     tokens: pa.Table | None = None
     whiten: dict[str, float] | None = None
+    #: the mini-batch's global batch information the replayed loss normalised with (verl's, with the
+    #: trained tokens another rollout correction leaves)
+    info: dict[str, Any] | None = None
+    #: what another rollout correction changed (verl_ext.apps.replay_correction.CorrectionChange); None: the run's
+    correction: Any = None
+    #: where the weights the recorded loss multiplied in came from: "tokens" (the token table's
+    #: rollout_is_weight), "update" (the update table's is_weight: a trace before format 10), None (none)
+    weights_from: str | None = None
 
     @property
     def reproduced(self) -> bool:
@@ -208,7 +246,8 @@ def replay_step(trace, step: int, overrides: Overrides) -> Replay:
     if not recorded_settings:
         raise ReplayError(f"{trace.path}: the run record does not say how the actor computed its loss (a trace before format 2)")
     settings = {**recorded_settings, **overrides.actor}
-    algorithm = {**trace.record.algorithm, **overrides.algorithm}
+    correction = replayed_correction(trace, overrides.algorithm)
+    algorithm = replayed_algorithm(trace, overrides, correction)
     entry = trace.update_record("actor", step)
     info = {(m["epoch"], m["minibatch"]): m for m in entry.minibatches}.get((0, 0))
     table = trace.actor_update(step)
@@ -217,23 +256,93 @@ def replay_step(trace, step: int, overrides: Overrides) -> Replay:
     rows = table.filter(first)
     if info is None or rows.num_rows == 0:
         raise ReplayError(f"step {step}: the actor update table has no mini-batch 0 of epoch 0")
-    as_recorded = _score(rows, recorded_settings, rows["advantage"].to_numpy(), info)
+    step_tokens = trace.read_step(step)
+    weights, weights_from = recorded_weights(step_tokens, rows)
+    as_recorded = _score(rows, recorded_settings, rows["advantage"].to_numpy(), info, weights)
     difference, bitwise = _first_difference(rows, as_recorded.columns, recorded_settings)
-    tokens, whiten, advantages = None, None, rows["advantage"].to_numpy()
-    if overrides.algorithm:
-        tokens, whiten, advantages = reestimated_tokens(trace, step, algorithm, rows)
-    replayed = _score(rows, settings, advantages, info) if (overrides.actor or overrides.algorithm) else as_recorded
-    replayed_table = rows
+    tokens, whiten, change, replay_rows, replay_info = None, None, None, rows, info
+    if correction.given:
+        from verl_ext.apps.replay_correction import corrected_tokens
+
+        tokens, change = corrected_tokens(trace, step, correction)
+        if change.mask_changed:
+            replay_rows, replay_info = first_minibatch_under(tokens, table, rows, info, step)
+        weights, _ = recorded_weights(tokens, replay_rows)
+    advantages = replay_rows["advantage"].to_numpy()
+    if estimate_overrides(overrides) or (change is not None and change.mask_changed):
+        tokens, whiten, advantages = reestimated_tokens(trace, step, algorithm, replay_rows, tokens)
+    given = bool(overrides.actor or overrides.algorithm)
+    replayed = _score(replay_rows, settings, advantages, replay_info, weights) if given else as_recorded
+    replayed_table = replay_rows
     for name, values in {"advantage": advantages, **replayed.columns}.items():
-        replayed_table = replayed_table.set_column(
-            replayed_table.schema.get_field_index(name), UPDATE_SCHEMAS["actor"].field(name), pa.array(values, UPDATE_SCHEMAS["actor"].field(name).type)
-        )
+        field_ = UPDATE_SCHEMAS["actor"].field(name)
+        replayed_table = replayed_table.set_column(replayed_table.schema.get_field_index(name), field_, pa.array(values, field_.type, from_pandas=True))
     return Replay(
         trace_path=str(trace.path), step=step, overrides=overrides, settings=settings, algorithm=algorithm,
         recorded=rows, replayed=replayed_table, recorded_loss=as_recorded.loss, replayed_loss=replayed.loss,
         recorded_weight=as_recorded.weight, replayed_weight=replayed.weight, epoch_tokens=epoch_tokens,
-        difference=difference, bitwise=bitwise, tokens=tokens, whiten=whiten,
+        difference=difference, bitwise=bitwise, tokens=tokens, whiten=whiten, info=dict(replay_info), correction=change,
+        weights_from=weights_from,
     )  # fmt: skip
+
+
+def recorded_weights(tokens: pa.Table, rows: pa.Table) -> tuple[np.ndarray | None, str | None]:
+    """The rollout weights verl's loss multiplied into each of ``rows``' terms (its ``rollout_is_weights``):
+    the token table's ``rollout_is_weight`` at the rows' tokens (0 where null), as the model replay puts it
+    on the batch; a trace before format 10, which lacks it, has them in the update table's ``is_weight``
+    only. (None, None) where the run applied none. The second item says which: "tokens" or "update"."""
+    from verl_ext.steps.layout import floats, join_keys, locate
+
+    column = tokens["rollout_is_weight"]
+    if column.null_count < len(column):
+        index, found = locate(join_keys(tokens["sample"].to_numpy(), tokens["token_index"].to_numpy()),
+                              join_keys(rows["sample"].to_numpy(), rows["token_index"].to_numpy()))  # fmt: skip
+        if not found.all():
+            raise ReplayError("the update table trains tokens the token table does not hold")
+        return floats(column.fill_null(0.0), np.float32)[index], "tokens"
+    if rows["is_weight"].null_count < rows.num_rows:
+        return floats(rows["is_weight"], np.float32), "update"
+    return None, None
+
+
+def first_minibatch_under(tokens: pa.Table, table: pa.Table, rows: pa.Table, info: Mapping[str, Any], step: int) -> tuple[pa.Table, dict]:
+    """The first mini-batch's rows when the mask is ``tokens``' (another rollout correction's): the same
+    samples in the same micro-batches (verl batches samples, whatever their mask), with the tokens the new
+    mask keeps. A token newly kept has no recorded row: its log-prob is its ``old_log_prob`` (the actor has
+    not stepped in this mini-batch), its advantage set by the caller, its entropy unknown (null). And the
+    mini-batch's global information with its new count of trained tokens."""
+    from verl_ext.steps.layout import join_keys, locate
+
+    sample, index = rows["sample"].to_numpy(), rows["token_index"].to_numpy()
+    samples, first_row = np.unique(sample, return_index=True)
+    placed = table["sample"].to_numpy()
+    mask, token_sample = tokens["mask"].to_numpy(zero_copy_only=False), tokens["sample"].to_numpy()
+    unplaced = np.setdiff1d(np.unique(token_sample[mask]), np.unique(placed[table["epoch"].to_numpy() == 0]))
+    if len(unplaced):
+        raise ReplayError(
+            f"step {step}: the new rollout correction keeps tokens of sample {int(unplaced[0])}, none of whose tokens the run trained, so "
+            "the trace does not say which mini-batch verl put it in; with the model (--checkpoint DIR) verl's own mini-batching places it"
+        )
+    kept = mask & np.isin(token_sample, samples)
+    keys = join_keys(token_sample[kept], tokens["token_index"].to_numpy()[kept])
+    at, found = locate(join_keys(sample, index), keys)
+    # rows in the recorded order of their samples, each sample's tokens in order
+    order = np.lexsort((tokens["token_index"].to_numpy()[kept], first_row[np.searchsorted(samples, token_sample[kept])]))
+    at, found, kept_rows = at[order], found[order], np.flatnonzero(kept)[order]
+    source = rows.take(pa.array(np.where(found, at, 0)))
+    columns = {name: source[name].to_pylist() for name in rows.column_names}
+    first_of = dict(zip(samples.tolist(), first_row.tolist()))
+    for i in np.flatnonzero(~found):
+        row, of = int(kept_rows[i]), first_of[int(token_sample[kept_rows[i]])]
+        old = tokens["old_log_prob"][row].as_py()
+        for name in rows.column_names:
+            columns[name][i] = {
+                "sample": int(token_sample[row]), "token_index": int(tokens["token_index"][row].as_py()), "log_prob": old,
+                "old_log_prob": old, "entropy": None, "ratio": None, "pg_loss": None, "clip": None, "advantage": None, "is_weight": None,
+            }.get(name, rows[name][of].as_py())  # fmt: skip
+    replayed = pa.table(columns, schema=rows.schema)
+    counted = info.get("batch_num_tokens")
+    return replayed, {**info, "batch_num_tokens": None if counted is None else int(counted) + replayed.num_rows - rows.num_rows}
 
 
 # --------------------------------------------------------------------------- verl's loss, again
@@ -241,15 +350,16 @@ def replay_step(trace, step: int, overrides: Overrides) -> Replay:
 
 @dataclass
 class _Scored:
-    columns: dict[str, np.ndarray]  # ratio, clip, pg_loss per row
+    columns: dict[str, np.ndarray]  # ratio, clip, pg_loss, is_weight (the weight fed; NaN: none) per row
     loss: float  # the mini-batch's policy loss: Σ over its micro-batches of verl's agg_loss
     weight: np.ndarray  # ∂loss/∂(term) per row
 
 
-def _score(rows: pa.Table, settings: Mapping[str, Any], advantages: np.ndarray, info: Mapping[str, Any]) -> _Scored:
+def _score(rows: pa.Table, settings: Mapping[str, Any], advantages: np.ndarray, info: Mapping[str, Any], weights: np.ndarray | None) -> _Scored:
     """verl's policy-loss function (``core_algos.get_policy_loss_fn``) on each micro-batch of ``rows``,
-    padded per sample as verl's loss receives them; the per-token term is the matrix verl hands
-    ``agg_loss``, and ratio and clip are verl's vanilla expressions (update_hook.ratio_and_clip)."""
+    padded per sample as verl's loss receives them, with ``weights`` (one per row; None: none) as its
+    ``rollout_is_weights``; the per-token term is the matrix verl hands ``agg_loss``, and ratio and clip
+    are verl's vanilla expressions (update_hook.ratio_and_clip)."""
     import torch
     from omegaconf import OmegaConf
     from verl.trainer.ppo import core_algos
@@ -282,7 +392,6 @@ def _score(rows: pa.Table, settings: Mapping[str, Any], advantages: np.ndarray, 
     clip = np.empty(n, object)
     loss = 0.0
     sample, token_index = rows["sample"].to_numpy(), rows["token_index"].to_numpy()
-    weights = rows["is_weight"].to_numpy(zero_copy_only=False) if rows["is_weight"].null_count < n else None
     group_keys = np.stack([rows["rank"].to_numpy(), rows["microbatch"].to_numpy()], axis=1)
     for key in np.unique(group_keys, axis=0):
         at = np.flatnonzero((group_keys == key).all(axis=1))
@@ -316,7 +425,8 @@ def _score(rows: pa.Table, settings: Mapping[str, Any], advantages: np.ndarray, 
         cells = (torch.as_tensor(row_of), torch.as_tensor(token_index[at]))
         ratio[at], pg_loss[at] = step_ratio[cells].numpy(), seen["loss_mat"][cells].float().numpy()
         clip[at], weight[at] = CLIP_NAMES[step_clip[cells].numpy()], gradient[cells].double().numpy()
-    return _Scored({"ratio": ratio, "clip": clip, "pg_loss": pg_loss}, loss, weight)
+    fed = np.full(n, np.nan, np.float32) if weights is None else np.asarray(weights, np.float32)
+    return _Scored({"ratio": ratio, "clip": clip, "pg_loss": pg_loss, "is_weight": fed}, loss, weight)
 
 
 def _first_difference(rows: pa.Table, columns: Mapping[str, np.ndarray], settings) -> tuple[tuple | None, int]:
@@ -328,17 +438,22 @@ def _first_difference(rows: pa.Table, columns: Mapping[str, np.ndarray], setting
 
     eps = DTYPE_EPS.get(settings.get("dtype"), EPS32)
     recorded = {name: rows[name].to_numpy(zero_copy_only=False) for name in REPLAYED_COLUMNS}
+    recorded["is_weight"] = rows["is_weight"].fill_null(np.nan).to_numpy(zero_copy_only=False).astype(np.float32)
+    fed = np.asarray(columns["is_weight"], np.float32)
+    # the weight is a copy, not a computation: the same number, or none on both sides
+    same_weight = (fed.view(np.uint32) == recorded["is_weight"].view(np.uint32)) | (np.isnan(fed) & np.isnan(recorded["is_weight"]))
     delta = np.clip(rows["log_prob"].to_numpy() - rows["old_log_prob"].to_numpy(), -20, 20)
     close = {
         "ratio": np.abs(columns["ratio"] - recorded["ratio"]) <= RATIO(recorded["ratio"], delta, eps),
         "clip": columns["clip"] == recorded["clip"],
         "pg_loss": np.abs(columns["pg_loss"] - recorded["pg_loss"])
-        <= PG_TERM(rows["advantage"].to_numpy(), recorded["ratio"], settings["clip_ratio_c"], eps),
+        <= PG_TERM(rows["advantage"].to_numpy() * np.where(np.isnan(recorded["is_weight"]), 1.0, recorded["is_weight"]), recorded["ratio"], settings["clip_ratio_c"], eps),
+        "is_weight": same_weight,
     }
     same = np.ones(rows.num_rows, bool)
     for name in ("ratio", "pg_loss"):
         same &= columns[name].view(np.uint32) == recorded[name].astype(np.float32).view(np.uint32)
-    same &= close["clip"]
+    same &= close["clip"] & same_weight
     bad = np.zeros(rows.num_rows, bool)
     for name in REPLAYED_COLUMNS:
         bad |= ~close[name]
@@ -353,10 +468,13 @@ def _first_difference(rows: pa.Table, columns: Mapping[str, np.ndarray], setting
 # --------------------------------------------------------------------------- another estimator
 
 
-def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.Table) -> tuple[pa.Table, dict | None, np.ndarray]:
-    """The step's token table with ``algorithm``'s returns and advantages (raw, then whitened as the
-    run whitened, over the step's valid tokens), its whitening statistics, and the advantages at
-    ``rows``, made as the run made its own (:func:`verl_ext.steps.as_run.as_run`)."""
+def reestimated_tokens(
+    trace, step: int, algorithm: Mapping[str, Any], rows: pa.Table | None, table: pa.Table | None = None
+) -> tuple[pa.Table, dict | None, np.ndarray | None]:
+    """The step's token table (``table``: that one, e.g. with another rollout correction's mask; else the
+    trace's) with ``algorithm``'s returns and advantages (raw, then whitened as the run whitened, over the
+    step's valid tokens), its whitening statistics, and the advantages at ``rows`` (None without rows),
+    made as the run made its own (:func:`verl_ext.steps.as_run.as_run`)."""
     from types import SimpleNamespace
 
     from verl_ext.steps.as_run import as_run
@@ -376,7 +494,7 @@ def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.
             f"step {step} traced {entry.samples} of its {entry.batch_samples} samples: another estimator's advantages are "
             "whitened over the whole batch, which the trace does not hold (trace every sample: verl_ext.trace.max_samples_per_step)"
         )
-    table = trace.read_step(step)
+    table = trace.read_step(step) if table is None else table
     if recorded.estimator.needs_critic and table["value"].filter(table["mask"]).null_count:
         raise ReplayError(f"algorithm.adv_estimator={recorded.name} needs the critic's values, and step {step} has none (a critic-free run)")
     data = StepData.from_table(step, table, [*LAYOUT_COLUMNS, "reward", "value"])
@@ -396,6 +514,8 @@ def reestimated_tokens(trace, step: int, algorithm: Mapping[str, Any], rows: pa.
         full[valid] = values
         array = pa.array(full.astype(np.float32), table.schema.field(name).type, mask=~np.isin(np.arange(table.num_rows), valid))
         table = table.set_column(table.schema.get_field_index(name), table.schema.field(name), array)
+    if rows is None:
+        return table, whiten, None
     index, found = locate(join_keys(data.layout.sample_ids[data.layout.row_sample[valid]], data.layout.token_index[valid]),
                           join_keys(rows["sample"].to_numpy(), rows["token_index"].to_numpy()))  # fmt: skip
     if not found.all():
@@ -415,21 +535,24 @@ def write_replay(replay: Replay, trace, out: str) -> Path:
     update = UpdateEntry(
         kind="actor", rows=replay.replayed.num_rows, file=LAYOUT.update_file("actor", step),
         written_at=trace.update_record("actor", step).written_at, logged={},
-        minibatches=[m for m in trace.update_record("actor", step).minibatches if (m["epoch"], m["minibatch"]) == (0, 0)],
+        minibatches=[replay.info] if replay.info is not None else
+                    [m for m in trace.update_record("actor", step).minibatches if (m["epoch"], m["minibatch"]) == (0, 0)],
     )  # fmt: skip
     return write_replay_trace(
         trace, step, out, algorithm=replay.algorithm, update={**(trace.record.update or {}), "actor": dict(replay.settings)},
         updates={"actor": (replay.replayed, update)}, tokens=replay.tokens, whiten=replay.whiten,
         replay={"of": replay.trace_path, "step": step, "mode": MODEL_FREE, "overrides": replay.overrides.given, "minibatches": [[0, 0]]},
+        correction_changed=replay.correction is not None,
     )  # fmt: skip
 
 
-def write_replay_trace(trace, step: int, out: str, *, algorithm, update, updates, tokens, whiten, replay) -> Path:
+def write_replay_trace(trace, step: int, out: str, *, algorithm, update, updates, tokens, whiten, replay, correction_changed: bool = False) -> Path:
     """A trace at ``out`` holding the replayed ``step``: its token and prompt files (``tokens``, the token
     table with re-estimated advantages, when given; else the trace's), ``updates`` ({kind: (table,
     UpdateEntry)}) as its update tables, and a run record with the replayed ``algorithm`` and ``update``
-    settings and ``replay`` saying what it is. ``check``, ``show`` and ``view`` read it; an existing
-    non-empty ``out`` is refused."""
+    settings and ``replay`` saying what it is. ``correction_changed``: another rollout correction was
+    replayed, so verl's logged ``rollout_corr/…`` numbers of the run's are left out of the step's entry.
+    ``check``, ``show`` and ``view`` read it; an existing non-empty ``out`` is refused."""
     from verl_ext.trace.schema import LAYOUT, RUN_RECORD, STEP_RECORD_METADATA_KEY, TOKEN_SCHEMA, UPDATE_RECORD_METADATA_KEY, UPDATE_SCHEMAS
 
     root = Path(out)
@@ -441,6 +564,8 @@ def write_replay_trace(trace, step: int, out: str, *, algorithm, update, updates
     step_entry = dataclasses.replace(trace.step_record(step), updates={}, file=LAYOUT.token_file(step), prompts_file=LAYOUT.prompt_file(step))
     if whiten is not None:
         step_entry.whiten = whiten
+    if correction_changed:  # verl's numbers of the run's correction, not of the replayed one (no driver ran it)
+        step_entry.logged = {key: value for key, value in step_entry.logged.items() if not key.startswith("rollout_corr/")}
     (root / LAYOUT.step_dir(step)).mkdir(parents=True)
     (root / LAYOUT.prompt_file(step)).parent.mkdir(parents=True)
     shutil.copyfile(Path(source) / trace.layout.prompt_file(step), root / LAYOUT.prompt_file(step))
@@ -469,30 +594,51 @@ def write_replay_trace(trace, step: int, out: str, *, algorithm, update, updates
 
 def replay_report(replay: Replay, fmt: str = "text", top: int = 10) -> str:
     """The verdict as recorded, and with overrides what moved: the clip codes that changed, the
-    mini-batch's loss, and the ``top`` tokens whose weighted loss term (term × ∂loss/∂term) moved most."""
+    mini-batch's loss, and the ``top`` tokens whose weighted loss term (term × ∂loss/∂term) moved most;
+    under another rollout correction what it changed, and the tokens the mini-batch trains only on one
+    side (joined on sample and token)."""
+    from verl_ext.steps.layout import join_keys, locate
+
     recorded, replayed = replay.recorded, replay.replayed
-    carried_before = recorded["pg_loss"].to_numpy().astype(np.float64) * replay.recorded_weight
-    carried_after = replayed["pg_loss"].to_numpy().astype(np.float64) * replay.replayed_weight
+    recorded_keys = join_keys(recorded["sample"].to_numpy(), recorded["token_index"].to_numpy())
+    replayed_keys = join_keys(replayed["sample"].to_numpy(), replayed["token_index"].to_numpy())
+    keys = np.concatenate([recorded_keys, replayed_keys[~np.isin(replayed_keys, recorded_keys)]])
+    at_recorded, in_recorded = locate(recorded_keys, keys)
+    at_replayed, in_replayed = locate(replayed_keys, keys)
+
+    def side(table, at, present, name, scale=None):
+        values = table[name].to_numpy(zero_copy_only=False)
+        values = values.astype(np.float64) * scale if scale is not None else values
+        return [values[i] if ok else None for i, ok in zip(at, present)]
+
+    carried_before = np.array([0.0 if v is None else v for v in side(recorded, at_recorded, in_recorded, "pg_loss", replay.recorded_weight)])
+    carried_after = np.array([0.0 if v is None else v for v in side(replayed, at_replayed, in_replayed, "pg_loss", replay.replayed_weight)])
     change = np.abs(carried_after - carried_before)
     moved = [i for i in np.argsort(-change, kind="stable")[:top] if change[i] > 0]
-    transitions = clip_transitions(recorded["clip"].to_numpy(zero_copy_only=False), replayed["clip"].to_numpy(zero_copy_only=False))
+    both = in_recorded & in_replayed
+    transitions = clip_transitions(recorded["clip"].to_numpy(zero_copy_only=False)[at_recorded[both]],
+                                   replayed["clip"].to_numpy(zero_copy_only=False)[at_replayed[both]])  # fmt: skip
+    columns = {name: (side(recorded, at_recorded, in_recorded, name), side(replayed, at_replayed, in_replayed, name))
+               for name in ("advantage", "ratio", "clip")}  # fmt: skip
     moved_rows = [
         {
-            "sample": int(recorded["sample"][i].as_py()), "token_index": int(recorded["token_index"][i].as_py()),
-            "advantage": [float(recorded["advantage"][i].as_py()), float(replayed["advantage"][i].as_py())],
-            "ratio": float(replayed["ratio"][i].as_py()),
-            "clip": [recorded["clip"][i].as_py(), replayed["clip"][i].as_py()],
+            "sample": int(keys[i] >> 32), "token_index": int(keys[i] & 0xFFFFFFFF),
+            "advantage": [_number_or_none(columns["advantage"][0][i]), _number_or_none(columns["advantage"][1][i])],
+            "ratio": _number_or_none(columns["ratio"][1][i]),
+            "clip": [columns["clip"][0][i], columns["clip"][1][i]],
             "loss": [float(carried_before[i]), float(carried_after[i])],
         }  # fmt: skip
         for i in moved
     ]
     verdict = "REPRODUCED" if replay.reproduced else "DIFFERS"
+    trained = {"replayed": replayed.num_rows, "only_recorded": int((in_recorded & ~in_replayed).sum()), "only_replayed": int((in_replayed & ~in_recorded).sum())}
     data = {
         "trace": replay.trace_path, "step": replay.step, "mode": MODEL_FREE, "tokens": recorded.num_rows,
-        "epoch_tokens": replay.epoch_tokens, "as_recorded": verdict, "bitwise": replay.bitwise,
+        "epoch_tokens": replay.epoch_tokens, "as_recorded": verdict, "bitwise": replay.bitwise, "weights": replay.weights_from,
         "difference": None if replay.difference is None else dict(zip(("sample", "token_index", "column", "recorded", "replayed"), _plain(replay.difference))),
         "overrides": replay.overrides.given, "loss": [replay.recorded_loss, replay.replayed_loss],
         "clip_changes": transitions, "moved": moved_rows if replay.overrides.given else [],
+        "correction": None if replay.correction is None else replay.correction.as_dict(), "trained": trained,
     }  # fmt: skip
     if fmt == "json":
         return json.dumps(data, indent=1)
@@ -501,28 +647,49 @@ def replay_report(replay: Replay, fmt: str = "text", top: int = 10) -> str:
         f"epoch's {replay.epoch_tokens} tokens). The actor had not stepped yet, so the recorded log-probs are its log-probs; "
         "later mini-batches need the model after each optimizer step and are not replayed.",
     ]
+    weights = {
+        "tokens": "the token table's rollout_is_weight the weights it multiplied in, as the update table's is_weight says; ",
+        "update": "the update table's is_weight the weights it multiplied in: the trace's format has no rollout_is_weight; ",
+    }.get(replay.weights_from, "")  # fmt: skip
     if replay.reproduced:
         lines.append(f"as recorded: REPRODUCED: ratio, clip and pg_loss of {recorded.num_rows} tokens are verl's policy loss "
-                     f"recomputed from the recorded inputs ({replay.bitwise} bit for bit, the rest within docs/definitions.md#tolerances)")  # fmt: skip
+                     f"recomputed from the recorded inputs ({weights}{replay.bitwise} bit for bit, the rest within docs/definitions.md#tolerances)")  # fmt: skip
     else:
         sample, token, column, before, after = replay.difference
         lines.append(f"as recorded: DIFFERS at sample {sample}, token {token}: {column} recorded {before}, replayed {after}")
     if not replay.overrides.given:
         return "\n".join(lines)
     lines.append(f"with {' '.join(replay.overrides.given)}:")
+    if replay.correction is not None:
+        lines.append(replay.correction.line())
+    if trained["only_recorded"] or trained["only_replayed"]:
+        noise = np.abs(recorded["log_prob"].to_numpy().astype(np.float64) - recorded["old_log_prob"].to_numpy()).max()
+        newly = (f", whose log-prob is their old_log_prob (the actor had not stepped; on the recorded tokens here "
+                 f"|log_prob − old_log_prob| ≤ {noise:.3g})") if trained["only_replayed"] else ""  # fmt: skip
+        lines.append(f"  the mini-batch trains {replayed.num_rows} tokens (the run's {recorded.num_rows}): {trained['only_recorded']} no longer, "
+                     f"{trained['only_replayed']} newly{newly}")  # fmt: skip
     lines.append(f"  mini-batch policy loss (verl's agg_loss, summed over micro-batches): {replay.recorded_loss:.6g} → {replay.replayed_loss:.6g}")
-    lines.append(clip_changes_line(transitions))
+    lines.append(clip_changes_line(transitions) + (" (on the tokens both train)" if trained["only_recorded"] or trained["only_replayed"] else ""))
     if not moved_rows:
         lines.append("  no token's loss moved (in this mini-batch the ratio is 1 up to recomputation noise, so a clip range changes nothing)")
         return "\n".join(lines)
-    lines.append("  tokens whose loss moved most (term × ∂loss/∂term, recorded → replayed):")
+    lines.append("  tokens whose loss moved most (term × ∂loss/∂term, recorded → replayed; —: not trained on that side):")
     lines.append(f"    {'sample':>6} {'token':>5} {'advantage':>21} {'ratio':>8} {'clip':>11} {'loss':>25}")
     for row in moved_rows:
+        (a0, a1), (c0, c1) = row["advantage"], row["clip"]
         lines.append(
-            f"    {row['sample']:>6} {row['token_index']:>5} {row['advantage'][0]:>9.4f} → {row['advantage'][1]:<9.4f} "
-            f"{row['ratio']:>8.4f} {row['clip'][0]:>4} → {row['clip'][1]:<4} {row['loss'][0]:>11.4g} → {row['loss'][1]:<11.4g}"
+            f"    {row['sample']:>6} {row['token_index']:>5} {_cell(a0, '9.4f'):>9} → {_cell(a1, '9.4f'):<9} "
+            f"{_cell(row['ratio'], '8.4f'):>8} {c0 or '—':>4} → {c1 or '—':<4} {row['loss'][0]:>11.4g} → {row['loss'][1]:<11.4g}"
         )
     return "\n".join(lines)
+
+
+def _number_or_none(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
 
 
 def clip_transitions(recorded: np.ndarray, replayed: np.ndarray) -> dict[str, int]:

@@ -30,7 +30,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl_ext.apps.replay import Overrides, ReplayError, check_overrides, clip_changes_line
+from verl_ext.apps.replay import (
+    Overrides,
+    ReplayError,
+    check_overrides,
+    clip_changes_line,
+    estimate_overrides,
+    replayed_algorithm,
+    replayed_correction,
+)
 
 #: The columns of each update table the replay must reproduce; the rest are keys or copies of inputs.
 COMPARED = {
@@ -44,6 +52,8 @@ LIMIT = {"fp32": 1e-6, None: 1e-6, "bf16": 8 * 2.0**-7, "fp16": 8 * 2.0**-10}
 MODEL_FILE = "model_world_size_1_rank_0.pt"
 
 #: The batch keys the update reads, from the token table's columns (verl's legacy batch names).
+#: ``rollout_is_weights``: verl's rollout-correction weights, which its policy loss multiplies into each
+#: token's term (absent from the batch, as in the run, where the trace has none).
 FLOAT_KEYS = {
     "old_log_probs": "old_log_prob",
     "ref_log_prob": "ref_log_prob",
@@ -53,6 +63,7 @@ FLOAT_KEYS = {
     "rollout_log_probs": "rollout_log_prob",
     "token_level_rewards": "reward",
     "token_level_scores": "score",
+    "rollout_is_weights": "rollout_is_weight",
 }
 
 
@@ -79,6 +90,8 @@ class ModelReplay:
     update: dict[str, Any]  # the run record's update settings of the replayed config
     tokens: pa.Table | None = None
     whiten: dict[str, float] | None = None
+    #: what another rollout correction changed (verl_ext.apps.replay_correction.CorrectionChange); None: the run's
+    correction: Any = None
 
     #: kind -> verl's logged metrics of the recorded update
     logged: dict[str, dict[str, float]] | None = None
@@ -143,9 +156,15 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
     check_overrides(trace, overrides, model=True)  # a value verl's config or verl-ext refuses: before any worker
     if step > 1:
         _require_the_runs_model(root / f"global_step_{step - 1}", config)
-    tokens, whiten = None, None
-    if overrides.algorithm:
-        tokens, whiten, _ = reestimated_tokens(trace, step, {**trace.record.algorithm, **overrides.algorithm}, trace.actor_update(step) if "actor" in kinds else trace.critic_update(step))
+    correction = replayed_correction(trace, overrides.algorithm)
+    algorithm = replayed_algorithm(trace, overrides, correction)
+    tokens, whiten, change = None, None, None
+    if correction.given:  # its mask, rejection and weights; verl's own mini-batching then trains what it keeps
+        from verl_ext.apps.replay_correction import corrected_tokens
+
+        tokens, change = corrected_tokens(trace, step, correction)
+    if estimate_overrides(overrides) or (change is not None and change.mask_changed):
+        tokens, whiten, _ = reestimated_tokens(trace, step, algorithm, None, tokens)
     work = Path(tempfile.mkdtemp(prefix="verl-ext-replay-"))
     if tokens is not None:
         pq.write_table(tokens, work / "tokens.parquet")
@@ -172,8 +191,8 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
     return ModelReplay(
         trace_path=str(trace.path), step=step, overrides=overrides, checkpoint=root, recorded=recorded, replayed=replayed,
         entries=entries, difference=difference, bitwise=bitwise, parameters=parameters, after=after,
-        algorithm={**trace.record.algorithm, **overrides.algorithm}, update=update_settings(merged), tokens=tokens, whiten=whiten,
-        logged={kind: trace.update_record(kind, step).logged for kind in kinds},
+        algorithm=algorithm, update=update_settings(merged), tokens=tokens, whiten=whiten,
+        logged={kind: trace.update_record(kind, step).logged for kind in kinds}, correction=change,
     )  # fmt: skip
 
 
@@ -258,6 +277,7 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
         "difference": None if replay.difference is None else dict(zip(("kind", "sample", "token_index", "epoch", "column", "recorded", "replayed"), replay.difference)),
         "parameters": replay.parameters, "overrides": replay.overrides.given, "logged": logged, "clip_changes": clip,
         "clip_only": {side: {str(epoch): part for epoch, part in parts.items()} for side, parts in clip_only.items()}, "moved": moved,
+        "correction": None if replay.correction is None else replay.correction.as_dict(),
     }  # fmt: skip
     if fmt == "json":
         return json.dumps(data, indent=1, default=float)
@@ -281,6 +301,8 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
     if not replay.overrides.given:
         return "\n".join(lines)
     lines.append(f"with {' '.join(replay.overrides.given)}:")
+    if replay.correction is not None:
+        lines.append(replay.correction.line())
     for kind, metrics in logged.items():
         lines.append(f"  {kind}: " + ", ".join(f"{key} {_number(a)} → {_number(b)}" for key, (a, b) in metrics.items()))
     lines.append(_clip_line(clip, clip_only, _epochs_of_both(replay)))
@@ -383,6 +405,7 @@ def write_model_replay(replay: ModelReplay, trace, out: str) -> Path:
         updates={kind: (table, replay.entries[kind]) for kind, table in replay.replayed.items()}, tokens=replay.tokens, whiten=replay.whiten,
         replay={"of": replay.trace_path, "step": replay.step, "mode": "model", "overrides": replay.overrides.given,
                 "checkpoint": str(replay.checkpoint), "minibatches": None},
+        correction_changed=replay.correction is not None,
     )  # fmt: skip
 
 

@@ -184,7 +184,8 @@ def logged_numbers(t: "TokenStep") -> Finding:
     logged = {key.removeprefix("rollout_corr/"): value for key, value in (getattr(t.step_record, "logged", None) or {}).items()
               if key.startswith("rollout_corr/")}  # fmt: skip
     if not logged:
-        return skipped("no rollout_corr/… numbers of verl's recorded at this step (a trace before format 10)")
+        return skipped("no rollout_corr/… numbers of verl's recorded at this step (a trace before format 10, or a replay of another "
+                       "rollout correction, whose numbers verl did not compute)")
     if (kept := t._kept_part()) is not None:
         return skipped(f"traced {kept[0]} of {kept[1]} samples: verl's numbers are over the whole batch")
     data, correction = t.data, t.correction

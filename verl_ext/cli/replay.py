@@ -20,7 +20,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         "(without a checkpoint, or --model-free): the first mini-batch of PPO epoch 0, scored again by verl's policy loss "
         "from the recorded inputs. Without overrides the verdict is REPRODUCED or the first token and column that differ; "
         "overrides give the what-if beside the recorded update (with the model: any actor_rollout_ref.* or critic.* key, "
-        f"and algorithm.*; model-free: {', '.join(ACTOR_OVERRIDES)}, algorithm.*). Exit code: 0 reproduced, 1 the "
+        f"and algorithm.*; model-free: {', '.join(ACTOR_OVERRIDES)}, algorithm.*; algorithm.rollout_correction.* recomputes "
+        "verl's weights and rejection from the recorded log-probs). Exit code: 0 reproduced, 1 the "
         "recorded update differs, 2 bad input or a replay that cannot be done. docs/inspecting.md#replaying-a-step"
     )
     run_argument(parser)
