@@ -86,6 +86,7 @@ def synthetic_capture(batch: int, length: int, dtype: torch.dtype, seed: int = 0
         "ref_log_prob": ref_log_prob,
         "kl": kl,
         "rollout_log_prob": old_log_probs + 0.001 * noise(),
+        "rollout_is_weight": torch.exp(0.001 * noise()).clamp(max=2.0),
         "turn_score": torch.zeros(batch, length),
         "tool_reward": tool_reward,
     }

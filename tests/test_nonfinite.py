@@ -28,6 +28,7 @@ def step_tensors():
     tensors["token_level_rewards"] = scores  # no KL in the reward: verl stores the same tensor twice
     tensors["returns"] = torch.randn(4, 6, generator=g)
     tensors["advantages"] = torch.randn(4, 6, generator=g)
+    tensors["rollout_is_weights"] = torch.rand(4, 6, generator=g) + 0.5
     return tensors, mask
 
 
@@ -55,6 +56,7 @@ def test_non_finite_numbers_at_masked_positions_are_no_finding():
         ("old_log_probs", (2, 4), -INF),
         ("ref_log_prob", (0, 5), NAN),
         ("rollout_log_probs", (1, 0), -INF),
+        ("rollout_is_weights", (3, 2), INF),
     ],
 )
 def test_each_quantity_alone_is_named_with_its_sample_uid_and_token(quantity, where, value):
@@ -110,6 +112,16 @@ def test_kl_in_the_reward_names_the_log_prob_behind_a_non_finite_reward():
     line = find(tensors, mask).line(step=4, uid=UID)
     assert line.startswith("verl-ext: step 4: token_level_rewards not finite on 1 of 17 valid tokens, first inf at sample 1")
     assert line.endswith("; first non-finite upstream: ref_log_prob, -inf at sample 1 (uid u0), token 1 (1 valid token)")
+
+
+def test_a_nan_rollout_log_prob_behind_a_nan_importance_weight_is_named():
+    """verl's rollout correction computes the weight from exp(log π_old − log π_rollout): a NaN there is the weight's cause."""
+    tensors, mask = step_tensors()
+    tensors["rollout_log_probs"][1, 2] = NAN
+    tensors["rollout_is_weights"][1, 2] = NAN
+    line = find(tensors, mask).line(step=5, uid=UID)
+    assert line.startswith("verl-ext: step 5: rollout_is_weights not finite on 1 of 17 valid tokens, first nan at sample 1")
+    assert line.endswith("; first non-finite upstream: rollout_log_probs, nan at sample 1 (uid u0), token 2 (1 valid token)")
 
 
 def test_returns_from_a_non_finite_reward_and_a_non_finite_value_name_the_reward_first():

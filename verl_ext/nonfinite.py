@@ -25,11 +25,13 @@ import torch
 #: What each computed quantity is computed from, in the order a cause is looked for (verl's batch
 #: keys). Rewards are the scores minus β·KL(old_log_probs ‖ ref_log_prob) when the KL is in the
 #: reward; returns and advantages both come from the rewards and the values (verl's GRPO: the rewards
-#: alone). Every other quantity comes straight from verl's workers or its reward.
+#: alone); verl's rollout-correction weights from the old and the rollout's log-probs. Every other
+#: quantity comes straight from verl's workers or its reward.
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "advantages": ("token_level_rewards", "values"),
     "returns": ("token_level_rewards", "values"),
     "token_level_rewards": ("token_level_scores", "old_log_probs", "ref_log_prob"),
+    "rollout_is_weights": ("old_log_probs", "rollout_log_probs"),
 }
 #: Read only to name a cause: a non-finite score on a valid token makes the reward there non-finite too.
 CAUSE_ONLY = ("token_level_scores",)

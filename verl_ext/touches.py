@@ -163,6 +163,15 @@ PLUGIN_TOUCHES = (
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_ppo_loss",
     ),
     Touch(
+        "patch", "verl.trainer.ppo.ray_trainer", "left_right_2_no_padding", "plugin",
+        why="`verl-ext replay` with the model updates through the legacy trainer's _update_actor and _update_critic, "
+        "whose conversion of the batch makes its response mask the loss mask, the count of tokens the loss divides by; "
+        "verl's V1 trainer divides by its rollout's loss mask, written before the rollout correction's rejection "
+        "(v1/agent_loop_tq.py:199), so a rejected token counts there: a batch rebuilt from a V1 run carries that mask "
+        "(batch_keys.LOSS_MASK_KEY), which becomes the loss mask; any other batch is converted unchanged",
+        versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_left_right_2_no_padding",
+    ),
+    Touch(
         "patch", "verl.workers.utils.losses", "value_loss", "plugin",
         why="the update side of the trace: on a traced step the critic's per-token prediction, clipped "
         "prediction, return and loss term go back in the loss metrics; verl's loss itself runs unchanged",

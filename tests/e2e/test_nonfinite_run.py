@@ -84,6 +84,7 @@ def assert_live_metrics_without_the_trace(out: Path) -> None:
     mask, rewards, values = batch["response_mask"], batch["token_level_rewards"], batch["values"]
     raw = ref.mc_returns(rewards, mask, batches["gamma"]) - values  # mc
     want = ref.live_metrics(rewards, values, raw, batch["advantages"], batch["token_level_scores"], mask, batch["uid"], batches["gamma"])
+    want |= ref.offpolicy_gap(batch["old_log_probs"], batch["rollout_log_probs"], mask)  # the rollout's log-probs, no correction
     live = {key.removeprefix("verl_ext/"): value for key, value in read_metrics(out)[1].items() if key.startswith("verl_ext/")}
     assert not (out / "trace").exists() and sorted(live) == sorted(want)
     for key, value in want.items():

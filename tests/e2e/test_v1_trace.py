@@ -3,7 +3,9 @@ README's example of a user's estimator (loaded in every process through VERL_USE
 docs/estimators.md runs it: the module in the directory the recipe is started from), on a local Ray cluster: the recipe reports progress and trains, the plugin
 switches the critic on; the trace equals what the actor update read from TransferQueue (captured by
 tests/e2e/v1_capture.py), its update tables cover every trained token once per epoch and reproduce
-verl's logged metrics, the live metrics verl logged equal the trace's numbers, and it passes the checker. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)
+verl's logged metrics, the live metrics verl logged equal the trace's numbers, and it passes the checker;
+with verl's rollout correction (sequence-level weights, two rejections chained) held to verl's own function,
+replayed as the V1 trainer divides its loss. (The legacy trainer on Ray: tests/e2e/test_multinode.py.)
 
 Covers: the V1 trainer's seam and hooks (verl_ext.integration: plugin, patches, validation,
 trace_hook, update_hook, metrics_hook), verl_ext.registry with a user's estimator, verl_ext.trace
@@ -28,6 +30,12 @@ pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
 STEPS = 2
+#: verl's rollout correction on the V1 trainer (docs/definitions.md#off-policy-tokens), in the modes the legacy
+#: trainer's td0 run leaves out: one weight per sequence, exp(Σ ℓ_t), truncated at 2, and two rejections chained,
+#: each token off the ratio 1 by more than 0.5% and each response whose largest ½ℓ_t² exceeds 2e-4 (|ℓ_t| > 0.02;
+#: the bf16 trainer and the float64 rollout disagree by 2e-3 at the median, up to about 2e-2: a few tokens, at
+#: most a response or two)
+CORRECTION = {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.995_1.005,2e-4"}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +62,7 @@ def v1_run(tmp_path_factory, assets_dir, assets, ray_cluster):
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='tests.e2e.v1_capture,my_estimators'",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_EXT_TEST_CAPTURE_DIR='{capture}'",
         "trainer.save_freq=1",  # a checkpoint after every step, for verl-ext replay with the model
+        *(f"algorithm.rollout_correction.{key}='{value}'" for key, value in CORRECTION.items()),
         *ray_cluster.v1_overrides,
     ]
     env = {
@@ -103,10 +112,12 @@ def test_v1_run_record(v1_run):
 
 
 def test_v1_trace_equals_what_the_actor_update_read(v1_run):
+    from tests.e2e.test_fit_with_trace import assert_the_correction_is_verls
     from verl_ext.trace.reader import open_trace
 
     trace = open_trace(str(v1_run / "trace"))
     columns = {"score": "rm_scores", **VERL_BATCH_KEYS}
+    rejected = 0
     for step in trace.steps:
         used = torch.load(v1_run / "captured" / f"step{step}.pt")
         table = trace.read_step(step).to_pandas()
@@ -115,11 +126,15 @@ def test_v1_trace_equals_what_the_actor_update_read(v1_run):
         positions = (table["sample"].to_numpy(), table["token_index"].to_numpy())
         assert (table["mask"].to_numpy() == (mask[positions] != 0)).all()
         assert (table["token_id"].to_numpy() == used["responses"].numpy()[positions]).all()
+        own = (np.arange(mask.shape[1]) < used["response_length"].numpy()[:, None]).astype(mask.dtype)  # the policy's tokens
+        assert_the_correction_is_verls(used, own, table, positions, CORRECTION)
+        rejected += int(table["rejected"].sum())
         for column, key in columns.items():
             np.testing.assert_array_equal(table[column].to_numpy(np.float32), used[key].float().numpy()[positions])
         raw = (used["returns"] - used["values"]).numpy()[positions]
         np.testing.assert_allclose(table["advantage_raw"].to_numpy(), raw, rtol=1e-5, atol=1e-6)
         assert not np.allclose(table["reward"], table["score"]) or step == 1  # actor == reference at step 1
+    assert rejected > 0  # the rejection took tokens out (at the median gap, 2e-3, few; not none over two steps)
 
 
 def test_v1_cut_responses_bootstrap_from_the_value_after_their_last_token(v1_run):
@@ -180,10 +195,16 @@ def test_v1_update_tables_cover_every_trained_token_and_reproduce_verls_metrics(
                 assert len(keys) == len(set(keys)) and set(keys) == expected
         positions = (actor["sample"].to_numpy(), actor["token_index"].to_numpy())
         np.testing.assert_array_equal(actor["advantage"].to_numpy(np.float32), used["advantages"].numpy()[positions])
-        pg_loss = actor.groupby(["epoch", "minibatch"])["pg_loss"].mean().mean()
-        assert pg_loss == pytest.approx(metrics[step]["actor/pg_loss"], rel=1e-5, abs=1e-7)
-        vf_loss = 0.5 * critic.groupby(["epoch", "minibatch"])["vf_loss"].mean().mean()
-        assert vf_loss == pytest.approx(metrics[step]["critic/vf_loss"], rel=1e-5, abs=1e-7)
+        # verl's V1 trainer divides a mini-batch's token sum by its loss_mask's tokens, which its rollout set to the
+        # response mask before the rollout correction's rejection (verl/trainer/ppo/v1/agent_loop_tq.py:199): the
+        # policy's own tokens, the rejected ones with the kept, so every epoch's denominators add up to them
+        for kind, table, key, half in (("actor", actor, "pg_loss", 1.0), ("critic", critic, "vf_loss", 0.5)):
+            minibatches = trace.update_record(kind, step).minibatches
+            for epoch in {m["epoch"] for m in minibatches}:
+                assert sum(m["batch_num_tokens"] for m in minibatches if m["epoch"] == epoch) == used["response_length"].sum()
+            sums = table.groupby(["epoch", "minibatch"])[key].sum()
+            loss = half * np.mean([sums.get((m["epoch"], m["minibatch"]), 0.0) / m["batch_num_tokens"] for m in minibatches])
+            assert loss == pytest.approx(metrics[step][f"{kind}/{key}"], rel=1e-5, abs=1e-7)
 
 
 def test_the_run_is_in_verls_gpu_settings_and_its_trace_holds_the_bf16_numbers_it_used(v1_run):
@@ -210,3 +231,35 @@ def test_v1_replay_as_recorded_reproduces_the_update(v1_run, tmp_path):
         assert mode or "with the model" in result.stdout
     check = subprocess.run([sys.executable, "-m", "verl_ext.cli", "check", str(out), "--quiet"], capture_output=True, text=True, env=env)
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
+
+
+def test_v1_replay_of_a_tighter_rejection_divides_by_the_policys_tokens_as_verls_v1_trainer(v1_run, tmp_path):
+    """What-if a tighter token rejection (the run's chained one with the token bounds at 0.2%): the V1 trainer
+    divides the loss by the policy's tokens, the rejected ones with the kept (docs/definitions.md#off-policy-tokens),
+    so the first mini-batch's count is the recorded one with the model (verl's own update on the rebuilt batch)
+    and model-free alike, while tokens were newly rejected there; the two replays' first mini-batches agree."""
+    from tests.e2e.test_fit_with_trace import user_module_env
+    from verl_ext.trace.reader import open_trace
+
+    env = {**os.environ, **user_module_env(v1_run)}
+    tighter = f"algorithm.rollout_correction.rollout_rs_threshold='0.998_1.002,{CORRECTION['rollout_rs_threshold'].split(',')[1]}'"
+    written = {}
+    for mode in ("model-free", "model"):
+        written[mode] = tmp_path / mode
+        flags = ["--model-free"] if mode == "model-free" else []
+        result = subprocess.run(
+            [sys.executable, "-m", "verl_ext.cli", "replay", str(v1_run / "trace"), "--step", "2", *flags, "--out", str(written[mode]), "--", tighter],
+            capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0 and "newly rejected" in result.stdout, result.stdout + result.stderr
+    recorded = open_trace(str(v1_run / "trace"))
+    count = {m["minibatch"]: m["batch_num_tokens"] for m in recorded.update_record("actor", 2).minibatches if m["epoch"] == 0}
+    tables = {mode: open_trace(str(path)).actor_update(2).to_pandas() for mode, path in written.items()}
+    first = tables["model"][(tables["model"]["epoch"] == 0) & (tables["model"]["minibatch"] == 0)].reset_index(drop=True)
+    was = recorded.actor_update(2).to_pandas()
+    assert len(first) < ((was["epoch"] == 0) & (was["minibatch"] == 0)).sum()  # tokens newly rejected in it
+    for mode, path in written.items():
+        minibatch = next(m for m in open_trace(str(path)).update_record("actor", 2).minibatches if (m["epoch"], m["minibatch"]) == (0, 0))
+        assert minibatch["batch_num_tokens"] == count[0], mode
+    for column in ("sample", "token_index", "ratio", "pg_loss", "advantage", "is_weight"):
+        np.testing.assert_array_equal(tables["model-free"][column].to_numpy(), first[column].to_numpy(), err_msg=column)

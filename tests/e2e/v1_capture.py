@@ -18,7 +18,7 @@ from verl_ext.patching import when_imported
 
 FIELDS = [
     "response_mask", "responses", "rm_scores", "token_level_rewards", "values",
-    "returns", "advantages", "old_log_probs", "ref_log_prob",
+    "returns", "advantages", "old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights",
 ]  # fmt: skip
 
 
@@ -32,6 +32,8 @@ def _capture_before_actor_update(trainer_base) -> None:
 
         stored = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=FIELDS)
         tensors = {name: stored[name].to_padded_tensor(padding=0) for name in FIELDS}
+        # each response's own tokens (the nested tensor's lengths): the response mask before verl's rejection
+        tensors["response_length"] = torch.tensor([len(row) for row in stored["responses"].unbind()])
         directory = os.environ["VERL_EXT_TEST_CAPTURE_DIR"]
         torch.save({"keys": list(batch.keys), **tensors}, os.path.join(directory, f"step{self.global_steps}.pt"))
         return original(self, batch, metrics)

@@ -65,6 +65,8 @@ def expected(batch, raw):
         b["token_level_rewards"], b.get("values"), raw, b["advantages"], b["token_level_scores"], b["response_mask"],
         batch.non_tensor_batch["uid"], GAMMA,
     )  # fmt: skip
+    # make_step's batch has the rollout's log-probs and no rollout correction: the gap over the valid tokens
+    want |= ref.offpolicy_gap(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
     return {f"verl_ext/{key}": value for key, value in want.items()}
 
 
@@ -95,7 +97,7 @@ def test_every_step_gets_the_metrics(compose, trainer_kind, estimator):
     # make_step's responses have a hole at positions 3-4: two turns each, so 2 turn shares (and turn0,
     # turn1, after_hole EVs, which its 6 rows leave, with last and the deciles, under the 8 tokens an EV
     # needs: of the critic's 15 EVs only all's; every bucket's is checked in tests/test_step_metrics.py)
-    assert len(want) == (18 + 5 - 14 if estimator != "grpo" else 6 + 2)
+    assert len(want) == (18 + 5 - 14 if estimator != "grpo" else 6 + 2) + 4  # + the 4 off-policy numbers
     assert_metrics(metrics, want)
     assert trainer_kind == "v1" or metrics["critic/score/mean"] == 0.5  # verl's own metrics kept
 

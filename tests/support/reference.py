@@ -215,3 +215,19 @@ def live_metrics(rewards, values, advantage_raw, advantages, scores, mask, uid, 
                 key = f"credit/share/turn{turn_of[b][i]}"
                 out[key] = out.get(key, 0.0) + abs(float(advantage_raw[b, t])) / total
     return {key: value for key, value in out.items() if value is not None}
+
+
+def offpolicy_gap(old, rollout, mask) -> dict:
+    """docs/definitions.md#off-policy-tokens, from (B, T) arrays over the valid tokens: the median, the
+    99th percentile (linear between order statistics) and the largest |ℓ_t|, ℓ_t = log π_old − log π_rollout,
+    and KL(π_rollout ‖ π_old) estimated as mean(−ℓ_t)."""
+    import statistics
+
+    ell = [float(old[b, t]) - float(rollout[b, t]) for b in range(len(mask)) for t in valid_positions(mask[b])]
+    gap = [abs(x) for x in ell]
+    return {
+        "offpolicy/lp_gap_p50": statistics.median(gap),
+        "offpolicy/lp_gap_p99": statistics.quantiles(gap, n=100, method="inclusive")[98],
+        "offpolicy/lp_gap_max": max(gap),
+        "offpolicy/kl": statistics.fmean(-x for x in ell),
+    }

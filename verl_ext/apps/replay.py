@@ -183,12 +183,26 @@ def check_overrides(trace, overrides: Overrides, model: bool = False) -> None:
     try:
         merged = OmegaConf.merge(recorded, OmegaConf.from_dotlist(overrides.given))
         check_types(merged, keys=[item.partition("=")[0] for item in overrides.given])
-        if model and overrides.config:
+        if model and overrides.config and _validates(recorded):
             verl_validation(merged)
     except OmegaConfBaseException as error:
         raise ReplayError(f"overrides {' '.join(overrides.given)}: {one_line(error)}") from None
     except UsageError as error:
         raise ReplayError(str(error)) from None
+
+
+def _validates(recorded) -> bool:
+    """Whether verl's validate_config takes the run's config as recorded: the config a trainer held while it
+    ran, which verl changed after validating it (the legacy trainer's reference policy loses its log_prob_*
+    keys, which validate_config reads), so that only an override's own refusal is the override's."""
+    from verl_ext.apps.composition import verl_validation
+    from verl_ext.errors import UsageError
+
+    try:
+        verl_validation(recorded)
+    except UsageError:
+        return False
+    return True
 
 
 @dataclass
@@ -266,7 +280,7 @@ def replay_step(trace, step: int, overrides: Overrides) -> Replay:
 
         tokens, change = corrected_tokens(trace, step, correction)
         if change.mask_changed:
-            replay_rows, replay_info = first_minibatch_under(tokens, table, rows, info, step)
+            replay_rows, replay_info = first_minibatch_under(tokens, table, rows, info, step, trace.record.trainer == "v1")
         weights, _ = recorded_weights(tokens, replay_rows)
     advantages = replay_rows["advantage"].to_numpy()
     if estimate_overrides(overrides) or (change is not None and change.mask_changed):
@@ -305,12 +319,16 @@ def recorded_weights(tokens: pa.Table, rows: pa.Table) -> tuple[np.ndarray | Non
     return None, None
 
 
-def first_minibatch_under(tokens: pa.Table, table: pa.Table, rows: pa.Table, info: Mapping[str, Any], step: int) -> tuple[pa.Table, dict]:
+def first_minibatch_under(
+    tokens: pa.Table, table: pa.Table, rows: pa.Table, info: Mapping[str, Any], step: int, counts_rejected: bool = False,
+) -> tuple[pa.Table, dict]:
     """The first mini-batch's rows when the mask is ``tokens``' (another rollout correction's): the same
     samples in the same micro-batches (verl batches samples, whatever their mask), with the tokens the new
     mask keeps. A token newly kept has no recorded row: its log-prob is its ``old_log_prob`` (the actor has
     not stepped in this mini-batch), its advantage set by the caller, its entropy unknown (null). And the
-    mini-batch's global information with its new count of trained tokens."""
+    mini-batch's global information with its new count of trained tokens, the token-mean's denominator;
+    ``counts_rejected`` (verl's V1 trainer): the recorded one, which counts the rejected tokens too
+    (docs/definitions.md#off-policy-tokens)."""
     from verl_ext.steps.layout import join_keys, locate
 
     sample, index = rows["sample"].to_numpy(), rows["token_index"].to_numpy()
@@ -342,7 +360,9 @@ def first_minibatch_under(tokens: pa.Table, table: pa.Table, rows: pa.Table, inf
             }.get(name, rows[name][of].as_py())  # fmt: skip
     replayed = pa.table(columns, schema=rows.schema)
     counted = info.get("batch_num_tokens")
-    return replayed, {**info, "batch_num_tokens": None if counted is None else int(counted) + replayed.num_rows - rows.num_rows}
+    if counted is not None and not counts_rejected:
+        counted = int(counted) + replayed.num_rows - rows.num_rows
+    return replayed, {**info, "batch_num_tokens": counted}
 
 
 # --------------------------------------------------------------------------- verl's loss, again

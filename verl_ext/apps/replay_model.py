@@ -476,7 +476,7 @@ def rebuild_batch(trace, step: int, config, tokens=None):
     from verl import DataProto
 
     from verl_ext.integration.trace_hook import rows
-    from verl_ext.trace.batch_keys import ROW_KEY
+    from verl_ext.trace.batch_keys import LOSS_MASK_KEY, ROW_KEY
 
     entry = trace.step_record(step)
     if entry.samples < entry.batch_samples:
@@ -497,6 +497,7 @@ def rebuild_batch(trace, step: int, config, tokens=None):
     input_ids[sample, width_p + token_index] = torch.from_numpy(table["token_id"].to_numpy().astype(np.int64))
     attention[sample, width_p + token_index] = 1
     response_mask[sample, token_index] = torch.from_numpy(table["mask"].to_numpy().astype(np.int64))
+    rejected = table["rejected"].fill_null(False).to_numpy(zero_copy_only=False) if "rejected" in table.column_names else None
     tensors = {
         "input_ids": input_ids,
         "attention_mask": attention,
@@ -514,6 +515,12 @@ def rebuild_batch(trace, step: int, config, tokens=None):
         dense[sample, token_index] = torch.from_numpy(values.fill_null(0.0).to_numpy().astype(np.float32))
         # in the dtype the trainer's batch held it in (a bf16 run's values, log-probs): exact, the trace stores it as float32
         tensors[key] = dense.to(dtypes.get(entry.stored_dtypes.get(column), torch.float32))
+    if trace.record.trainer == "v1" and rejected is not None and rejected.any():
+        # verl's V1 trainer divides the loss by the tokens of a loss mask its rollout wrote before the rejection
+        # (docs/definitions.md#off-policy-tokens); the legacy trainer's is the response mask (verl_ext.touches)
+        loss_mask = response_mask.clone()
+        loss_mask[sample[rejected], token_index[rejected]] = 1
+        tensors[LOSS_MASK_KEY] = loss_mask
     tensors[ROW_KEY] = rows(batch)
     data = DataProto.from_single_dict(tensors)
     data.meta_info["global_token_num"] = attention.sum(-1).tolist()

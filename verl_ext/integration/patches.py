@@ -288,3 +288,17 @@ def wrap_reduce_metrics(original: Callable) -> Callable:
         return step.reduce_update_metrics(metrics, lambda: original(metrics, *args, **kwargs))
 
     return reduce_metrics
+
+
+def wrap_left_right_2_no_padding(original: Callable) -> Callable:
+    from verl_ext.trace.batch_keys import LOSS_MASK_KEY
+
+    @functools.wraps(original)
+    def left_right_2_no_padding(data):
+        loss_mask = data.pop(LOSS_MASK_KEY, None)  # only a batch verl-ext replay rebuilt from a V1 run carries it
+        data = original(data)
+        if loss_mask is not None:
+            data["loss_mask"] = loss_mask
+        return data
+
+    return left_right_2_no_padding

@@ -24,9 +24,11 @@ used, where verl stores none, and the trace's row key). The V1 trainer's capture
 stores where verl computed it (:func:`v1_batch_advantaged`) rather than reading it back.
 
 Where verl's own call chain passes between calls that verl-ext cannot give arguments to, a context
-variable carries it, set once and taken once: the KL ``apply_kl_penalty`` computed (:func:`kl_applied`),
-to the step that captures it; the legacy step's live metrics, to ``compute_data_metrics``; the V1
-step, to the ``compute_advantage`` call inside verl's ``_compute_advantage`` (:class:`V1Call`).
+variable carries it, set once and taken once: the KL ``apply_kl_penalty`` computed (:func:`kl_applied`)
+and the response mask before verl's rollout correction rejected tokens from it, with the numbers verl
+logged of the correction (:func:`rollout_corrected`), to the step that captures them; the legacy step's
+live metrics, to ``compute_data_metrics``; the V1 step, to the ``compute_advantage`` call inside verl's
+``_compute_advantage`` (:class:`V1Call`).
 A :class:`Run` holds what lasts one ``fit()``: its options and the trace writer.
 """
 

@@ -9,3 +9,7 @@ ROW_KEY = "verl_ext_row"
 EPOCH_KEY, MINIBATCH_KEY = "verl_ext_epoch", "verl_ext_minibatch"
 #: Key of the workers' per-token reports in an update's metrics (verl's trainer prefixes "actor/" or "critic/").
 PAYLOAD_KEY = "verl_ext/update"
+#: (B, T) int64 tensor in a batch ``verl-ext replay`` rebuilt from a V1 run: the loss mask verl's V1 trainer
+#: divided the loss by (the policy's tokens, a rejected one with the kept), where verl's conversion of the batch
+#: takes the response mask (verl_ext.integration.patches.wrap_left_right_2_no_padding).
+LOSS_MASK_KEY = "verl_ext_loss_mask"
