@@ -58,6 +58,7 @@ _PATCHES = "verl_ext.integration.patches"
 _AGENT_TURNS = "verl_ext.integration.agent_turns"
 _STOP_REASONS = "verl_ext.integration.stop_reasons"
 _LOGGERS = "verl_ext.integration.loggers"
+_SEPARATE_CRITIC = "verl_ext.integration.separate_critic"
 _CPU = "verl_ext.cpu.patches"
 _IN_PROCESS = "verl_ext.cpu.in_process"
 
@@ -280,6 +281,30 @@ PLUGIN_TOUCHES = (
         versions=PLUGIN_VERSIONS, code=f"{_AGENT_TURNS}:wrap_server_client_generate",
     ),
     Touch(
+        "patch", "verl.experimental.separation.ray_trainer", "SeparateRayPPOTrainer._create_critic_class", "plugin",
+        why="private method: the one-step-off-policy and fully-async trainers' critic fails before step 1 in verl 0.9.1: "
+        "this method reads the engine config from critic.model.fsdp_config, which 0.9.1's critic config lacks "
+        "(AttributeError with critic.strategy=fsdp, NotImplementedError with any other, fsdp2 included); the critic's "
+        "worker config is built from critic.engine, as RayPPOTrainer.init_workers builds it (ray_trainer.py:797-835); "
+        "without a critic verl's method runs (verl_ext.integration.separate_critic)",
+        versions=PLUGIN_VERSIONS, code=f"{_SEPARATE_CRITIC}:critic_class_from_engine_config",
+    ),
+    *(
+        Touch(
+            "patch", module, target, "plugin",
+            why="private method: it initialises the critic with critic_wg.init_model(), which the critic's worker "
+            "(TrainingWorker, separation/utils.py) does not have (AttributeError before step 1); the critic's worker group "
+            "is reset and given verl's value loss as SeparateRayPPOTrainer._init_models and RayPPOTrainer.init_workers do, "
+            "the rest of the method runs unchanged; without a critic verl's method runs (verl_ext.integration.separate_critic)",
+            versions=PLUGIN_VERSIONS, code=f"{_SEPARATE_CRITIC}:critic_initialised_as_verls",
+        )
+        for module, target in (
+            ("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer._init_models"),
+            # a Ray actor class: Ray's subclass of it, which holds its own copy of each method and is what the trainer's actor runs
+            ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_metadata__.modified_class._init_models"),
+        )
+    ),
+    Touch(
         "registration", "verl.workers.rollout.base", "_ROLLOUT_REGISTRY", "plugin",
         why="private dict: ('hf_generate', 'async') -> verl_ext.hf_rollout.server.HFServerAdapter, the rollout object "
         "inside ActorRolloutRefWorker: transformers' generate on the device torch reports, for a GPU machine without "
@@ -340,6 +365,25 @@ CPU_TOUCHES = (
         "device set, tensordict rebuilds every response's non-tensor data there (~0.5 s of a 2.3 s CPU step); it is "
         "marked as on the CPU (tensordict's auto_device_) first, so the move is a no-op",
         versions=CPU_VERSIONS, code=f"{_CPU}:micro_batch_marked_on_cpu",
+    ),
+    Touch(
+        "patch", "verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu", "cpu",
+        why="verl's asynchronous trainers keep π_old of a parameter-sync cycle with DetachActorWorker.save_model_to_cpu "
+        "(V1 separate_async; fully async with bypass_mode=False), which stores each FSDP2 shard's "
+        "detach().cpu() (fsdp_utils.py:1180): on a CPU that is the parameter's own storage, so the optimizer's in-place "
+        "steps changed the saved π_old and every mini-batch after a cycle's first got the old log-probs of the weights "
+        "after the update before it; each saved shard is copied, as a GPU's .cpu() does",
+        versions=CPU_VERSIONS, code=f"{_CPU}:sharded_save_copies",
+    ),
+    Touch(
+        "registration", "verl.checkpoint_engine", "CheckpointEngineRegistry", "cpu",
+        why="verl's asynchronous trainers send the trainer's weights to a rollout on its own workers through a checkpoint "
+        "engine, and verl 0.9.1 registers none that runs on a CPU (naive only within one process; nccl, nixl, "
+        "delta_sharded need cupy and a GPU); 'verl_ext_shm' (verl_ext.cpu.checkpoint_engine: the trainer's rank 0 writes "
+        "the weights into this machine's shared memory, each rollout worker reads them back as a plain generator) is "
+        "registered when verl imports it by checkpoint_engine.custom_backend_module, and here whenever verl's "
+        "checkpoint-engine package is imported",
+        versions=CPU_VERSIONS, code=f"{_CPU}:register_checkpoint_engine",
     ),
     Touch(
         "registration", "verl.plugin.platform.platform_manager", "PlatformRegistry", "cpu",

@@ -29,11 +29,14 @@ if TYPE_CHECKING:
 _UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'")
 
 
-def checked_config(overrides: list[str], config_dir: str | os.PathLike | None = None, config_name: str = "ppo_trainer") -> "DictConfig":
+def checked_config(
+    overrides: list[str], config_dir: str | os.PathLike | None = None, config_name: str = "ppo_trainer", verl_validates: bool = True
+) -> "DictConfig":
     """The config ``python -m verl.trainer.main_ppo`` composes from ``overrides`` (verl's own
     ``ppo_trainer``, or ``config_name`` in ``config_dir``), checked as the run's driver checks it:
     verl-ext's options (:func:`verl_ext.integration.validation.check_config`), then the types of verl's
-    typed config (:func:`check_types`) and verl's own ``validate_config``. UsageError, one line: a key
+    typed config (:func:`check_types`) and verl's own ``validate_config`` (``verl_validates=False``: not it,
+    for an entry point that does not call it, verl's fully-async trainer). UsageError, one line: a key
     the config does not have (naming the nearest it has), a value verl-ext refuses, a value of the wrong
     type (naming the key and the value), or what verl's validation says."""
     from verl_ext.cpu.overrides import compose_config
@@ -53,7 +56,8 @@ def checked_config(overrides: list[str], config_dir: str | os.PathLike | None = 
         # message written for a run's traceback may carry verl-ext's: one prefix, not two
         raise UsageError(str(error).removeprefix("verl-ext: ")) from None
     check_types(config)
-    verl_validation(config)
+    if verl_validates:
+        verl_validation(config)
     return config
 
 

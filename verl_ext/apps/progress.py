@@ -35,7 +35,9 @@ _METRIC = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?(-?[\d.]+(?:e-?\d+)?)")
 ROLLOUT_LABELS = {"hf_generate": "HF-generate", "vllm": "vLLM", "sglang": "SGLang"}
 _PHASES = {
     "Started a local Ray instance": "Ray started",
-    "TaskRunner hostname": "task runner up (legacy RayPPOTrainer)",
+    "(TaskRunner pid=": "task runner up (legacy RayPPOTrainer)",
+    "(OneStepTaskRunner pid=": "task runner up (one-step-off-policy OneStepOffRayTrainer)",
+    "[ASYNC MAIN] TaskRunner hostname": "task runner up (fully-async FullyAsyncTrainer and FullyAsyncRollouter)",
     "TaskRunnerV1 pid": "task runner up (V1 PPOTrainer)",
     "(vLLMHttpServer pid=": "vLLM server starting (its engine loads in a process of its own)",
     "LLMServerManager:": "{rollout} rollout server up",

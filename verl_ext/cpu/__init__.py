@@ -14,6 +14,9 @@ Public entry points (import them from their modules):
 * :func:`verl_ext.cpu.overrides.cpu_overrides` / ``cpu_environment`` / ``merge_overrides``: the
   hydra overrides and environment variables of a CPU run, given a task's assets
   (:class:`verl_ext.cpu.overrides.RunAssets`);
+* :mod:`verl_ext.cpu.checkpoint_engine`: the checkpoint engine (``verl_ext_shm``) through which verl's
+  asynchronous trainers send the trainer's weights to their rollout on a CPU; ``async_overrides`` in
+  :mod:`verl_ext.cpu.overrides`: what else each of them needs there;
 * :func:`verl_ext.cpu.in_process.run_in_process`: verl's real ``RayPPOTrainer.fit()`` without Ray,
   with an ``on_batch`` hook (e.g. :class:`verl_ext.cpu.in_process.BatchRecorder`) per step (the
   module needs the backend active before it is imported).

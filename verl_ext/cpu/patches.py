@@ -105,6 +105,30 @@ def micro_batch_marked_on_cpu(original: Callable[..., Any]) -> Callable[..., Any
     return forward_step
 
 
+def sharded_save_copies(original: Callable[..., Any]) -> Callable[..., Any]:
+    # verl keeps π_old of a parameter-sync cycle (V1 separate_async, fully async with bypass_mode=False) with
+    # DetachActorWorker.save_model_to_cpu, which stores `shard.detach().cpu()` of every parameter: a copy on a
+    # GPU, but on a CPU `.cpu()` returns the parameter's own storage. The optimizer's in-place steps then
+    # change the "saved" π_old too, and restore_model_from_cpu restores the current weights: every
+    # mini-batch after a cycle's first computed its old log-probs with the weights of the update before it.
+    # A copy of each saved shard is what a GPU keeps.
+    def fsdp2_sharded_save_to_cpu(model):
+        state, spec = original(model)
+        return {name: (tensor.clone(), shard_spec) for name, (tensor, shard_spec) in state.items()}, spec
+
+    return fsdp2_sharded_save_to_cpu
+
+
+def register_checkpoint_engine(checkpoint_engine) -> None:
+    # verl registers no checkpoint engine that runs on a CPU; its asynchronous trainers need one
+    # (verl_ext.cpu.checkpoint_engine). The module registers itself when verl imports it through
+    # checkpoint_engine.custom_backend_module; under the CPU backend it is also registered as soon as
+    # verl's checkpoint-engine package is imported, so that the backend's name resolves wherever verl looks it up.
+    from verl_ext.cpu.checkpoint_engine import register
+
+    register(checkpoint_engine.CheckpointEngineRegistry)
+
+
 def register_platform(platform_manager) -> None:
     from verl_ext.cpu.platform import PlatformCPU
 

@@ -152,12 +152,14 @@ class HFGenerationServer:
         self._pending.append((*request, self._request_seed(request_id), future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
-        token_ids, log_probs = await future
+        token_ids, log_probs, weights_version = await future
         return TokenOutput(
             token_ids=token_ids,
             log_probs=log_probs,
             stop_reason="completed",
-            extra_fields={"global_steps": self.global_steps},
+            # the version of the weights that generated it, read when it was generated: an update may
+            # land between the generation and this coroutine's turn (an asynchronous trainer's sync)
+            extra_fields={"global_steps": weights_version},
         )
 
     async def _drain(self) -> None:
@@ -175,6 +177,7 @@ class HFGenerationServer:
                 groups.setdefault(sampling, []).append((prompt, most, seed, future))
             for sampling, requests in groups.items():
                 prompts, most, seeds, futures = (list(column) for column in zip(*requests))
+                weights_version = self.global_steps  # update_weights cannot run inside this synchronous call
                 try:
                     results = self._generate_batch(prompts, sampling, seeds, most)
                 except Exception as exc:  # fail the waiting requests, not the server
@@ -184,7 +187,7 @@ class HFGenerationServer:
                     continue
                 for future, result in zip(futures, results, strict=True):
                     if not future.done():  # a request cancelled by its caller
-                        future.set_result(result)
+                        future.set_result((*result, weights_version))
 
     def use_stream(self, name: str) -> None:
         """Name the rounds that follow ("training", "validation"); a deterministic request's stream
