@@ -206,7 +206,7 @@ def test_every_file_stores_the_step_its_name_says(trace_dir):
         assert table.schema.field("step").type == pa.int64() and set(table["step"].to_pylist()) == {step}, relative
         assert table.schema.metadata[b"verl_ext.schema_version"] == str(SCHEMA_VERSION).encode()
     record = json.loads((root / "_run.json").read_text())
-    assert record["schema_version"] == SCHEMA_VERSION == 10
+    assert record["schema_version"] == SCHEMA_VERSION == 11
     entry = record["steps"]["11"]
     assert (entry["file"], entry["prompts_file"], entry["updates"]["actor"]["file"]) == (
         "step-11/part-0.parquet", "_prompts/step-11.parquet", "_actor_update/step-11/part-0.parquet"

@@ -296,17 +296,18 @@ def test_the_columns_a_version_1_file_lacks_are_the_ones_version_2_added():
     format 5 the agent loop's roles, tool calls and turn limits, format 6 the per-turn rewards, format 7
     the bootstrap values of cut responses; format 8 the rollout engine's stop reasons (and the run record's
     finish, planned steps and rollout); format 9 no column (the replay's run record); format 10 verl's
-    rollout correction: the rejected tokens and the importance weights."""
+    rollout correction: the rejected tokens and the importance weights; format 11 the policy versions of each
+    response (and the run record's mode, the steps' global step, sub-step and trainer version)."""
     from verl_ext.trace.schema import added_after
 
     turns, agents, turn_rewards = {"turn", "assistant_turns"}, {"role", "tool_calls", "turn_limit"}, {"turn_score", "tool_reward"}
-    correction = {"rejected", "rollout_is_weight"}
+    correction = {"rejected", "rollout_is_weight"} | {"policy_version_min", "policy_version_max"}
     later = turn_rewards | {"bootstrap_value", "stop_reason"} | correction
     assert added_after(1) == {"rollout_log_prob", "response_length", "eos", "truncated"} | turns | agents | later
     assert added_after(2) == added_after(3) == turns | agents | later and added_after(4) == agents | later
     assert added_after(5) == later and added_after(6) == {"bootstrap_value", "stop_reason"} | correction
     assert added_after(7) == {"stop_reason"} | correction and added_after(8) == added_after(9) == correction
-    assert added_after(10) == frozenset()
+    assert added_after(10) == {"policy_version_min", "policy_version_max"} and added_after(11) == frozenset()
 
 
 def test_the_v1_trainer_is_read_back_under_its_own_field_names():

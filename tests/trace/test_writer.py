@@ -39,6 +39,7 @@ RUN_FIELDS = {
     "rollout": {"name": "vllm", "version": "0.27.0+cpu", "dtype": "float32"},
     "replay": None,  # a run's trace is no replay (verl_ext.apps.replay writes one)
     "config": {"trainer": {"default_local_dir": "checkpoints"}},
+    "mode": None,  # how the trainer overlapped generation and training: not said (a synchronous run)
 }
 RUN_RECORD = RunRecord(**RUN_FIELDS)
 
@@ -423,3 +424,21 @@ def test_update_tables_from_several_ranks_are_sorted_and_truncated_like_the_toke
     assert trace.record.steps["1"].updates["critic"].logged == {"critic/vf_loss": 0.5}
     with pytest.raises(TraceError, match="no actor update table for step 1"):
         trace.actor_update(1)
+
+
+def test_policy_versions_and_the_steps_place_in_verls_loop_are_written_and_read_back(tmp_path):
+    """Format 11: each response's (min, max) policy version in the prompt table, null where the rollout said
+    none; the step's verl step, sub-step and trainer version in its entry; a run record's mode as given."""
+    directory = str(tmp_path / "trace")
+    capture = make_capture(3, seed=1)
+    versions = [(2, 2), (1, 2), (None, None), (2, 3), (0, 1)]  # one per sample of MASK
+    capture = dataclasses.replace(capture, policy_versions=versions, global_step=2, substep=1, trainer_version=3)
+    mode = {"name": "separate_async", "parameter_sync_step": 2}
+    with TraceWriter(TraceOptions(dir=directory), dataclasses.replace(RUN_RECORD, mode=mode)) as writer:
+        writer.submit(capture)
+    trace = open_trace(directory)
+    prompts = trace.prompts(3).to_pydict()
+    kept = len(prompts["sample"])
+    assert list(zip(prompts["policy_version_min"], prompts["policy_version_max"])) == versions[:kept]
+    entry = trace.step_record(3)
+    assert (entry.global_step, entry.substep, entry.trainer_version) == (2, 1, 3) and trace.record.mode == mode

@@ -64,6 +64,14 @@ class StepCapture:
     rejected: torch.Tensor | None = None
     #: numbers verl logged for the step that the trace must reproduce (its rollout correction's)
     logged: Mapping[str, float] | None = None
+    #: B pairs (min, max) of the policy versions that generated each response (verl's min/max_global_steps, in
+    #: the run's numbering: docs/definitions.md#policy-versions), None in a pair where unknown; None: none said
+    policy_versions: Sequence[tuple[int | None, int | None]] | None = None
+    #: verl's own step of this trace step, and which of its updates it is (StepEntry.global_step, .substep),
+    #: and the policy version the update starts from (StepEntry.trainer_version); None: not recorded
+    global_step: int | None = None
+    substep: int | None = None
+    trainer_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,11 @@ class StepSnapshot:
     tool_calls: np.ndarray | None = None  # (N,) int32, −1 where unknown
     turn_limit: np.ndarray | None = None  # (N,) int8: 1, 0, −1 where unknown
     stop_reason: list[str | None] | None = None  # N: the rollout engine's, None where it said none
+    policy_version_min: np.ndarray | None = None  # (N,) int32, −1 where unknown
+    policy_version_max: np.ndarray | None = None  # (N,) int32, −1 where unknown
+    global_step: int | None = None  # StepEntry.global_step
+    substep: int | None = None  # StepEntry.substep
+    trainer_version: int | None = None  # StepEntry.trainer_version
     stored_dtypes: dict[str, str] = field(default_factory=dict)  # StepEntry.stored_dtypes
     logged: dict[str, float] = field(default_factory=dict)  # StepEntry.logged
 
@@ -165,7 +178,23 @@ def take_snapshot(capture: StepCapture, max_samples: int | None, memory: "Snapsh
             **_agent_turns(capture.agent_turns, copies["mask"] if copies["rejected"] is None else copies["mask"] | copies["rejected"], lengths.numpy()),
             stop_reason=None if capture.stop_reasons is None else [_reason(r) for r in capture.stop_reasons[:kept]],
             logged={str(key): float(value) for key, value in (capture.logged or {}).items()},
+            **_policy_versions(capture.policy_versions, kept),
+            global_step=_optional_int(capture.global_step),
+            substep=_optional_int(capture.substep),
+            trainer_version=_optional_int(capture.trainer_version),
         )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _policy_versions(pairs: Sequence[tuple[Any, Any]] | None, kept: int) -> dict[str, np.ndarray | None]:
+    """The kept samples' (min, max) policy versions as two (N,) int32 arrays, −1 where unknown."""
+    if pairs is None:
+        return {}
+    known = np.array([[-1 if v is None else int(v) for v in pair] for pair in list(pairs)[:kept]], np.int32).reshape(-1, 2)
+    return {"policy_version_min": known[:, 0].copy(), "policy_version_max": known[:, 1].copy()}
 
 
 #: Batch dtypes below float32 and their names in StepEntry.stored_dtypes.

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from verl_ext.errors import TraceError
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 #: Schema versions this code reads: every one so far. A column missing from an older file (its
 #: ``Column.since``) reads as null; version 1 also has no update tables. Versions 1 and 2 name a
 #: step's files ``step=<n>`` and store ``step`` only in that name (:data:`HIVE_LAYOUT`).
@@ -215,6 +215,11 @@ PROMPT_COLUMNS = (
     Column("stop_reason", pa.string(), "the rollout engine's own reason for ending the response's last generation "
            "(vLLM's finish_reason: stop, length, abort); null where the engine does not say (verl_ext.integration.stop_reasons)",
            since=8),
+    Column("policy_version_min", pa.int32(), "the version of the policy whose weights generated the response's first token, "
+           "in the run's numbering of weight updates (docs/definitions.md#policy-versions); null where the rollout did not say",
+           since=11),
+    Column("policy_version_max", pa.int32(), "the version that generated its last token: above policy_version_min only where a "
+           "partial rollout spanned a weight update; null where the rollout did not say", since=11),
 )
 PROMPT_SCHEMA = pa.schema([c.field for c in PROMPT_COLUMNS], metadata=_VERSION)
 
@@ -298,6 +303,17 @@ class StepEntry:
     #: float column -> the dtype the trainer's batch held it in, where that was not float32 or float64
     #: ("bf16", "fp16": a bf16 run's values, or rewards on the V1 trainer); stored exactly as float32
     stored_dtypes: dict[str, str] = field(default_factory=dict)
+    #: (since format 11) verl's own step number of this trace step (``global_steps``): equal to the trace's step
+    #: except where one of verl's steps runs several updates (V1 separate_async), each its own trace step;
+    #: None: the same as the trace's step (traces before format 11)
+    global_step: int | None = None
+    #: (since format 11) which of the updates of ``global_step`` this is (0-based), where verl's step runs
+    #: several (V1 separate_async's parameter_sync_step); None: verl's step runs one
+    substep: int | None = None
+    #: (since format 11) the version of the policy the update starts from (π_old's weights), in the numbering
+    #: of the prompts' policy_version_min/max: a response's staleness is this minus its policy_version_min
+    #: (docs/definitions.md#policy-versions); None: not known (a synchronous run's policy is the step's)
+    trainer_version: int | None = None
     #: (since format 10) numbers verl logged for the step that its trace must reproduce: its rollout
     #: correction's ``rollout_corr/…`` (docs/definitions.md#off-policy-tokens); {} where there are none
     logged: dict[str, float] = field(default_factory=dict)
@@ -378,6 +394,11 @@ class RunRecord:
     #: (since format 9) verl's whole config as the run resolved it, which ``verl-ext replay`` rebuilds
     #: the actor and critic from; None: not recorded (a trace before format 9, or one that did not resolve)
     config: dict[str, Any] | None = None
+    #: (since format 11) how the trainer overlapped generation and training: {"name": "sync" | "separate_async"
+    #: | "one_step_off" | "fully_async", and that mode's settings (separate_async: parameter_sync_step;
+    #: fully_async: staleness_threshold, trigger_parameter_sync_step, partial_rollout, …)}; None: not recorded
+    #: (a trace before format 11: synchronous)
+    mode: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         """JSON bytes, steps in numeric order; TypeError/ValueError if something is not JSON data."""

@@ -91,6 +91,8 @@ def prompt_table(snapshot: StepSnapshot) -> pa.Table:
             _known(snapshot.turn_limit, pa.bool_(), samples),
             _bootstrap_values(snapshot),
             pa.array(snapshot.stop_reason if snapshot.stop_reason is not None else [None] * samples, pa.string()),
+            _known(snapshot.policy_version_min, pa.int32(), samples),
+            _known(snapshot.policy_version_max, pa.int32(), samples),
         ],
         schema=PROMPT_SCHEMA,
     )
@@ -142,6 +144,9 @@ class StepFiles:
             whiten=snapshot.whiten,
             stored_dtypes=snapshot.stored_dtypes,
             logged=snapshot.logged,
+            global_step=snapshot.global_step,
+            substep=snapshot.substep,
+            trainer_version=snapshot.trainer_version,
         )
         write_id = {WRITE_ID_METADATA_KEY: uuid.uuid4().hex}
         tokens, prompts = layout.stored(token_table(snapshot)), layout.stored(prompt_table(snapshot), prompts=True)
