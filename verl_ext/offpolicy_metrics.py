@@ -3,6 +3,9 @@ did there (docs/definitions.md#off-policy-tokens): the per-step numbers of ``sum
 metrics (``verl_ext/offpolicy/…``) and of the identity that holds verl's own logged ``rollout_corr/…``
 numbers to the trace. Numpy in, numbers out; no verl, no torch.
 
+And, for verl's asynchronous trainers (docs/definitions.md#policy-versions), how stale a step's responses
+are (:func:`staleness_metrics`): from each response's policy versions and the version its update starts from.
+
 A step is given over the policy's own tokens (valid, or rejected by the correction: the ones verl
 corrects), response by response, with ``lengths[b]`` such tokens in response b (0 for none):
 ``old``, ``rollout`` the log-probs log π_old and log π_rollout, ``weights`` verl's importance weights
@@ -18,6 +21,9 @@ GAP_P50, GAP_P99, GAP_MAX = "offpolicy/lp_gap_p50", "offpolicy/lp_gap_p99", "off
 KL = "offpolicy/kl"
 IS_MEAN, IS_ESS, IS_TRUNCATED = "offpolicy/is_mean", "offpolicy/is_ess", "offpolicy/is_truncated"
 REJECTED_TOKENS, REJECTED_RESPONSES = "offpolicy/rejected_tokens", "offpolicy/rejected_responses"
+#: The live metrics' names of :func:`staleness_metrics`.
+STALENESS_MEAN, STALENESS_MAX = "offpolicy/staleness_mean", "offpolicy/staleness_max"
+STALE_SHARE, SPANNED_SHARE = "offpolicy/stale_share", "offpolicy/spanned_share"
 #: verl's warning levels for a step (verl's docs/algo/rollout_corr.md): (metric, test, what the docs say)
 WARNINGS = (
     (IS_MEAN, lambda x: not 0.5 <= x <= 2.0, "mean IS weight outside [0.5, 2]"),
@@ -91,6 +97,42 @@ def verls_logged(
             "rollout_rs_seq_masked_fraction": ours[REJECTED_RESPONSES] * responses / batch_samples,
         }
     return logged
+
+
+def staleness_metrics(trainer_version, version_min, version_max=None) -> dict[str, float]:
+    """How stale a step's responses are (docs/definitions.md#policy-versions), over the responses whose
+    version is known: ``version_min`` (``version_max``), per response, the version of the weights that
+    generated its first (last) token, as verl tags them (``non_tensor_batch["min_global_steps"]``, an object
+    array of ints; None, NaN or a negative number where unknown) or as the prompt table holds them;
+    ``trainer_version``: the version the update starts from (None: unknown, and so is every number).
+
+    * staleness_mean, staleness_max: of trainer_version − version_min, each response's staleness;
+    * stale_share: the share of the responses with a staleness above 0;
+    * with ``version_max``, spanned_share: the share whose generation spanned a weight update (max > min).
+
+    Empty without a trainer version or a response whose version is known."""
+    if trainer_version is None:
+        return {}
+    low = versions(version_min)
+    known = np.isfinite(low)
+    if not known.any():
+        return {}
+    staleness = float(trainer_version) - low[known]
+    metrics = {
+        STALENESS_MEAN: float(staleness.mean()), STALENESS_MAX: float(staleness.max()), STALE_SHARE: float(np.mean(staleness > 0)),
+    }  # fmt: skip
+    if version_max is not None:
+        high = versions(version_max)[known]
+        metrics[SPANNED_SHARE] = float(np.mean(np.isfinite(high) & (high > low[known])))
+    return metrics
+
+
+def versions(values) -> np.ndarray:
+    """Policy versions as float64, NaN where unknown (None, NaN, a negative number): verl's object arrays
+    of ints, a prompt table's column as numpy (NaN where null), or a list."""
+    out = np.array([np.nan if v is None else float(v) for v in np.asarray(values, dtype=object).ravel()], np.float64)
+    out[out < 0] = np.nan
+    return out
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:

@@ -227,12 +227,14 @@ def write_trace(
     ends: tuple[tuple[int, ...], int] | None = None,
     run: dict | None = None,
     stop_reasons: dict[int, list] | None = None,
+    places: dict[int, dict] | None = None,
 ) -> str:
     """A trace of ``batches`` written by the real TraceWriter; ``updates``: UpdateCaptures per step;
     ``stop_reasons``: the rollout engine's per sample, per step (absent: the engine said none);
     ``truncations``: the estimate's Truncation per step (absent: terminal); ``ends``: (EOS ids,
     max_response_length), for the prompt table's end flags; ``run``: more fields of the run record
-    (``finished``, ``planned_steps``, ``rollout``: by default the record does not say)."""
+    (``finished``, ``planned_steps``, ``rollout``, ``mode``: by default the record does not say); ``places``: per
+    step, StepCapture's policy_versions, global_step, substep and trainer_version (format 11)."""
     options = TraceOptions(dir=str(directory), max_samples_per_step=max_samples)
     run_record = RunRecord(
         verl_ext_version="test",
@@ -272,6 +274,7 @@ def write_trace(
                     whitening=registry.whitening_statistics(b.advantage_raw, b.mask, (truncations or {}).get(step)),
                     rejected=b.rejected,
                     logged=b.logged,
+                    **(places or {}).get(step, {}),
                 )
             )
             for update in (updates or {}).get(step, []):

@@ -239,6 +239,8 @@ class Replay:
     #: where the weights the recorded loss multiplied in came from: "tokens" (the token table's
     #: rollout_is_weight), "update" (the update table's is_weight: a trace before format 10), None (none)
     weights_from: str | None = None
+    #: where the update sits in an asynchronous run, and the mode (:func:`update_place`); None: a synchronous run's
+    place: str | None = None
 
     @property
     def reproduced(self) -> bool:
@@ -296,8 +298,20 @@ def replay_step(trace, step: int, overrides: Overrides) -> Replay:
         recorded=rows, replayed=replayed_table, recorded_loss=as_recorded.loss, replayed_loss=replayed.loss,
         recorded_weight=as_recorded.weight, replayed_weight=replayed.weight, epoch_tokens=epoch_tokens,
         difference=difference, bitwise=bitwise, tokens=tokens, whiten=whiten, info=dict(replay_info), correction=change,
-        weights_from=weights_from,
+        weights_from=weights_from, place=update_place(trace, step),
     )  # fmt: skip
+
+
+def update_place(trace, step: int) -> str | None:
+    """``verl step 2, update 2 of 2, trainer version 1; mode separate_async (parameter_sync_step=2)``: where the
+    update of trace step ``step`` sits in an asynchronous run (docs/definitions.md#policy-versions); None for a
+    synchronous run's."""
+    from verl_ext.steps.versions import StepPlace, describe_mode, may_be_asynchronous
+
+    if not may_be_asynchronous(trace.record):
+        return None
+    place = StepPlace.of(trace, step).describe()
+    return None if place is None else f"{place}; mode {describe_mode(trace.record.mode) or 'not recorded'}"
 
 
 def recorded_weights(tokens: pa.Table, rows: pa.Table) -> tuple[np.ndarray | None, str | None]:
@@ -659,6 +673,7 @@ def replay_report(replay: Replay, fmt: str = "text", top: int = 10) -> str:
         "overrides": replay.overrides.given, "loss": [replay.recorded_loss, replay.replayed_loss],
         "clip_changes": transitions, "moved": moved_rows if replay.overrides.given else [],
         "correction": None if replay.correction is None else replay.correction.as_dict(), "trained": trained,
+        **({} if replay.place is None else {"update": replay.place}),
     }  # fmt: skip
     if fmt == "json":
         return json.dumps(data, indent=1)
@@ -667,6 +682,8 @@ def replay_report(replay: Replay, fmt: str = "text", top: int = 10) -> str:
         f"epoch's {replay.epoch_tokens} tokens). The actor had not stepped yet, so the recorded log-probs are its log-probs; "
         "later mini-batches need the model after each optimizer step and are not replayed.",
     ]
+    if replay.place is not None:
+        lines.append(f"the update: {replay.place}")
     weights = {
         "tokens": "the token table's rollout_is_weight the weights it multiplied in, as the update table's is_weight says; ",
         "update": "the update table's is_weight the weights it multiplied in: the trace's format has no rollout_is_weight; ",

@@ -95,6 +95,8 @@ class ModelReplay:
 
     #: kind -> verl's logged metrics of the recorded update
     logged: dict[str, dict[str, float]] | None = None
+    #: which of verl's checkpoints hold the weights before and after the update (:func:`update_checkpoints`)
+    checkpoints: "UpdateCheckpoints | None" = None
 
     def recorded_logged(self, kind: str) -> dict[str, float]:
         return (self.logged or {}).get(kind, {})
@@ -117,9 +119,64 @@ def checkpoint_root(trace, given: str | None) -> Path | None:
     return None if directory is None else Path(directory)
 
 
-def has_checkpoint_for(root: Path | None, step: int) -> bool:
-    """The checkpoint the replay of ``step`` starts from is there (step 1 starts from the model the config names)."""
-    return root is not None and (step == 1 or (root / f"global_step_{step - 1}").is_dir())
+def has_checkpoint_for(root: Path | None, step: int, trace=None) -> bool:
+    """The checkpoint the replay of ``step`` starts from is there (verl's first step starts from the model the
+    config names); with ``trace``, the one :func:`update_checkpoints` names (none for an update no checkpoint of
+    verl's holds the start of)."""
+    if root is None:
+        return False
+    if trace is None:
+        return step == 1 or (root / f"global_step_{step - 1}").is_dir()
+    try:
+        before = update_checkpoints(trace, step).before
+    except ReplayError:
+        return False
+    return before is None or (root / f"global_step_{before}").is_dir()
+
+
+@dataclass(frozen=True)
+class UpdateCheckpoints:
+    """Which of verl's checkpoints (``global_step_<n>`` folders) hold the weights an update starts from and
+    those right after it."""
+
+    verl_step: int  # verl's own step of the update (trainer.critic_warmup counts these)
+    before: int | None  # global_step_<before>; None: the models the config names, with a fresh optimizer (verl's first update)
+    after: int | None  # global_step_<after>; None: no checkpoint holds the weights right after this update
+    why_no_after: str | None = None  # why, where after is None though a checkpoint follows the update
+    place: str | None = None  # where the update sits in an asynchronous run, and the mode (None: a synchronous run)
+
+
+def update_checkpoints(trace, step: int) -> UpdateCheckpoints:
+    """The checkpoints of the update of trace step ``step`` (docs/definitions.md#policy-versions). verl saves one
+    per step of its own (``global_step_<n>``: the weights after step n), and fully async one per weight sync
+    (``global_step_<version>``). A synchronous or one-step-off update n starts from ``global_step_<n−1>``; a V1
+    separate_async step's first update from the checkpoint of the step before, and a fully async version's first
+    update from the checkpoint of that version; none holds where a later update of a step or a version starts
+    (the weights after the local updates before it): ReplayError, one line."""
+    from verl_ext.steps.versions import StepPlace, describe_mode, may_be_asynchronous
+
+    place = StepPlace.of(trace, step)
+    if not may_be_asynchronous(trace.record) or not place.asynchronous:
+        return UpdateCheckpoints(step, step - 1 if step > 1 else None, step)
+    mode, name, verl_step = describe_mode(trace.record.mode) or "an asynchronous mode", place.mode_name, place.verl_step
+    where = f"step {step} is {place.describe()} ({mode})"
+    if place.substep:  # a later update of a step (separate_async) or of a version (fully async)
+        of = f"version {place.trainer_version}" if name == "fully_async" else f"verl's step {verl_step}"
+        saved = "at each weight sync, as global_step_<version>" if name == "fully_async" else "after each of its steps"
+        raise ReplayError(
+            f"{where}: update {place.substep + 1} of {of} starts from the weights after its {place.substep} update(s) before it, and "
+            f"verl saves a checkpoint {saved} only: none holds them"
+        )
+    if name == "fully_async":
+        version = place.trainer_version
+        if version is None:
+            raise ReplayError(f"{where}: fully async names its checkpoints by weight version, and the trace does not say this update's")
+        after, why = (version + 1, None) if place.substep is None else (None, f"global_step_{version + 1} holds the weights after every update of version {version}")
+        return UpdateCheckpoints(verl_step, version or None, after, why, f"{place.describe()}; mode {mode}")
+    if name in ("separate_async", "colocate_async") and (place.updates or 1) > 1:
+        why = f"verl's checkpoint of step {verl_step} holds the weights after all {place.updates} of its updates"
+        return UpdateCheckpoints(verl_step, verl_step - 1 or None, None, why, f"{place.describe()}; mode {mode}")
+    return UpdateCheckpoints(verl_step, verl_step - 1 or None, verl_step, None, f"{place.describe()}; mode {mode}")
 
 
 def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progress: Callable[[str], None] | None = None) -> ModelReplay:
@@ -154,8 +211,12 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
         if OmegaConf.select(config, key, default=KeyError) is KeyError:
             raise ReplayError(f"override {key}: not a key of the run's verl config")
     check_overrides(trace, overrides, model=True)  # a value verl's config or verl-ext refuses: before any worker
-    if step > 1:
-        _require_the_runs_model(root / f"global_step_{step - 1}", config)
+    try:
+        checkpoints = update_checkpoints(trace, step)
+    except ReplayError as error:  # an update no checkpoint holds the start of: one line
+        raise ReplayError(f"{error}; --model-free replays its first mini-batch") from None
+    if checkpoints.before is not None:
+        _require_the_runs_model(root / f"global_step_{checkpoints.before}", config)
     correction = replayed_correction(trace, overrides.algorithm)
     algorithm = replayed_algorithm(trace, overrides, correction)
     tokens, whiten, change = None, None, None
@@ -171,7 +232,8 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
     if progress is not None:
         progress(f"step {step} with verl's workers, from {root} (a fresh process: seconds on a tiny model) ...")
     # ``work`` goes once read; where the workers failed, too (an unexpected failure keeps their log beside it: the error names it)
-    result = run_replay(str(trace.path), step, str(root), work, overrides.config, str(work / "tokens.parquet") if tokens is not None else None)
+    result = run_replay(str(trace.path), step, str(root), work, overrides.config, str(work / "tokens.parquet") if tokens is not None else None,
+                        checkpoints)  # fmt: skip
     try:
         recorded = {kind: trace.update_table(kind, step) for kind in kinds}
         replayed = {kind: pq.read_table(work / f"{kind}.parquet") for kind in result["tables"]}
@@ -192,7 +254,7 @@ def replay_with_model(trace, step: int, overrides: Overrides, root: Path, progre
         trace_path=str(trace.path), step=step, overrides=overrides, checkpoint=root, recorded=recorded, replayed=replayed,
         entries=entries, difference=difference, bitwise=bitwise, parameters=parameters, after=after,
         algorithm=algorithm, update=update_settings(merged), tokens=tokens, whiten=whiten,
-        logged={kind: trace.update_record(kind, step).logged for kind in kinds}, correction=change,
+        logged={kind: trace.update_record(kind, step).logged for kind in kinds}, correction=change, checkpoints=checkpoints,
     )  # fmt: skip
 
 
@@ -265,14 +327,20 @@ def _compare_parameters(replayed: Path, saved: Path) -> tuple[int, int, float] |
 def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
     """The verdict as recorded (update tables and parameters), and with overrides what moved: verl's
     logged metrics, the clip codes, and the policy after the step on the step's own tokens."""
-    step, before = replay.step, replay.checkpoint / f"global_step_{replay.step - 1}"
-    start = f"the checkpoint of step {step - 1} ({before})" if step > 1 else "the model the config names, with a fresh optimizer (step 1)"
+    step = replay.step
+    checkpoints = replay.checkpoints or UpdateCheckpoints(step, step - 1 if step > 1 else None, step)
+    before = replay.checkpoint / f"global_step_{checkpoints.before}"
+    if checkpoints.before is None:
+        start = "the model the config names, with a fresh optimizer (step 1)" if checkpoints.place is None else "the model the config names, with a fresh optimizer (verl's first update)"
+    else:
+        start = f"the checkpoint of step {checkpoints.before} ({before})" if checkpoints.place is None else f"verl's checkpoint {before.name} ({before})"
     rows = {kind: table.num_rows for kind, table in replay.recorded.items()}
     moved = _moved_tokens(replay, top)
     logged = {kind: {key: [replay.recorded_logged(kind).get(key), value] for key, value in entry.logged.items()} for kind, entry in replay.entries.items()}
     clip, clip_only = _clip_changes(replay)
     data = {
-        "trace": replay.trace_path, "step": step, "mode": "model", "start": str(before) if step > 1 else None,
+        "trace": replay.trace_path, "step": step, "mode": "model", "start": str(before) if checkpoints.before is not None else None,
+        **({} if checkpoints.place is None else {"update": checkpoints.place}),
         "as_recorded": None if replay.overrides.given else "REPRODUCED" if replay.reproduced else "DIFFERS", "rows": rows, "bitwise": replay.bitwise,
         "difference": None if replay.difference is None else dict(zip(("kind", "sample", "token_index", "epoch", "column", "recorded", "replayed"), replay.difference)),
         "parameters": replay.parameters, "overrides": replay.overrides.given, "logged": logged, "clip_changes": clip,
@@ -283,6 +351,8 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
         return json.dumps(data, indent=1, default=float)
     lines = [f"step {step} of {replay.trace_path}, with the model: verl's workers from {start}, updated by verl's own "
              f"update methods on the step's batch rebuilt from the trace ({', '.join(f'{kind} {n} rows' for kind, n in rows.items())})"]  # fmt: skip
+    if checkpoints.place is not None:
+        lines.append(f"the update: {checkpoints.place}")
     if replay.overrides.given:
         lines.append("as recorded: not replayed here (overrides given: run it without them for the proof)")
     elif replay.difference is not None:
@@ -293,10 +363,12 @@ def model_report(replay: ModelReplay, fmt: str = "text", top: int = 10) -> str:
         tables = ", ".join(f"{kind} {equal} of {total} rows bit for bit" for kind, (equal, total) in replay.bitwise.items())
         verdict = "REPRODUCED" if replay.reproduced else "DIFFERS"
         lines.append(f"as recorded: {verdict}: the update tables equal the recorded ones ({tables}; the rest within the limit of docs/inspecting.md#replaying-a-step)")
-    if replay.parameters is None:
-        lines.append(f"  parameters after the step: not compared (no checkpoint of step {step} under {replay.checkpoint})")
+    if replay.parameters is None and checkpoints.why_no_after is not None:
+        lines.append(f"  parameters after the step: not compared ({checkpoints.why_no_after})")
+    elif replay.parameters is None:
+        lines.append(f"  parameters after the step: not compared (no checkpoint of step {checkpoints.after} under {replay.checkpoint})")
     else:
-        lines.append(f"  parameters after the {'replayed ' if replay.overrides.given else ''}step against verl's checkpoint of step {step}: "
+        lines.append(f"  parameters after the {'replayed ' if replay.overrides.given else ''}step against verl's checkpoint of step {checkpoints.after}: "
                      + ", ".join(f"{kind} {equal} of {total} tensors bit for bit (max |Δ| {largest:.3g})" for kind, (equal, total, largest) in replay.parameters.items()))  # fmt: skip
     if not replay.overrides.given:
         return "\n".join(lines)
@@ -409,12 +481,18 @@ def write_model_replay(replay: ModelReplay, trace, out: str) -> Path:
     )  # fmt: skip
 
 
-def run_replay(trace_path: str, step: int, checkpoint_root: str, work: Path, overrides: list[str], tokens_file: str | None) -> dict[str, Any]:
+def run_replay(
+    trace_path: str, step: int, checkpoint_root: str, work: Path, overrides: list[str], tokens_file: str | None,
+    checkpoints: UpdateCheckpoints | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run the replay in a fresh interpreter; its result (``result.json``), with the update tables at
     ``work/<kind>.parquet`` and the replayed checkpoint under ``work/checkpoint``. ``tokens_file``: a
-    token table to take the step's advantages and returns from (another estimator's), else the trace's."""
+    token table to take the step's advantages and returns from (another estimator's), else the trace's;
+    ``checkpoints``: the update's (default: a synchronous run's step ``step``)."""
     work.mkdir(parents=True, exist_ok=True)
-    request = {"trace": trace_path, "step": step, "checkpoint": checkpoint_root, "work": str(work), "overrides": overrides, "tokens": tokens_file}
+    checkpoints = checkpoints or UpdateCheckpoints(step, step - 1 if step > 1 else None, step)
+    request = {"trace": trace_path, "step": step, "checkpoint": checkpoint_root, "work": str(work), "overrides": overrides, "tokens": tokens_file,
+               "verl_step": checkpoints.verl_step, "before": checkpoints.before, "after": checkpoints.after}  # fmt: skip
     (work / "request.json").write_text(json.dumps(request))
     env = {**os.environ, "VERL_EXT_CPU": "1"}  # the CPU backend's in-process workers (replay_with_model: CPU runs only)
     try:
@@ -610,22 +688,23 @@ def _main(request_path: str) -> int:
             config = OmegaConf.merge(config, OmegaConf.from_dotlist(request["overrides"]))
         tokens = pq.read_table(request["tokens"]) if request["tokens"] else None
         batch = rebuild_batch(trace, step, config, tokens)
-        before = Path(request["checkpoint"]) / f"global_step_{step - 1}"
+        first = request["before"] is None  # verl's first update starts from the model the config names, with a fresh optimizer
+        before = Path(request["checkpoint"]) / f"global_step_{request['before']}"
         init_single_rank_process_group()
         use_critic = need_critic(config)
         critic = critic_worker_group(config) if use_critic else None
         actor = actor_worker_group(config, "actor")
-        if step > 1:  # step 1 starts from the model the config names, with a fresh optimizer, as the run did
+        if not first:
             actor.load_checkpoint(str(before / "actor"), del_local_after_load=False)
             if critic is not None:
                 critic.load_checkpoint(str(before / "critic"), del_local_after_load=False)
         trainer = SimpleNamespace(config=config, actor_rollout_wg=actor, critic_wg=critic, distillation_config=None)
-        if step == 1 and critic is not None:
+        if first and critic is not None:
             _require_the_runs_initial_critic(trainer, batch, ((trace.record.update or {}).get("critic") or {}).get("dtype"))
         outputs = {}
         if critic is not None:
             outputs["critic"] = RayPPOTrainer._update_critic(trainer, batch)
-        if config.trainer.critic_warmup <= step:
+        if config.trainer.critic_warmup <= request["verl_step"]:
             outputs["actor"] = RayPPOTrainer._update_actor(trainer, batch)
         result: dict[str, Any] = {"tables": {}, "logged": {}, "parameters": None}
         for kind, output in outputs.items():
@@ -641,12 +720,12 @@ def _main(request_path: str) -> int:
         actor.save_checkpoint(str(saved / "actor"), global_step=step)
         if critic is not None:
             critic.save_checkpoint(str(saved / "critic"), global_step=step)
-        recorded_after = Path(request["checkpoint"]) / f"global_step_{step}"
-        if recorded_after.is_dir():
+        recorded_after = Path(request["checkpoint"]) / f"global_step_{request['after']}"
+        if request["after"] is not None and recorded_after.is_dir():
             result["parameters"] = {kind: _compare_parameters(saved / kind / MODEL_FILE, recorded_after / kind / MODEL_FILE) for kind in outputs}
         # the policy after the step, replayed and (from verl's checkpoint after the step) recorded
         after = {"replayed": RayPPOTrainer._compute_old_log_prob(trainer, batch)[0].batch["old_log_probs"].numpy()}
-        if recorded_after.is_dir():
+        if request["after"] is not None and recorded_after.is_dir():
             actor.load_checkpoint(str(recorded_after / "actor"), del_local_after_load=False)
             after["recorded"] = RayPPOTrainer._compute_old_log_prob(trainer, batch)[0].batch["old_log_probs"].numpy()
         np.savez(work / "after.npz", mask=batch.batch["response_mask"].numpy().astype(bool), **after)

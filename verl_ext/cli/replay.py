@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--checkpoint and --model-free: choose one")
     trace.require_step(args.step)
     root = replay_model.checkpoint_root(trace, args.checkpoint)
-    with_model = not args.model_free and (args.checkpoint is not None or replay_model.has_checkpoint_for(root, args.step))
+    with_model = not args.model_free and (args.checkpoint is not None or replay_model.has_checkpoint_for(root, args.step, trace))
     try:
         if with_model:
             def progress(line: str) -> None:
@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
             write = replay_model.write_model_replay
         else:
             if not args.model_free:
-                say([f"no checkpoint of step {args.step - 1} under {root}: model-free (give --checkpoint DIR)" if root else
-                      "the trace records no checkpoint directory (a trace before format 9): model-free"])  # fmt: skip
+                say([_why_model_free(trace, args.step, root)])
             result = replay_step(trace, args.step, Overrides.parse(args.overrides))
             report, write = replay_report(result, args.format, args.top), write_replay
         if args.out:
@@ -66,3 +65,14 @@ def run(args: argparse.Namespace) -> int:
     if args.out and args.format == "text":
         emit(f"written: {args.out} (verl-ext check {args.out}; verl-ext show {args.out} --step {args.step} --epoch 0)")
     return 0 if result.reproduced else 1
+
+
+def _why_model_free(trace, step: int, root) -> str:
+    """Why the replay of ``step`` goes without the model, where no option said so: one line."""
+    if root is None:
+        return "the trace records no checkpoint directory (a trace before format 9): model-free"
+    try:
+        before = replay_model.update_checkpoints(trace, step).before
+    except ReplayError as error:  # an asynchronous run's update whose start no checkpoint holds
+        return f"{error}: model-free"
+    return f"no checkpoint of step {before} under {root}: model-free (give --checkpoint DIR)"

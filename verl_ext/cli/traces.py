@@ -11,6 +11,7 @@ from verl_ext.errors import StepFileError, UsageError
 from verl_ext.inspect.render import ProgressPrinter
 from verl_ext.inspect.unread import UnreadSteps, last_step_that_reads
 from verl_ext.steps.recorded import RecordedRun
+from verl_ext.steps.versions import describe_mode
 from verl_ext.trace.parallel import MIN_PARALLEL_ROWS, default_jobs
 from verl_ext.trace.reader import open_trace
 
@@ -34,12 +35,14 @@ def open_run(path: str):
 
 
 def run_header(trace, fmt: str) -> str:
-    """The run's rollout engine and whether it finished, as a header of the output ("" for CSV)."""
+    """The run's rollout engine, whether it finished and, for an asynchronous trainer, its mode, as a header of
+    the output ("" for CSV)."""
     if fmt == "csv":
         return ""
     run = RecordedRun.of(trace)
     prefix = "" if fmt == "text" else "- "
-    return f"{prefix}rollout:  {run.describe_rollout()}\n{prefix}finished: {run.describe_end()}\n\n"
+    mode = describe_mode(trace.record.mode)  # an asynchronous trainer's (docs/definitions.md#policy-versions)
+    return f"{prefix}rollout:  {run.describe_rollout()}\n{prefix}finished: {run.describe_end()}\n" + (f"{prefix}mode:     {mode}\n" if mode else "") + "\n"
 
 
 def left_out(unread) -> int:

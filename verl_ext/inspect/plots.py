@@ -18,6 +18,9 @@ notebook (a returned Figure displays itself) and in ``verl-ext plot`` (Agg, save
   per step (p50, p99, max) and by position on one step, with what verl's rollout correction did there
   (the rejected share, the mean importance weight; docs/definitions.md#off-policy-tokens; needs the
   rollout's log-probs)
+* :func:`staleness_figure`: for verl's asynchronous trainers, the staleness of each step's responses, and
+  the update (|ratio − 1|, the share clipped) and the importance weights by staleness
+  (:mod:`verl_ext.inspect.plots_staleness`; needs the policy versions, docs/definitions.md#policy-versions)
 
 A figure that draws token text says so in a footnote when a character had to be shown as a code
 point, and warns (``FontFallbackWarning``, a :class:`PlotNote`).
@@ -52,6 +55,7 @@ from matplotlib.ticker import MaxNLocator
 from verl_ext.errors import UsageError
 from verl_ext.inspect import offpolicy
 from verl_ext.inspect.critic import MIN_EV_TOKENS, critic_diagnostics, explained_variance, steps_by_bucket
+from verl_ext.inspect.plots_staleness import has_staleness, staleness_figure
 from verl_ext.inspect.render import display_width
 from verl_ext.step_metrics import DECILES
 from verl_ext.steps.layout import Progress, StepData, as_trace
@@ -536,7 +540,8 @@ def save_plots(
     steps read them in ``jobs`` processes or as Ray tasks (:func:`verl_ext.trace.parallel.map_steps`).
 
     Figures that do not apply to the run (value vs return and the critic heatmap without values) are
-    left out, with a note; the off-policy figure without the rollout's log-probs, without one. Nothing is written unless every figure that applies could be drawn. Without ``step``
+    left out, with a note; the off-policy figure without the rollout's log-probs and the staleness figure without
+    policy versions, without one. Nothing is written unless every figure that applies could be drawn. Without ``step``
     (the last step that reads), the ratio against advantage is drawn at :func:`most_clipped_step`, and
     a :class:`PlotNote` says which when that is another step. ``unread``: where to note the steps whose
     files do not read, which the figures over steps then leave out (without it, such a step raises
@@ -556,6 +561,9 @@ def save_plots(
         "critic_ev.png": lambda: critic_heatmap(trace, progress, unread, jobs=jobs, ray_address=ray_address),
         # only for a run whose steps have the rollout's log-probs (none: not drawn, no note)
         f"offpolicy_step{step}.png": lambda: offpolicy_gap(trace, step, summary=summary()) if has_rollout_log_probs(summary()) else None,
+        # only for an asynchronous run's trace with policy versions (none: not drawn, no note)
+        "staleness.png": lambda: staleness_figure(trace, progress, unread, jobs=jobs, ray_address=ray_address, summary=summary())
+        if has_staleness(summary()) else None,
     }
     ratio_step = step if chosen is not None else most_clipped_step(trace, unread)
     if ratio_step is not None and ratio_step != step:  # the last step's ratios may all sit at 1 (the lr decayed)

@@ -28,6 +28,13 @@
   out (docs/definitions.md#off-policy-tokens; :mod:`verl_ext.offpolicy_metrics`); null where the run has
   no rollout log-probs, weights or rejection. :func:`offpolicy_notes` names the steps past verl's own
   warning levels
+* in a trace of verl's asynchronous trainers only (docs/definitions.md#policy-versions; the columns are
+  not there otherwise): ``global_step``, ``substep``, ``trainer_version``, the step's place in verl's loop
+  (verl's own step, which of its updates the trace step is, the policy version the update starts from);
+  ``staleness_mean``, ``staleness_max`` of each response's staleness trainer_version − policy_version_min,
+  ``stale_share`` the responses with a staleness above 0, ``spanned_share`` those whose generation spanned
+  a weight update (:func:`verl_ext.offpolicy_metrics.staleness_metrics`, over the responses whose version
+  is known); by staleness level: :func:`verl_ext.inspect.offpolicy.by_staleness`
 * ``truncated_share``, ``adv_truncated``, ``adv_rest`` (docs/definitions.md#truncated-responses): the
   share of the samples (with a valid token) cut at the length limit (the prompt table's ``truncated``),
   and the mean advantage the actor trained on (whitened as recorded) over the valid tokens of the cut
@@ -54,6 +61,7 @@ from verl_ext.steps.cuts import SECTION, StepCuts
 from verl_ext.steps.layout import Progress, StepData, as_trace
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.steps.update_rows import UpdateRows
+from verl_ext.steps.versions import StepPlace, StepVersions, may_be_asynchronous
 from verl_ext.trace.parallel import map_steps
 
 #: summary column -> the off-policy number it shows (verl_ext.offpolicy_metrics)
@@ -93,6 +101,16 @@ SUMMARY_SCHEMA = pa.schema(
         )
     ]
 )
+#: summary column -> the staleness number it shows (verl_ext.offpolicy_metrics.staleness_metrics)
+STALENESS_COLUMNS = {
+    "staleness_mean": off.STALENESS_MEAN, "staleness_max": off.STALENESS_MAX, "stale_share": off.STALE_SHARE,
+    "spanned_share": off.SPANNED_SHARE,
+}  # fmt: skip
+#: The columns a trace of an asynchronous run adds (after SUMMARY_SCHEMA's).
+STALENESS_SCHEMA = pa.schema(
+    [("global_step", pa.int64()), ("substep", pa.int64()), ("trainer_version", pa.int64()), ("staleness_mean", pa.float64()),
+     ("staleness_max", pa.int64()), ("stale_share", pa.float64()), ("spanned_share", pa.float64())]
+)  # fmt: skip
 _COLUMNS = ("score", "reward", "kl", "value", "return", "advantage_raw", "advantage", *offpolicy.COLUMNS)
 
 
@@ -105,14 +123,18 @@ def summarize(
     jobs: int = 1,
     ray_address: str | None = None,
 ) -> pa.Table:
-    """SUMMARY_SCHEMA, one row per step (all traced steps, or ``steps``), read one step at a time, in
+    """SUMMARY_SCHEMA (and STALENESS_SCHEMA's columns where a step is of an asynchronous run), one row per
+    step (all traced steps, or ``steps``), read one step at a time, in
     ``jobs`` processes or as Ray tasks (:func:`verl_ext.trace.parallel.map_steps`: the same rows).
     ``unread``: where to note a step whose files do not read, which is then left out (without it, such
     a step raises :class:`~verl_ext.errors.StepFileError`)."""
     trace = as_trace(trace)
     selected = list(trace.steps if steps is None else steps)
     outcomes = map_steps(trace, selected, summary_row, jobs=jobs, ray_address=ray_address, progress=progress)
-    return pa.Table.from_pylist([row for _, row in readable(outcomes, unread)], schema=SUMMARY_SCHEMA)
+    rows = [row for _, row in readable(outcomes, unread)]
+    asynchronous = any(row.get("global_step") is not None for row in rows)
+    schema = pa.schema([*SUMMARY_SCHEMA, *STALENESS_SCHEMA]) if asynchronous else SUMMARY_SCHEMA
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 def summary_row(trace, step: int) -> tuple[dict, int]:
@@ -122,7 +144,22 @@ def summary_row(trace, step: int) -> tuple[dict, int]:
     prompts = trace.prompts(step)
     row = step_summary(data, algorithm.gamma) | update_statistics(trace, step) | tool_statistics(prompts) | truncation_statistics(prompts, data)
     numbers = offpolicy.step_offpolicy(data, algorithm.correction)
-    return row | {column: numbers.get(name) for column, name in OFFPOLICY_COLUMNS.items()}, data.tokens
+    row |= {column: numbers.get(name) for column, name in OFFPOLICY_COLUMNS.items()}
+    if may_be_asynchronous(trace.record):
+        row |= staleness_statistics(StepVersions.of(StepPlace.of(trace, step), prompts))
+    return row, data.tokens
+
+
+def staleness_statistics(versions: StepVersions) -> dict:
+    """STALENESS_SCHEMA's columns of a step (module docstring); {} for a step of a synchronous run."""
+    place = versions.place
+    if not place.asynchronous:
+        return {}
+    numbers = versions.metrics()
+    row = {column: numbers.get(name) for column, name in STALENESS_COLUMNS.items()}
+    if row["staleness_max"] is not None:
+        row["staleness_max"] = int(row["staleness_max"])
+    return row | {"global_step": place.verl_step, "substep": place.substep, "trainer_version": place.trainer_version}
 
 
 def offpolicy_notes(summary: pa.Table) -> list[str]:
@@ -141,7 +178,22 @@ def blank_notes(trace, summary: pa.Table) -> list[str]:
     would look for a number: ``adv_dlogp_corr`` on a step of a trace with update tables (say, step 1
     of a run whose learning rate warms up from 0), the cut responses' columns on a step without flags."""
     trace = as_trace(trace)
-    return _correlation_notes(trace, summary) + _truncation_notes(summary)
+    return _correlation_notes(trace, summary) + _truncation_notes(summary) + _staleness_notes(summary)
+
+
+def _staleness_notes(summary: pa.Table) -> list[str]:
+    """Where a step of an asynchronous run has no staleness, why (a synchronous run's summary has no such column)."""
+    if "staleness_mean" not in summary.column_names:
+        return []
+    rows = summary.select(["step", "trainer_version", "staleness_mean"]).to_pylist()
+    no_version = [row["step"] for row in rows if row["staleness_mean"] is None and row["trainer_version"] is None]
+    no_response = [row["step"] for row in rows if row["staleness_mean"] is None and row["trainer_version"] is not None]
+    lines = []
+    if no_version:
+        lines.append(f"staleness is blank at {_steps_text(no_version)}: the trace does not say which policy version the update started from")
+    if no_response:
+        lines.append(f"staleness is blank at {_steps_text(no_response)}: no response's policy version is recorded (the rollout did not say)")
+    return lines
 
 
 def _truncation_notes(summary: pa.Table) -> list[str]:

@@ -55,6 +55,9 @@ class SampleView:
     prompt_text: str | None  # None without a tokenizer or prompt ids
     response_text: str | None
     prompt_token_ids: list[int] | None
+    #: where the step sits in an asynchronous run and the response's policy versions (docs/definitions.md#policy-versions),
+    #: one line; None for a synchronous run's step
+    versions: str | None = None
 
     @property
     def valid_tokens(self) -> int:
@@ -67,6 +70,8 @@ class SampleView:
             f"step {self.step} · sample {self.sample} · uid {self.uid} · {self.table.num_rows} tokens "
             f"({self.valid_tokens} valid) · {algorithm.describe()}"
         ]
+        if self.versions is not None:
+            lines.append(f"versions: {self.versions}")
         if self.prompt_text is not None:
             lines.append(f"prompt:   {visible(self.prompt_text, show_spaces=False)}")
         if self.response_text is not None:
@@ -141,7 +146,29 @@ def sample_view(trace, step: int, sample: int, tokenizer=None, epoch: int | None
         prompt_text=decoder.text(prompt_ids) if prompt_ids is not None else None,
         response_text=_response_text(decoder, token_ids, _own(rows, mask)),
         prompt_token_ids=prompt_ids,
+        versions=versions_line(trace, step, sample),
     )
+
+
+def versions_line(trace, step: int, sample: int) -> str | None:
+    """``verl step 2, update 2 of 2, trainer version 2 · policy version 1 (staleness 1)``: the step's place in an
+    asynchronous run and the response's policy versions; None for a synchronous run's step."""
+    from verl_ext.steps.versions import StepVersions, may_be_asynchronous
+
+    if not may_be_asynchronous(trace.record):
+        return None
+    versions = StepVersions.read(trace, step)
+    place = versions.place.describe()
+    if place is None:
+        return None
+    at = {name: values[0] for name, values in versions.at(np.array([sample])).items()}
+    low, high, staleness = at["version_min"], at["version_max"], at["staleness"]
+    if not np.isfinite(low):
+        return f"{place} · policy version not recorded (the rollout did not say)"
+    if np.isfinite(high) and high > low:
+        text = f"policy versions {low:.0f}–{high:.0f} (its generation spanned a weight update"
+        return f"{place} · {text}" + (f"; staleness {staleness:.0f})" if np.isfinite(staleness) else ")")
+    return f"{place} · policy version {low:.0f}" + (f" (staleness {staleness:.0f})" if np.isfinite(staleness) else "")
 
 
 def _offpolicy_columns(rows: pa.Table) -> dict[str, pa.Array]:

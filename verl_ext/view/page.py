@@ -41,7 +41,7 @@ DATA_ID = "verl-ext-data"
 #: The viewer's script files under ``static/``, in the order the page runs them: each adds to one
 #: namespace object (``window.verlExtViewer``) what the later ones use.
 SCRIPTS = (
-    "viewer_state.js", "viewer_dom.js", "viewer_data.js", "viewer_colour.js",
+    "viewer_state.js", "viewer_dom.js", "viewer_data.js", "viewer_colour.js", "viewer_versions.js",
     "viewer_glyphs.js", "viewer_render.js", "viewer.js",
 )
 _ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026", 0x2028: "\\u2028", 0x2029: "\\u2029"}

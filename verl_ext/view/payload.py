@@ -13,11 +13,15 @@ encodes only: every statistic, flag and re-estimate comes from :mod:`verl_ext.in
 * :class:`StepSource`: one step read once (token table, prompts, update tables), and from it
   - :meth:`~StepSource.overview`: every sample of the step with its flags (wrong answer, truncated,
     clipped by PPO, non-finite), its assistant turns, tool calls and rejected tokens, the PPO epochs,
-    and the colour scale of each quantity over the step;
+    and the colour scale of each quantity over the step; in a trace of verl's asynchronous trainers also the
+    step's place in verl's loop, each sample's policy versions and staleness, and the step's versions and
+    staleness levels (docs/definitions.md#policy-versions);
   - :meth:`~StepSource.chunk`: the tokens of some samples: decoded pieces, every column of the token
     table (a token's role as its index in ``role_names``, NO_CODE when unknown; ``rejected``, by verl's
     rollout correction, as 0/1 where the run records it, else null), the estimators' raw
-    advantages re-estimated (``td0``'s is δ_t), and per PPO epoch the update rows of each token;
+    advantages re-estimated (``td0``'s is δ_t), and per PPO epoch the update rows of each token; in an
+    asynchronous run's trace, ``policy_version`` and ``staleness`` among the columns: each token of the
+    policy's the value of its response (null elsewhere, and where unknown);
   - :meth:`~StepSource.statistics`: the step's ``summary`` row, whitening μ/σ, the estimators
     compared (what ``verl-ext compare`` computes) and the ``check`` failures located in the step.
 
@@ -46,6 +50,7 @@ from verl_ext.steps.cuts import BOOTSTRAP_COLUMN, StepCuts
 from verl_ext.steps.layout import StepData, StepLayout, floats, join_keys, locate
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.steps.update_rows import UpdateRows
+from verl_ext.steps.versions import StepPlace, StepVersions, describe_mode, may_be_asynchronous
 from verl_ext.trace import schema
 from verl_ext.trace.reader import listing
 
@@ -121,7 +126,17 @@ QUANTITIES = (
     ("vf_loss", "update", "value-loss term (epoch)"),
     ("log_ratio", "difference", "log-ratio ℓ = log π_old − log π_rollout", ("old_log_prob", "rollout_log_prob")),
     ("rollout_is_weight", "column", "importance weight w_t (verl's rollout_is_weight)"),
+    ("policy_version", "column", "policy version (of the weights that generated the response)"),
+    ("staleness", "column", "staleness (trainer version − policy version)"),
 )  # fmt: skip
+#: The quantities of a response, not of a token (docs/definitions.md#policy-versions): each token the policy
+#: wrote has its response's; coloured by level, not on a scale: a colour per version ("palette"), white to red
+#: by staleness ("sequential"). Sent as columns of the chunk, only in a trace of an asynchronous run.
+RESPONSE_LEVELS = {"policy_version": "palette", "staleness": "sequential"}
+#: The summary's staleness fields the step line shows (verl_ext.inspect.summary.STALENESS_SCHEMA; the step's
+#: place, its global step, sub-step and trainer version, is said beside the step's number).
+STALENESS_LABELS = {"staleness_mean": "mean staleness", "staleness_max": "largest staleness", "stale_share": "stale share",
+                    "spanned_share": "spanned share"}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- what the page knows
@@ -161,8 +176,10 @@ def page_schema() -> dict:
         quantity = {"key": key, "label": label, "kind": kind, "name": list(name) if isinstance(name, tuple) else name}
         if quantity["key"] in CENTRES:
             quantity["centre"] = CENTRES[quantity["key"]]
-        if quantity["key"] in OWN_TOKENS:
+        if quantity["key"] in OWN_TOKENS or quantity["key"] in RESPONSE_LEVELS:
             quantity["own"] = True
+        if quantity["key"] in RESPONSE_LEVELS:
+            quantity["levels"] = RESPONSE_LEVELS[quantity["key"]]
         if quantity["kind"] == "update" and shown.get(quantity["name"]) == "code":
             quantity["categorical"] = True
         quantities.append(quantity)
@@ -175,6 +192,7 @@ def page_schema() -> dict:
         "float_columns": [column.name for column in schema.FLOAT_COLUMNS],
         "update_columns": [{"name": name, "kind": kind} for name, kind in shown.items()],
         "summary_fields": [{"key": name, "label": SUMMARY_LABELS.get(name, name), "digits": SUMMARY_DIGITS.get(name, 4)} for name in fields],
+        "staleness_fields": [{"key": name, "label": label, "digits": 3} for name, label in STALENESS_LABELS.items()],
         "quantities": quantities,
     }
 
@@ -239,7 +257,9 @@ def run_info(trace, decoder, unread=None) -> dict:
     run = RecordedRun.of(trace)
     unread = UnreadSteps.of(trace) if unread is None else unread
     unfinished = f"the run did not finish: {run.steps_done()}" if run.finished is False else None
+    mode = describe_mode(record.mode)  # an asynchronous trainer's: said in the run's line
     return clean({
+        **({"mode": mode} if mode else {}),
         "path": str(trace.path),
         "estimator": algorithm.describe(),
         "rollout": run.describe_rollout(),
@@ -294,7 +314,13 @@ class StepSource:
         self._prompt_flags[BOOTSTRAP_COLUMN] = (
             prompts.column(BOOTSTRAP_COLUMN).to_pylist() if BOOTSTRAP_COLUMN in prompts.column_names else [None] * prompts.num_rows
         )
-        self.whiten = trace.step_record(step).whiten
+        entry = trace.step_record(step)
+        self.whiten = entry.whiten
+        versions = StepVersions.of(StepPlace.of(trace, step, entry), prompts) if may_be_asynchronous(trace.record) else None
+        #: the step's place in an asynchronous run (its dict), and its responses' policy versions where it records
+        #: them; None for a synchronous run's step (and None for the versions of a step that records none)
+        self.place = None if versions is None else versions.place.as_dict()
+        self.versions = versions if versions is not None and versions.known else None
         self.updates = {kind: done[kind] for kind in kinds}  # in UPDATE_COLUMNS' order: the actor's first
         self.epochs = sorted({epoch for shown in self.updates.values() for epoch in shown.rows.epochs()})
         self._estimates: tuple[dict[str, np.ndarray], list[str]] | None = None
@@ -324,6 +350,7 @@ class StepSource:
         keys = _prompt_keys(self._prompt_ids)
         flags = self._prompt_flags
         rejected = None if layout.rejected is None else np.bincount(layout.row_sample, weights=layout.rejected, minlength=layout.samples)
+        sample_versions = None if self.versions is None else self._sample_versions(layout.sample_ids)
         entries = []
         for i, sample in enumerate(layout.sample_ids.tolist()):
             row = self._prompt_row.get(sample)
@@ -343,8 +370,11 @@ class StepSource:
                 "clipped": bool(flagged["clipped"][i]),
                 "nonfinite": bool(flagged["nonfinite"][i]),
                 "prompt": None if row is None else keys[row],
+                **({} if sample_versions is None else {name: values[i] for name, values in sample_versions.items()}),
             })  # fmt: skip
         return clean({
+            **({} if self.place is None else {"place": self.place}),
+            **({} if self.versions is None else {"levels": self._levels(sample_versions)}),
             "step": self.step,
             "rows": self.table.num_rows,
             "valid": len(layout.valid_rows),
@@ -355,6 +385,32 @@ class StepSource:
             "scales": scales,
             "whiten": whitening(self.whiten),
         })  # fmt: skip
+
+    def _sample_versions(self, sample_ids: np.ndarray) -> dict[str, list]:
+        """Per sample: version_min, version_max, staleness (None where unknown), as the overview sends them."""
+        at = self.versions.at(sample_ids)
+        return {name: [None if not np.isfinite(v) else int(v) for v in values] for name, values in at.items()}
+
+    def _levels(self, sample_versions: dict[str, list]) -> dict[str, list[int]]:
+        """The step's policy versions and staleness levels (the legends of the tokens coloured by them)."""
+        return {
+            "policy_version": sorted({v for v in sample_versions["version_min"] if v is not None}),
+            "staleness": sorted({v for v in sample_versions["staleness"] if v is not None}),
+        }
+
+    def _version_columns(self, part: pa.Table) -> dict[str, np.ndarray]:
+        """policy_version (and policy_version_max where a response spans a weight update), staleness: at each
+        row of ``part`` the value of its response on the policy's own tokens (valid or rejected), NaN elsewhere
+        and where unknown."""
+        at = self.versions.at(part.column("sample").to_numpy())
+        own = part.column("mask").to_numpy(zero_copy_only=False).copy()
+        rejected = part.column("rejected")
+        if rejected.null_count < len(rejected):
+            own |= rejected.fill_null(False).to_numpy(zero_copy_only=False)
+        columns = {"policy_version": at["version_min"], "staleness": at["staleness"]}
+        if np.any(at["version_max"] > at["version_min"]):
+            columns["policy_version_max"] = at["version_max"]
+        return {name: np.where(own, values, np.nan) for name, values in columns.items()}
 
     # ------------------------------------------------------------------ tokens
 
@@ -381,6 +437,10 @@ class StepSource:
                 nulls[name] = encode(column.is_null().to_numpy(zero_copy_only=False), "u1")
         if token_ids.null_count:
             nulls["token_id"] = encode(token_ids.is_null().to_numpy(zero_copy_only=False), "u1")
+        if self.versions is not None:  # a response's versions on each of its tokens (the policy's own)
+            for name, values in self._version_columns(part).items():
+                columns[name] = encode(np.nan_to_num(values, nan=0.0), "f4")
+                nulls[name] = encode(np.isnan(values), "u1")
         estimates = {label: encode(values, "f4") for label, values in self._chunk_estimates(rows, part).items()}
         return clean({
             "step": self.step,

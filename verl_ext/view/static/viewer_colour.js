@@ -53,6 +53,7 @@
     const mask = decode(view.chunk.mask), rejected = q.own ? decode(view.chunk.rejected) : null;
     const shown = (row) => mask[row] === 1 || (rejected !== null && rejected[row] === 1);
     const values = spans.map((span, i) => (shown(view.begin + i) ? valueOf(q, view.chunk, view.begin + i, view.epoch) : null));
+    if (q.levels) { viewer.colourLevels(view, q, spans, values, legend); return; }  // a response's version or staleness (viewer_versions.js)
     if (q.categorical) {
       spans.forEach((span, i) => paint(span, values[i] === null || !(values[i] in CLIP_COLOURS) ? null : `clip-${values[i]}`));
       legend.appendChild(document.createTextNode(`${q.label}, epoch ${view.epoch}:`));
@@ -89,5 +90,5 @@
     legend.appendChild(el("span", { class: "muted", text: ` (±the largest |x${centre ? ` − ${centre}` : ""}| over ${over})` }));
   }
 
-  Object.assign(viewer, { colourRules: colourRules, colourTokens: colourTokens });
+  Object.assign(viewer, { colourRules: colourRules, colourTokens: colourTokens, paint: paint, diverging: diverging, shade: shade });
 })(window.verlExtViewer);

@@ -156,6 +156,11 @@
       const values = decode(chunk.columns[name]), nulls = chunk.nulls[name] ? decode(chunk.nulls[name]) : null;
       fields.push({ key: name, label: name, group: "column", checks: "valid", read: (row) => (nulls && nulls[row] === 1 ? null : values[row]) });
     }
+    for (const name of Object.keys(chunk.columns)) {  // a response's policy version and staleness on its tokens (asynchronous runs)
+      if (COLUMNS.includes(name)) continue;
+      const values = decode(chunk.columns[name]), nulls = chunk.nulls[name] ? decode(chunk.nulls[name]) : null;
+      fields.push({ key: name, label: name, group: "column", read: (row) => (nulls && nulls[row] === 1 ? null : values[row]) });
+    }
     for (const q of BASE_QUANTITIES) {
       if (q.kind === "difference" && available(q, chunk)) {
         fields.push({ key: q.key, label: q.label, group: "column", read: (row) => valueOf(q, chunk, row) });

@@ -4,8 +4,9 @@
 (function (viewer) {
   "use strict";
 
-  const { DATA, SERVED, BASE_QUANTITIES, SUMMARY_FIELDS, NO_CODE, $, el, clear, fmt, link } = viewer;
+  const { DATA, SERVED, BASE_QUANTITIES, SUMMARY_FIELDS, STALENESS_FIELDS, NO_CODE, $, el, clear, fmt, link } = viewer;
   const { decode, stepsShown, fileChunk, sameprompt, quantities, tokenFields, colourTokens, appendGlyphNote } = viewer;
+  const { stepPlace, versionText, staleBadge } = viewer;  // an asynchronous run's policy versions (viewer_versions.js)
   let pinned = null;  // the token span whose details show when the mouse is not on a token
   let current = null;  // the view the tokens on the page were drawn from
   let listKey = null;  // what the sample list was drawn for
@@ -24,6 +25,7 @@
   function renderHeader(run) {
     $("title").textContent = `verl-ext view · ${run.path}`;
     const parts = [run.estimator, `${run.trainer} trainer`, `verl ${run.verl_version}`, `rollout ${run.rollout}`, `${run.steps.length} steps traced`];
+    if (run.mode) parts.splice(2, 0, run.mode);  // an asynchronous trainer's mode and its settings
     parts.push(run.tokenizer ? `tokenizer ${run.tokenizer}` : "no tokenizer: tokens shown as ids");
     $("run-line").textContent = parts.join(" · ");
     const notes = clear($("notes"));
@@ -70,6 +72,7 @@
     if (s.clipped) out.push(el("span", { class: "badge clipped", title: "PPO clipped some of its tokens", text: "clip" }));
     if (s.rejected > 0) out.push(el("span", { class: "badge rejected", title: `${s.rejected} token(s) rejected by verl's rollout correction`, text: "rej" }));
     if (s.nonfinite) out.push(el("span", { class: "badge nonfinite", title: "a value is NaN, infinite or missing", text: "NaN" }));
+    if (s.staleness > 0) out.push(staleBadge(s));
     if (s.tool_calls > 0) out.push(el("span", { class: "badge tool", title: `${s.tool_calls} tool call(s), ${s.turns} assistant turns`, text: "tool" }));
     return out;
   }
@@ -106,10 +109,10 @@
   function renderSummary(view, stats) {
     const box = clear($("step-summary"));
     box.appendChild(el("b", { text: `step ${view.step}` }));
-    box.appendChild(document.createTextNode(" "));
+    box.appendChild(document.createTextNode(`${stepPlace(view.info)} `));
     const summary = stats && stats.summary;
     const items = [];  // [key, label, value, decimals]
-    if (summary) for (const f of SUMMARY_FIELDS) items.push([f.key, f.label, summary[f.key], f.digits]);
+    if (summary) for (const f of SUMMARY_FIELDS.concat(STALENESS_FIELDS || [])) items.push([f.key, f.label, summary[f.key], f.digits]);
     else items.push(["tokens", "tokens", view.info.valid, 0]);  // the step's valid tokens, until the summary comes
     const whiten = (stats && stats.whiten) || view.info.whiten;
     if (whiten) items.push(["whiten_mean", "whitening μ", whiten.mean, 4], ["whiten_sigma", "σ", whiten.sigma, 4]);
@@ -187,7 +190,7 @@
     if (view.sample === null) { head.textContent = "this step has no responses"; return; }
     const meta = view.info.samples.find((s) => s.sample === view.sample);
     head.appendChild(el("b", { text: `step ${view.step} · sample ${view.sample}` }));
-    head.appendChild(document.createTextNode(` · uid ${meta.uid} · ${meta.rows} tokens (${meta.valid} valid) · score ${fmt(meta.score, 3)} · ${meta.truncated ? "truncated at the length limit" : meta.eos ? "ended with EOS" : "no EOS"}${meta.rejected ? ` · ${meta.rejected} rejected by verl's rollout correction (struck through)` : ""}`));
+    head.appendChild(document.createTextNode(` · uid ${meta.uid} · ${meta.rows} tokens (${meta.valid} valid) · score ${fmt(meta.score, 3)} · ${meta.truncated ? "truncated at the length limit" : meta.eos ? "ended with EOS" : "no EOS"}${meta.rejected ? ` · ${meta.rejected} rejected by verl's rollout correction (struck through)` : ""}${versionText(meta)}`));
     for (const badge of badges(meta)) head.appendChild(badge);
     if (!view.chunk) {
       response.appendChild(el("span", { class: "muted", text: "this response is not in this file (its step was cut to fit the page's size); verl-ext view TRACE serves every response" }));

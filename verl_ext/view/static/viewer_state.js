@@ -22,6 +22,7 @@
     clipped: (s) => s.clipped,
     nonfinite: (s) => s.nonfinite,
     rejected: (s) => s.rejected > 0,
+    stale: (s) => s.staleness > 0,
     tool: (s) => s.tool_calls > 0,
     notool: (s) => s.tool_calls === 0,
   };
@@ -55,6 +56,7 @@
     UPDATE_COLUMNS: UPDATE_COLUMNS,
     UPDATE_KIND: Object.fromEntries(UPDATE_COLUMNS.map((c) => [c.name, c.kind])),
     SUMMARY_FIELDS: DATA.summary_fields,  // [{key, label, digits}] of the summary row the step line shows
+    STALENESS_FIELDS: DATA.staleness_fields,  // the same, of an asynchronous run's summary row (absent otherwise)
     BASE_QUANTITIES: BASE_QUANTITIES,
     CLIP_COLOURS: DATA.clip_colours,  // clip code -> the colour of its tokens
     CLIP_NONE: DATA.clip_none,  // the code of an unclipped token (light: dark text on it)
