@@ -11,13 +11,15 @@
     print(comparison_report(compare(trace, 3)))    # the text `verl-ext compare --step 3` prints
     critic_diagnostics(trace).to_pandas()          # the critic against the MC return, per step and position
     print(critic_report(critic_diagnostics(trace), gamma=0.99))  # `summary --critic`'s text (γ: the run's)
+    by_staleness(trace).to_pandas()                # an asynchronous run: the update by staleness (`summary --by-staleness`)
     plots.advantage_heatmap(trace, 3, 0)           # matplotlib Figures (import matplotlib on use)
     connect(trace).sql("SELECT step, avg(advantage) FROM tokens WHERE mask GROUP BY step").df()  # DuckDB
     check_trace(trace, jobs=4)                     # the steps in 4 processes (summarize too; ray_address=...)
 
 Every function takes an open trace or a path. The checker (``check_trace`` and its report, exported
 here too) is in :mod:`verl_ext.check`; the step both read is :mod:`verl_ext.steps`'s. Modules:
-``table`` (the per-token table, decoded tokens); ``summary`` (one row per step); ``comparison`` (the
+``table`` (the per-token table, decoded tokens); ``summary`` (one row per step); ``offpolicy`` (the
+off-policy numbers of a step, and by staleness in an asynchronous run); ``comparison`` (the
 estimators side by side on one step); ``critic`` (the critic's values against the Monte-Carlo return,
 by position); ``sql`` (DuckDB views over every table); ``unread`` (the steps a scan could not read: missing on disk, or whose files do not
 read, and how the commands say so); ``plots``; ``render`` (text, CSV, Markdown, the check report,
@@ -49,6 +51,8 @@ _EXPORTS = {
     "critic_report": "verl_ext.inspect.critic",
     "connect": "verl_ext.inspect.sql",
     "steps_by_bucket": "verl_ext.inspect.critic",
+    "by_staleness": "verl_ext.inspect.offpolicy",
+    "staleness_report": "verl_ext.inspect.offpolicy",
 }
 _names, _exported = lazy_exports(__name__, _EXPORTS)
 __all__ = [*_names, "plots"]
