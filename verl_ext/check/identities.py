@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from verl_ext.check import correction_checks, update_checks
+from verl_ext.check import async_checks, correction_checks, update_checks
 from verl_ext.check.results import ELEMENTWISE, EXACT, Tolerance
 from verl_ext.steps.recorded import RecordedAlgorithm
 from verl_ext.check.token_checks import ACCUMULATED, STATISTICS, WHITENING, TokenStep, steps_on_disk
@@ -80,6 +80,15 @@ def _weights_title(a: RecordedAlgorithm) -> str:
 
 def _rejection_title(a: RecordedAlgorithm) -> str:
     return f"rejected = the policy's tokens {', '.join(option.name for option in a.correction.rejection)} reject"
+
+
+def _staleness_title(a: RecordedAlgorithm) -> str:
+    mode = a.mode or {}
+    if mode.get("name") == async_checks.FULLY_ASYNC:
+        budget = int(mode["max_required_samples"]) - int(mode["required_samples"]) * int(mode["trigger_parameter_sync_step"])
+        return f"at each weight sync ≤ {budget} prompts of older weights trained after it (staleness_threshold={mode['staleness_threshold']:g})"
+    bound, _ = async_checks.staleness_bound(mode)
+    return "staleness: no bound per response in this mode" if bound is None else f"staleness = trainer_version − policy_version_min ≤ {bound}"
 
 
 def _accumulated(a: RecordedAlgorithm) -> bool:
@@ -157,6 +166,19 @@ IDENTITIES = (
         "offpolicy_logged", "8.8", TOKEN, "verl's logged rollout_corr/… numbers = the same definitions over the rows",
         correction_checks.LOGGED, correction_checks.logged_numbers, counts="metric",
         applies=lambda a: a.correction is not None and not a.correction.bypass_mode,
+    ),
+    # docs/definitions.md#policy-versions: only in the report of an asynchronous run (its record names the mode)
+    Identity(
+        "policy_versions", "8.9", RUN, "policy_version_min ≤ policy_version_max ≤ trainer_version", EXACT,
+        async_checks.policy_versions, counts="response", applies=lambda a: a.asynchronous,
+    ),
+    Identity(
+        "staleness", "8.9", RUN, _staleness_title, EXACT, async_checks.staleness,
+        counts="response", applies=lambda a: a.asynchronous,
+    ),
+    Identity(
+        "async_logged", "8.9", RUN, "verl's logged fully_async/… counts = the same counts over the rows", async_checks.COUNT,
+        async_checks.logged_counts, counts="metric", applies=lambda a: (a.mode or {}).get("name") == async_checks.FULLY_ASYNC,
     ),
     Identity(
         "update_rows", "8.6", UPDATE, "each valid token trained once per epoch; rows join the token table; count as recorded",

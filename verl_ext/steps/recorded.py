@@ -48,6 +48,9 @@ class RecordedAlgorithm:
     correction: Any = None
     #: the rollout's truncated sampling (:func:`truncated_sampling`), None where it sampled from the whole distribution
     truncated_sampling: str | None = None
+    #: how the trainer overlapped generation and training (RunRecord.mode: {"name", settings}); None: a trace
+    #: before format 11 (synchronous)
+    mode: Mapping[str, Any] | None = None
 
     @classmethod
     def from_record(cls, record) -> "RecordedAlgorithm":
@@ -64,6 +67,7 @@ class RecordedAlgorithm:
             rollout=(getattr(record, "rollout", None) or {}).get("name"),
             correction=recorded_correction(algorithm),
             truncated_sampling=truncated_sampling(getattr(record, "rollout", None)),
+            mode=getattr(record, "mode", None) if isinstance(getattr(record, "mode", None), Mapping) else None,
         )
         gamma = algorithm.get("gamma", 1.0)
         for key in ("gamma", "lam"):
@@ -91,6 +95,11 @@ class RecordedAlgorithm:
         except ValueError as exc:
             raise TraceError(f"run record: {exc}") from None
         return cls(name, float(gamma), estimator, settings, None, settings["whiten_advantages"], **recorded)
+
+    @property
+    def asynchronous(self) -> bool:
+        """The run overlapped generation and training (its record names a mode other than sync)."""
+        return self.mode is not None and self.mode.get("name") not in (None, "sync")
 
     @property
     def recomputable(self) -> bool:
