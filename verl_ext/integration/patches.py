@@ -134,10 +134,30 @@ def wrap_rollout_correction(original: Callable) -> Callable:
 
 
 def _wrap_fit(original: Callable, trainer_kind: str, check: Callable[[Any], None] | None = None) -> Callable:
+    """verl's ``fit`` inside verl-ext's run (:func:`step.fit_session`): a coroutine function stays one (the
+    one-step-off and fully-async trainers' ``async def fit``). A ``fit`` reached from another one already in
+    a run of the same trainer (a subclass's wrapped fit calling ``super().fit()``) is verl's alone."""
     from verl_ext.integration import loggers, step
+
+    if inspect.iscoroutinefunction(original):
+
+        @functools.wraps(original)
+        async def async_fit(self, *args, **kwargs):
+            if step.current_run().trainer is self:
+                return await original(self, *args, **kwargs)
+            if check is not None:
+                check(self)
+            with loggers.finished_when_fit_ends(), step.fit_session(self, trainer_kind) as run:
+                result = await original(self, *args, **kwargs)
+                run.fit_returned()
+                return result
+
+        return async_fit
 
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
+        if step.current_run().trainer is self:
+            return original(self, *args, **kwargs)
         if check is not None:
             check(self)
         # verl's loggers made in fit() are finished when it ends (verl_ext.integration.loggers: W&B lost the run)
@@ -152,14 +172,13 @@ def _wrap_fit(original: Callable, trainer_kind: str, check: Callable[[Any], None
 
 
 def wrap_legacy_fit(original: Callable) -> Callable:
+    """verl's ``RayPPOTrainer.fit``, and the fits of its experimental subclasses (separation, one-step-off,
+    fully async: the same advantage step, on the same kind of batch)."""
     return _wrap_fit(original, "legacy")
 
 
 def wrap_v1_fit(original: Callable) -> Callable:
-    from verl_ext.integration.trainer_modes import check_v1_trainer
-
-    # a run made without verl's main (which validates first) is stopped here, before its first step
-    return _wrap_fit(original, "v1", check=check_v1_trainer)
+    return _wrap_fit(original, "v1")
 
 
 # --------------------------------------------------------------------------- trainers with their own fit

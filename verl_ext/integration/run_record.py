@@ -10,16 +10,20 @@ from typing import Any
 from verl_ext.options import TraceOptions
 
 
-def run_record(config: Any, kind: str, options: TraceOptions, trainer: Any = None):
+def run_record(config: Any, kind: str, options: TraceOptions, trainer: Any = None, mode: dict | None = None):
     """The run's settings the checker needs (the writer adds the schema version and the steps), the
-    steps ``trainer`` plans, its rollout engine, and ``finished`` False until ``fit()`` returns."""
+    steps ``trainer`` plans (trace steps: one per update), its rollout engine, how it overlaps generation and
+    training (``mode``, :func:`verl_ext.integration.async_modes.run_mode`; computed here when not given), and
+    ``finished`` False until ``fit()`` returns."""
     import verl
     from omegaconf import OmegaConf
 
     import verl_ext
     from verl_ext import registry
+    from verl_ext.integration import async_modes
     from verl_ext.trace.schema import RunRecord
 
+    mode = async_modes.run_mode(config, trainer, kind) if mode is None else mode
     algorithm = config.algorithm
     name = registry.name_of(algorithm.adv_estimator)
     settings: dict[str, Any] = {"adv_estimator": name, "gamma": float(algorithm.gamma), "lam": float(algorithm.lam)}
@@ -53,9 +57,10 @@ def run_record(config: Any, kind: str, options: TraceOptions, trainer: Any = Non
         host=socket.gethostname(),
         node=_ray_node(),
         finished=False,
-        planned_steps=planned_steps(config, trainer),
+        planned_steps=async_modes.planned_updates(mode, trainer, planned_steps(config, trainer)),
         rollout=rollout_engine(config.actor_rollout_ref.rollout, engine_dtype(trainer)),
         config=resolved_config(config),
+        mode=mode,
     )
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from verl_ext import stopping
-from verl_ext.integration import estimate, metrics_hook, nonfinite_hook, trace_hook, truncation_hook, turn_rewards_hook
+from verl_ext.integration import async_modes, estimate, metrics_hook, nonfinite_hook, trace_hook, truncation_hook, turn_rewards_hook
 from verl_ext.integration.agent_turns import TURNS_KEY
 from verl_ext.integration.stop_reasons import STOP_REASON_KEY
 from verl_ext.options import (
@@ -72,10 +72,22 @@ class Run:
     writer: Any = None  # the TraceWriter, while the run traces
     #: algorithm.rollout_correction (verl_ext.rollout_correction.Correction); None: none
     correction: Any = None
+    #: how the trainer overlaps generation and training (the run record's mode: async_modes.run_mode)
+    mode: Any = None
 
     def global_step(self) -> int | None:
-        steps = getattr(self.trainer, "global_steps", None)
-        return None if steps is None else int(steps)
+        """verl's own step (``global_steps``), which ``verl_ext.trace.every`` selects."""
+        return async_modes.traced_verl_step(self.trainer)
+
+    def position(self) -> async_modes.UpdatePosition | None:
+        """Where the update in progress sits: its trace step, verl's step and sub-step, the trainer's version."""
+        return None if self.trainer is None else async_modes.position(self.trainer, self.kind, self.mode)
+
+    def trace_step(self) -> int | None:
+        """The trace's step of the update in progress: verl's step, except where one of verl's steps runs
+        several updates (V1's parameter_sync_step > 1), each its own trace step (async_modes)."""
+        place = self.position()
+        return None if place is None else place.trace_step
 
     def traces_current_step(self) -> bool:
         return self.writer is not None and self.trace.traces_step(self.global_step())
@@ -109,11 +121,12 @@ def fit_session(trainer: Any, kind: str) -> Iterator[Run]:
         truncation=truncation_hook.mode_of(config.get("algorithm")),
         trace=TraceOptions.from_config(config),
         correction=Correction.from_config((config.get("algorithm") or {}).get("rollout_correction")),
+        mode=async_modes.run_mode(config, trainer, kind),
     )
     global _current
     with contextlib.ExitStack() as stack:
         if run.trace.enabled:
-            run = dataclasses.replace(run, writer=stack.enter_context(trace_hook.open_trace(trainer, kind, run.trace)))
+            run = dataclasses.replace(run, writer=stack.enter_context(trace_hook.open_trace(trainer, kind, run.trace, run.mode)))
         outer, _current = _current, run
         try:
             yield run
@@ -155,7 +168,7 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
     runs verl's own), in the order of the module's story."""
     from verl_ext import registry
 
-    data, traced, step = arguments["data"], run.traces_current_step(), run.global_step()
+    data, traced, step = arguments["data"], run.traces_current_step(), run.trace_step()
     kl, corrected = _handed_over(_KL_APPLIED, step), _handed_over(_OWN_MASK, step)
     placed = turn_rewards_hook.place(data, *turn_rewards_hook.sources(data, source.extra_fields)) if run.turn_rewards else None
     mode = truncation_hook.mode_of(arguments.get("config"))
@@ -198,9 +211,10 @@ def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueue
         "tool_reward": None if placed is None else placed.tool_reward,
     }
     kl_coef = None if kl is None else kl.beta
+    logged = {**({} if corrected is None else corrected.logged), **async_modes.logged_counts(run.trainer, run.mode)}
     return trace_hook.step_capture(
         run.trainer, tensors, uid, computed, kl_coef, agent_turns, estimated.truncation, stop_reasons, estimated.whitening,
-        rejected, None if corrected is None else corrected.logged,
+        rejected, logged, run.position(), source.versions(estimated.data),
     )  # fmt: skip
 
 
@@ -339,7 +353,7 @@ def kl_applied(data: Any, beta: float) -> Iterator[None]:
     finally:
         _KL_SEEN.reset(token)
     if seen:
-        _KL_APPLIED.set(KlApplied(run.global_step(), seen[-1] * data.batch["response_mask"], float(beta)))
+        _KL_APPLIED.set(KlApplied(run.trace_step(), seen[-1] * data.batch["response_mask"], float(beta)))
 
 
 def kl_penalty_returned(kld: Any) -> None:
@@ -369,7 +383,7 @@ def rollout_corrected(batch: Any, correct: Callable[[], Any]) -> Any:
     own = batch.batch["response_mask"]  # verl assigns a new tensor to the key: this one stays as it is
     corrected, metrics = correct()
     logged = {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
-    _OWN_MASK.set(OwnMask(current_run().global_step(), own, logged))
+    _OWN_MASK.set(OwnMask(current_run().trace_step(), own, logged))
     return corrected, metrics
 
 
@@ -398,7 +412,7 @@ def reduce_update_metrics(metrics: dict, reduce: Callable[[], dict]) -> dict:
     reduced = reduce()
     run = current_run()
     if reports and run.writer is not None:
-        trace_hook.submit_updates(run.writer, run.global_step(), reports, reduced)
+        trace_hook.submit_updates(run.writer, run.trace_step(), reports, reduced)
     return reduced
 
 
@@ -419,6 +433,10 @@ class LegacyBatch:
     def batch_size(self, data: Any) -> int:
         return len(data.batch["response_mask"])
 
+    def versions(self, data: Any) -> list | None:
+        """(min, max) policy version per response, as the agent loop tagged them (async_modes.legacy_versions)."""
+        return async_modes.legacy_versions(data.non_tensor_batch)
+
     def write(self, data: Any, fields: dict[str, Any]) -> Any:
         """The row key onto the batch, which the trainer goes on with (the rewards are on it already)."""
         if ROW_KEY in fields:
@@ -434,6 +452,8 @@ class TransferQueueBatch:
     def __init__(self, meta: Any):
         #: the batch meta: verl's on the way in, the one verl's step returns once it has run
         self.meta = meta
+        #: the samples' TransferQueue tags on the way in (their policy versions)
+        self.tags = getattr(meta, "tags", None)
         #: the samples' extra_fields (the agent loop's), when read
         self.extra_fields: list | None = None
         #: the other fields read, by name
@@ -464,6 +484,10 @@ class TransferQueueBatch:
 
     def batch_size(self, data: Any) -> int:
         return len(self.meta.keys)
+
+    def versions(self, data: Any) -> list | None:
+        """(min, max) policy version per sample, from its TransferQueue tags (async_modes.v1_versions)."""
+        return async_modes.v1_versions(self.tags)
 
     def write(self, data: Any, fields: dict[str, Any]) -> Any:
         """The fields into TransferQueue; the rewards only where their lengths were read (verl stores

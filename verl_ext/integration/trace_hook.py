@@ -29,11 +29,12 @@ from verl_ext.trace.batch_keys import PAYLOAD_KEY
 
 
 @contextlib.contextmanager
-def open_trace(trainer: Any, kind: str, options: TraceOptions) -> Iterator[Any]:
-    """The run's writer (``kind``: "legacy" or "v1"), for a run with tracing on."""
+def open_trace(trainer: Any, kind: str, options: TraceOptions, mode: dict | None = None) -> Iterator[Any]:
+    """The run's writer (``kind``: "legacy" or "v1"; ``mode``: how the trainer overlaps generation and
+    training, :func:`verl_ext.integration.async_modes.run_mode`), for a run with tracing on."""
     from verl_ext.trace.writer import TraceWriter
 
-    record = run_record(trainer.config, kind, options, trainer)
+    record = run_record(trainer.config, kind, options, trainer, mode)
     _say_where_a_cluster_writes(options.dir, record.node)
     with TraceWriter(options, record) as writer:  # never hides fit()'s error
         yield writer
@@ -69,6 +70,8 @@ def step_capture(
     whitening: dict[str, float] | None = None,
     rejected: torch.Tensor | None = None,
     logged: dict[str, float] | None = None,
+    position: Any = None,
+    policy_versions: Any = None,
 ) -> Any:
     """One step's :class:`~verl_ext.trace.capture.StepCapture`, for the writer. ``batch``: verl's tensors
     under verl's batch keys; ``computed``: the columns verl-ext computed (advantage_raw, kl, turn_score,
@@ -78,7 +81,11 @@ def step_capture(
     trace records; ``stop_reasons``: the rollout engine's per sample, or None
     (:mod:`verl_ext.integration.stop_reasons`); ``whitening``: the estimate's statistics of the raw
     advantage the step's advantages were whitened with; ``rejected``: the tokens verl's rollout correction
-    took out of the response mask (None: no correction); ``logged``: the numbers verl logged of it."""
+    took out of the response mask (None: no correction); ``logged``: the numbers verl logged of it (its
+    correction's, a fully-async update's counts); ``position``: where the update sits
+    (:class:`~verl_ext.integration.async_modes.UpdatePosition`: its trace step, verl's step and sub-step, the
+    trainer's version; None: the trainer's step, nothing more); ``policy_versions``: (min, max) per sample as
+    verl tagged them (None: not tagged)."""
     from verl_ext.trace.capture import StepCapture
     from verl_ext.trace.schema import FLOAT_COLUMNS
 
@@ -91,7 +98,7 @@ def step_capture(
         prompt_mask = batch["attention_mask"][:, : prompts.shape[1]]  # verl: prompt part, left-padded
     floats = {column.name: get(column.verl_key) for column in FLOAT_COLUMNS if column.verl_key} | computed
     return StepCapture(
-        step=int(trainer.global_steps),
+        step=int(trainer.global_steps) if position is None else position.trace_step,
         mask=batch["response_mask"],
         token_id=get("responses"),
         uid=None if uid is None else [str(u) for u in uid],
@@ -107,6 +114,10 @@ def step_capture(
         whitening=whitening,
         rejected=rejected,
         logged=logged,
+        policy_versions=policy_versions,
+        global_step=None if position is None else position.global_step,
+        substep=None if position is None else position.substep,
+        trainer_version=None if position is None else position.trainer_version,
     )
 
 

@@ -1,26 +1,23 @@
-"""Trainer modes in which verl-ext would lose what a run asked it to record: stopped before training.
+"""Trainers whose loop verl-ext cannot follow: stopped before training when a run asks verl-ext for
+what only its run inside ``fit`` serves.
 
-Two ways a trainer drops verl-ext's work without a word:
+verl-ext's run (:func:`verl_ext.integration.step.fit_session`) starts in a trainer's ``fit``: verl's own
+(``RayPPOTrainer.fit``, the V1 ``PPOTrainer.fit``) and those of verl's experimental trainers, whose loops
+verl-ext follows (separation, one-step-off-policy, fully async: their ``fit`` is wrapped as verl's is, a
+record of :data:`verl_ext.touches.PLUGIN_TOUCHES` each; their steps reach the same advantage step and
+update reduction). Every update of every mode is its own trace step (V1's ``parameter_sync_step`` updates
+per step included: :mod:`verl_ext.integration.async_modes`).
 
-* **Sub-steps.** A V1 trainer runs ``parameter_sync_step`` local updates per step (``PPOTrainer.step``:
-  ``_step_once`` that many times, ``separate_async`` defaults to 4) under one ``global_steps``; the
-  trace keeps one step per number, so all but the last would vanish. Stopped when the trace is on,
-  with one line naming the mode and what to set. Tracing every sub-step would need a sub-step index
-  in the trace's schema, its checker and its view; a run that is stopped loses nothing, so that is
-  the choice here. The live metrics and the non-finite check run on every sub-step (verl combines the
-  metrics over them, ``MetricsAggregator``), so they alone do not stop the run.
-* **A trainer whose ``fit`` is not verl's patched one** (verl's separation, one-step-off-policy and
-  fully-async trainers, and any future subclass that brings its own loop; one whose ``fit`` calls
-  ``super().fit()`` reaches verl's and is let through): verl-ext's run
-  (:func:`verl_ext.integration.step.fit_session`) never starts, so the trace, the update tables, the
-  live metrics, ``verl_ext.turn_rewards`` and ``verl_ext.nonfinite=raise`` would all be ignored.
-  Stopped when the trace, turn rewards or ``nonfinite=raise`` are asked for, when the trainer is made:
-  every subclass of verl's two trainer bases made after verl-ext loaded has its constructor checked
-  (:func:`check_subclasses_of`), which is the one place all of them pass through before their first
-  step (they do not all call the base's ``__init__`` or ``init_workers``; ``fit`` comes after the
-  workers and, for the fully-async trainer, after a validation). The live metrics alone (on by
-  default) do not stop it: installing verl-ext must not break a run that asked it for nothing; the
-  run says once, in one warning line, that they are not logged.
+A trainer that brings a ``fit`` of its own that verl-ext does not wrap (a subclass with its own loop; one
+whose ``fit`` calls ``super().fit()`` reaches a wrapped one and is let through) never starts verl-ext's
+run, so the trace, the update tables, the live metrics, ``verl_ext.turn_rewards`` and
+``verl_ext.nonfinite=raise`` would all be ignored. (verl's fully-async rollouter is a trainer subclass whose
+``fit`` only generates: :data:`GENERATION_ONLY`, let through.) It is stopped when the trace, turn rewards or
+``nonfinite=raise`` are asked for, when the trainer is made: every subclass of verl's two trainer bases
+made after verl-ext loaded has its constructor checked (:func:`check_subclasses_of`), which is the one
+place all of them pass through before their first step. The live metrics alone (on by default) do not
+stop it: installing verl-ext must not break a run that asked it for nothing; the run says once, in one
+warning line, that they are not logged.
 """
 
 from __future__ import annotations
@@ -31,53 +28,12 @@ import logging
 from typing import Any, Mapping
 
 from verl_ext.options import TraceOptions, metrics_enabled, nonfinite_mode, turn_rewards_enabled
+from verl_ext.patching import ORIGINAL_ATTR
 
 logger = logging.getLogger("verl_ext")
 
 #: Set on a constructor that checks its trainer, so that a subclass inheriting it is not wrapped twice.
 _CHECKED = "__verl_ext_checks_trainer__"
-
-# --------------------------------------------------------------------------- sub-steps (V1)
-
-
-def v1_sub_steps(config: Mapping[str, Any]) -> tuple[str, int]:
-    """(trainer mode, local updates per step) of a V1 run, read as verl's ``PPOTrainer.__init__`` reads them."""
-    v1 = config["trainer"]["v1"]
-    mode = v1["trainer_mode"]
-    return mode, int((v1.get(mode) or {}).get("parameter_sync_step", 1))
-
-
-def sub_step_problem(mode: str, sub_steps: int, config: Mapping[str, Any]) -> str | None:
-    """Why a traced V1 run in ``mode`` with ``sub_steps`` updates per step would lose most of its trace; None if it would not."""
-    if sub_steps <= 1 or not TraceOptions.from_config(config).enabled:
-        return None
-    # separate_async asserts train_batch_size == parameter_sync_step * ppo_mini_batch_size (verl's trainer_separate_async.py)
-    also = " (with actor_rollout_ref.actor.ppo_mini_batch_size=data.train_batch_size)" if mode == "separate_async" else ""
-    return (
-        f"verl-ext: trainer.v1.trainer_mode={mode} runs {sub_steps} updates per step under one step number "
-        f"(trainer.v1.{mode}.parameter_sync_step={sub_steps}) and the trace keeps one per step, so {sub_steps - 1} of "
-        f"every {sub_steps} would be missing from it: set trainer.v1.{mode}.parameter_sync_step=1{also} "
-        "or turn the trace off (remove verl_ext.trace.dir)"
-    )
-
-
-def check_v1_config(config: Mapping[str, Any]) -> None:
-    """On the driver, before Ray starts: ValueError when a V1 run's trace would lose its sub-steps."""
-    trainer = config.get("trainer") or {}
-    if not trainer.get("use_v1", False) or "v1" not in trainer:
-        return
-    problem = sub_step_problem(*v1_sub_steps(config), config)
-    if problem:
-        raise ValueError(problem)
-
-
-def check_v1_trainer(trainer: Any) -> None:
-    """At the V1 trainer's ``fit``, before its first step, with the updates per step it will run."""
-    sub_steps = int(getattr(trainer, "parameter_sync_step", 1))  # what PPOTrainer.__init__ read from the config
-    problem = sub_step_problem(getattr(trainer, "trainer_mode", "?"), sub_steps, trainer.config)
-    if problem:
-        raise ValueError(problem)
-
 
 # --------------------------------------------------------------------------- trainers that bypass verl's fit
 
@@ -98,19 +54,31 @@ def _listed(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
+#: verl's subclasses of a trainer base whose ``fit`` generates and never trains (module, class): the fully-async
+#: rollouter (a SeparateRayPPOTrainer for its resource pools and validation), whose samples the fully-async trainer's
+#: fit, the one verl-ext follows, trains and traces.
+GENERATION_ONLY = {("verl.experimental.fully_async_policy.fully_async_rollouter", "FullyAsyncRollouter")}
+
+
 def own_fit_owner(trainer_class: type, base: type) -> type | None:
-    """The class whose ``fit`` ``trainer_class`` runs instead of ``base``'s (verl-ext's patched one); None
-    when it runs ``base``'s. A ``fit`` that calls ``super().fit()`` reaches the next one in the MRO, so an
-    override that only adds around verl's loop is let through."""
+    """The class whose ``fit`` ``trainer_class`` runs instead of one verl-ext follows (``base``'s, or any
+    ``fit`` verl-ext wrapped: verl's experimental trainers'); None when it runs one of those. A ``fit`` that
+    calls ``super().fit()`` reaches the next one in the MRO, so an override that only adds around a
+    followed loop is let through."""
     for owner in trainer_class.__mro__:
         fit = vars(owner).get("fit")
         if fit is None:
             continue
-        if owner is base or fit is vars(base).get("fit"):
+        if owner is base or fit is vars(base).get("fit") or followed(fit) or (owner.__module__, owner.__name__) in GENERATION_ONLY:
             return None
         if not _calls_super_fit(fit):
             return owner
     return None
+
+
+def followed(fit: Any) -> bool:
+    """``fit`` is verl-ext's wrapper of a trainer's loop (a touch of :mod:`verl_ext.touches`)."""
+    return getattr(getattr(fit, "__func__", fit), ORIGINAL_ATTR, None) is not None
 
 
 def _calls_super_fit(fit: Any) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from verl_ext import registry
-from verl_ext.integration.trainer_modes import check_v1_config
 from verl_ext.options import TRUNCATION, TRUNCATION_DEFAULT, TraceOptions, algorithm_settings, metrics_enabled, nonfinite_mode
 
 
@@ -63,8 +62,8 @@ def check_truncation(algorithm: Any) -> None:
 
 
 def check_config(config: Any) -> None:
-    """Estimator name, estimator options, trace options, verl_ext.nonfinite and verl_ext.metrics, and a V1 trainer mode
-    the trace cannot follow (verl_ext.integration.trainer_modes); raises ValueError naming key and value."""
+    """Estimator name, estimator options, trace options, verl_ext.nonfinite and verl_ext.metrics; raises ValueError
+    naming key and value."""
     algorithm = config.get("algorithm") or {}
     name = registry.name_of(algorithm.get("adv_estimator"))
     valid = known_estimator_names()
@@ -78,7 +77,6 @@ def check_config(config: Any) -> None:
     nonfinite_mode(config)
     metrics_enabled(config)
     trace = TraceOptions.from_config(config)
-    check_v1_config(config)  # a trace that would keep one of each step's updates stops here, before Ray starts
     if trace.enabled:
         check_trace_dir_writable(trace.dir)
 

@@ -307,12 +307,14 @@ class StepEntry:
     #: except where one of verl's steps runs several updates (V1 separate_async), each its own trace step;
     #: None: the same as the trace's step (traces before format 11)
     global_step: int | None = None
-    #: (since format 11) which of the updates of ``global_step`` this is (0-based), where verl's step runs
-    #: several (V1 separate_async's parameter_sync_step); None: verl's step runs one
+    #: (since format 11) the update's place among the updates that share one weight sync (0-based): which of
+    #: the updates of ``global_step`` this is where verl's step runs several (V1's parameter_sync_step), which of
+    #: a version's updates in fully async (trigger_parameter_sync_step > 1); None: a sync follows every update
     substep: int | None = None
-    #: (since format 11) the version of the policy the update starts from (π_old's weights), in the numbering
-    #: of the prompts' policy_version_min/max: a response's staleness is this minus its policy_version_min
-    #: (docs/definitions.md#policy-versions); None: not known (a synchronous run's policy is the step's)
+    #: (since format 11) the number of the last weights verl sent to the rollout before this update, in the
+    #: numbering of the prompts' policy_version_min/max; the update starts from those weights after ``substep``
+    #: more local updates, and they are π_old's in decoupled mode. A response's staleness is this minus its
+    #: policy_version_min (docs/definitions.md#policy-versions); None: not known
     trainer_version: int | None = None
     #: (since format 10) numbers verl logged for the step that its trace must reproduce: its rollout
     #: correction's ``rollout_corr/…`` (docs/definitions.md#off-policy-tokens); {} where there are none
