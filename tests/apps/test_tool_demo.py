@@ -46,22 +46,28 @@ def test_every_response_is_what_the_tool_agent_loop_makes_of_the_policys_turns(d
     assert count_checked_tool_calls(trace) >= 10  # the warm start calls about 3 times in 10: ~115 of 384
 
 
-def count_checked_tool_calls(trace) -> int:
+def count_checked_tool_calls(trace, kl_coef: float | None = None) -> int:
     """Check every response of ``trace`` (a run of the tool task with per-turn rewards placed:
-    verl_ext.turn_rewards) against the task's definition; return how many called the tool."""
+    verl_ext.turn_rewards) against the task's definition; return how many called the tool. ``kl_coef``: the
+    run's β where it put the KL in the reward (None: it did not). The tokens verl's rollout correction
+    rejected (the trace's ``rejected``: mask 0) are the policy's, not holes (tests/e2e/test_tool_on_ray.py)."""
+    import torch
+    from verl.trainer.ppo.core_algos import kl_penalty
+
     from verl_ext.tasks.tool.assets import build_tool_tokenizer
 
     tokenizer = build_tool_tokenizer()
     calls = 0
     for step in trace.steps:
-        columns = ["sample", "token_index", "token_id", "mask", "turn", "role", "score", "reward", "kl", "turn_score", "tool_reward"]
-        tokens = trace.read_step(step, columns).to_pandas()
+        columns = ["sample", "token_index", "token_id", "mask", "rejected", "turn", "role", "score", "reward", "kl", "turn_score", "tool_reward"]
+        tokens = trace.read_step(step, [*columns, "old_log_prob", "ref_log_prob"]).to_pandas()
         prompts = trace.prompts(step).to_pandas().set_index("sample")
         for sample, rows in tokens.groupby("sample"):
             rows = rows.sort_values("token_index")
             tool_reward = [0.0] * len(rows)  # by hand: the calculator's 0.1 for a call with integer arguments
             a, b, c = map(int, QUESTION.search(tokenizer.decode(prompts.at[sample, "prompt_token_ids"])).groups())
-            holes = rows[~rows["mask"]]
+            policys = rows["mask"].to_numpy() | rows["rejected"].fillna(False).to_numpy(bool)  # kept or rejected
+            holes = rows[~policys]
             if len(holes):
                 calls += 1
                 # the first turn ends with EOS and holds a call as verl's hermes parser reads it (the first
@@ -79,7 +85,7 @@ def count_checked_tool_calls(trace) -> int:
                 assert rows["turn"].tolist() == [0] * answer_turn + [1] * (len(rows) - answer_turn)
                 assert prompts.at[sample, "assistant_turns"] == 2 and prompts.at[sample, "tool_calls"] == 1
                 # the tool's message is the tool's; the model's tokens are the assistant's
-                assert set(holes["role"]) == {"tool"} and set(rows[rows["mask"]]["role"]) == {"assistant"}
+                assert set(holes["role"]) == {"tool"} and set(rows[policys]["role"]) == {"assistant"}
                 # max_assistant_turns=2: the second turn ends the response; at the turn limit if it calls again
                 second_call = CALL.search(tokenizer.decode(rows["token_id"].tolist()[answer_turn:]))
                 assert prompts.at[sample, "turn_limit"] == (second_call is not None and _parses(second_call.group(1)))
@@ -98,12 +104,23 @@ def count_checked_tool_calls(trace) -> int:
                 score = 0.2 * answer.startswith(expected_sum) + 0.2 * ("，" in answer and answer.partition("，")[2][:2] == verdict)
             assert rows["score"].iloc[-1] == pytest.approx(score) and (rows["score"].iloc[:-1] == 0).all()
             # the calculator's reward on the calling turn's last token; verl's own tool agent loop fills
-            # no turn scores; the rewards are the score plus the tool's (no KL in the reward here)
-            assert rows["kl"].isna().all()
+            # no turn scores; the rewards are the score plus the tool's, less β·kl where the run put the KL in them,
+            # kl verl's own kl_penalty of the old and reference log-probs
             assert rows["tool_reward"].tolist() == pytest.approx(tool_reward) and (rows["turn_score"] == 0).all()
             valid = rows["mask"].to_numpy()
             expected_reward = (rows["score"] + rows["tool_reward"]).to_numpy()[valid]
-            assert rows["reward"].to_numpy()[valid] == pytest.approx(expected_reward, abs=1e-7)
+            if kl_coef is None:
+                assert rows["kl"].isna().all()
+                assert rows["reward"].to_numpy()[valid] == pytest.approx(expected_reward, abs=1e-7)
+                continue
+            old, reference = (torch.from_numpy(rows[name].to_numpy(np.float64)[valid]) for name in ("old_log_prob", "ref_log_prob"))
+            kl, recorded = kl_penalty(old, reference, kl_penalty="kl").numpy(), rows["kl"].to_numpy(np.float64)[valid]
+            # the run that puts the KL in the reward trains in bf16 (tests/e2e/v1_run.py): its trainer rounds kl and
+            # β·kl to bf16 (unit roundoff 2⁻⁸), and adds in float32 (docs/definitions.md#tolerances)
+            assert (np.abs(recorded - kl) <= 2.0**-8 * np.abs(kl)).all()
+            terms = np.abs(expected_reward) + np.abs(kl_coef * recorded)
+            bound = 1e-6 + 2.0**-8 * np.abs(kl_coef * recorded) + 4 * np.finfo(np.float32).eps * terms
+            assert (np.abs(rows["reward"].to_numpy()[valid] - (expected_reward - kl_coef * recorded)) <= bound).all()
     return calls
 
 

@@ -49,15 +49,15 @@ def main_ppo_with_verl_ext_config(overrides: list[str], env: dict[str, str], cwd
     return run([*command, *overrides], env, cwd, timeout=600)
 
 
-def assert_trained(metrics: dict[int, dict], steps: int) -> None:
-    """verl's metrics (``read_metrics``) of a run that validated first, then trained ``steps`` steps
+def assert_trained(metrics: dict[int, dict], steps: int, task: str = "arith") -> None:
+    """verl's metrics (``read_metrics``) of a run of ``task`` that validated first, then trained ``steps`` steps
     with a critic: values, losses and both gradients at every step."""
+    import importlib
     import math
 
-    from verl_ext.tasks.arith.assets import DATA_SOURCE
-
+    data_source = importlib.import_module(f"verl_ext.tasks.{task}.assets").DATA_SOURCE
     assert sorted(metrics) == list(range(steps + 1))  # step 0: validation before training
-    assert f"val-core/{DATA_SOURCE}/acc/mean@1" in metrics[0]  # the reward's acc, validated once per prompt
+    assert f"val-core/{data_source}/acc/mean@1" in metrics[0]  # the reward's acc, validated once per prompt
     for step in range(1, steps + 1):
         data = metrics[step]
         assert math.isfinite(data["critic/values/mean"]) and math.isfinite(data["critic/vf_loss"])

@@ -48,6 +48,16 @@ def ray_cluster(assets):
     cluster.shutdown()
 
 
+@pytest.fixture(scope="session")
+def v1_run(tmp_path_factory, assets_dir, tool_assets, ray_cluster):
+    """The suite's one run of verl's V1 trainer (tests/e2e/v1_run.py: the tool task through verl's vLLM server in
+    verl's GPU settings, with the README's user estimator, per-turn rewards, the rollout correction and cut
+    responses), made once for tests/e2e/test_v1_trace.py and test_tool_on_ray.py. Returns its output directory."""
+    from tests.e2e.v1_run import make_v1_run
+
+    return make_v1_run(tmp_path_factory.mktemp("v1"), assets_dir, ray_cluster)
+
+
 def wandb_offline(out: Path) -> dict[str, str]:
     """The environment of a W&B run that stays on this machine: offline (no network), every file of W&B's
     under ``out`` (its runs in ``out/wandb/wandb/offline-run-*``), none in the user's home."""

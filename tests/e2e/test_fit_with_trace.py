@@ -333,9 +333,11 @@ def test_trace_equals_what_the_trainer_used(finished_run):
 
 
 def assert_the_correction_is_verls(batch, own, table, positions, settings: dict) -> None:
-    """The trace's rejected tokens are the policy's tokens the batch's mask lacks, and verl's own
-    correction (``settings``: its compute_rollout_correction_and_rejection_mask's keyword arguments) of
-    them from the recorded log-probs gives that mask and the batch's weights; a rejection is no turn boundary."""
+    """The trace's rejected tokens are the policy's tokens (``own``: the response mask before the rejection) the
+    batch's mask lacks, and verl's own correction (``settings``: its compute_rollout_correction_and_rejection_mask's
+    keyword arguments) of them from the recorded log-probs gives that mask and the batch's weights; a rejection is
+    no turn boundary: each token's turn counts the turns of the policy's tokens (maximal runs of ``own``: one for a
+    single-turn response), its role is the assistant's on them and the tool's in a hole between two."""
     import torch
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
@@ -347,7 +349,11 @@ def assert_the_correction_is_verls(batch, own, table, positions, settings: dict)
     np.testing.assert_array_equal(kept.numpy(), mask)
     if weights is not None:  # the trace's column is held to the batch's with the other columns
         np.testing.assert_array_equal(weights.batch["rollout_is_weights"].numpy(), batch["rollout_is_weights"].numpy())
-    assert (table["turn"] == 0).all() and (table["role"] == "assistant").all()  # single-turn: one turn, the policy's
+    turn, role = np.full(own.shape, -1), np.where(own != 0, "assistant", "tool")
+    for row, mask_row in enumerate(own):
+        for k, positions_of_turn in enumerate(ref.turns_of_row(mask_row)):
+            turn[row, positions_of_turn[0]:] = k  # a hole keeps the turn before it
+    assert (table["turn"].to_numpy() == turn[positions]).all() and (table["role"].to_numpy() == role[positions]).all()
 
 
 def test_run_record_matches_the_config(finished_run):
@@ -431,6 +437,13 @@ def assert_live_metrics_equal_the_trace(out: Path, estimator: str) -> None:
     close = dict(rel=1e-4, abs=1e-5)
     for step in trace.steps:
         live = {key.removeprefix("verl_ext/"): value for key, value in metrics[step].items() if key.startswith("verl_ext/")}
+        # the per-turn rewards' (verl_ext.turn_rewards, where the run turns them on): what the trace placed, per
+        # response, every one of them placed
+        placed = {key: live.pop(key) for key in [key for key in live if key.startswith("turn_rewards/")]}
+        if placed:
+            table, responses = trace.read_step(step, ["turn_score", "tool_reward"]).to_pandas(), trace.prompts(step).num_rows
+            expected = {f"turn_rewards/{name}": table[name].sum() / responses for name in ("turn_score", "tool_reward")}
+            assert placed == pytest.approx({**expected, "turn_rewards/unplaced": 0.0}, **close), step
         posthoc = traced_step_metrics(trace, step)
         assert sorted(live) == sorted(posthoc), step
         for key, value in posthoc.items():
@@ -440,7 +453,9 @@ def assert_live_metrics_equal_the_trace(out: Path, estimator: str) -> None:
         assert (live["adv/raw_std"], live["adv/whiten_mean"], live["adv/whiten_std"]) == pytest.approx(
             (raw_std, row["adv_mean"], row["adv_std"]), **close
         )
-        assert ("reward/group_std" in live) == (estimator == "grpo")  # grpo's run has 4 responses per prompt
+        # with several responses per prompt (grpo's run here, 4; the V1 run's too, 4): a prompt's uid repeats
+        groups = trace.prompts(step).column("uid").to_pandas().duplicated().any()
+        assert ("reward/group_std" in live) == groups
         if estimator == "grpo":
             assert "critic/ev_mc" not in live
             continue

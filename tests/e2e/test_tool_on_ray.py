@@ -1,17 +1,25 @@
 """The tool task on Ray with verl 0.9's default V1 trainer (recipes/cpu_demo.sh, ``TASK=tool V1=1``),
 its responses from verl's own vLLM server (``ROLLOUT=vllm``: vLLM's CPU build, verl_ext.cpu.vllm_rollout),
-``turn_gae`` with per-turn rewards: verl's ToolAgentLoop in a Ray agent-loop worker calling vLLM turn by turn, the agent loop's
+with per-turn rewards: verl's ToolAgentLoop in a Ray agent-loop worker calling vLLM turn by turn, the agent loop's
 record of each sample's turns (and of the turns its tool rewards belong to) carried through
 TransferQueue's ``extra_fields``, the calculator's reward on the calling turn's last token before the
 estimator runs. Every response is checked against the task's definition (tests/apps/test_tool_demo.py)
-and the trace passes the checker, which recomputes turn_gae from the recorded rewards and values.
-vLLM's log-probs of the responses agree with the trainer's to < 1e-5 (fp32), and vLLM's own stop reason of
-each response's last generation agrees with the trace's EOS rule. (In process, the legacy trainer:
+and the trace passes the checker, which recomputes the run's estimator from the recorded rewards and values
+and holds the turns, the roles, the turn rewards and the stop reasons; ``turn_gae`` on the run's step 2 through
+``verl-ext replay`` with the model, its trace checked (turn_gae recomputed). vLLM's log-probs of the responses
+agree with an fp32 forward pass of the weights that generated them to < 1e-5, and vLLM's own stop reason of each
+response's last generation agrees with the trace's EOS rule. (In process, the legacy trainer:
 tests/apps/test_tool_demo.py; the legacy trainer on vLLM: tests/e2e/test_vllm_rollout.py.)
+
+The run is the suite's one V1 run (tests/e2e/v1_run.py, the ``v1_run`` fixture of tests/e2e/conftest.py), which
+tests/e2e/test_v1_trace.py reads too (issue 55: they were two runs). Against this file's own earlier run it
+trains the README's ``td_half`` instead of ``turn_gae`` (the user's estimator of test_v1_trace.py; turn_gae
+runs in the replay below), in bf16 (verl's GPU settings) with vLLM in fp32, with the KL in the reward, verl's
+rollout correction and responses cut at the length limit: the tests say what each holds instead.
 
 Covers: the V1 trainer's seam (verl_ext.integration: patches, agent_turns in the Ray agent-loop
 worker, turn_rewards_hook, trace_hook), verl_ext.turn_rewards and verl_ext.turns,
-verl_ext.estimators' turn_gae with verl_ext.kernels, verl_ext.trace (capture, agent record, writer,
+verl_ext.estimators' turn_gae with verl_ext.kernels (in the replay), verl_ext.trace (capture, agent record, writer,
 reader), verl_ext.check.run, the tool task (verl_ext.tasks.tool) and the CPU backend
 (verl_ext.cpu, verl_ext.cpu.vllm_rollout) on Ray."""
 
@@ -19,62 +27,86 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.cpu.helpers import RAY_GROUP
+from tests.e2e.v1_run import KL_COEF
 
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "cpu_demo.sh"
+
+def check_json(trace: Path, run: Path) -> dict:
+    """``verl-ext check --json`` on ``trace`` with the run's user module importable (the estimator it trained)."""
+    from tests.e2e.test_fit_with_trace import user_module_env
+
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_ext.cli", "check", str(trace), "--json"],
+        capture_output=True, text=True, env={**os.environ, **user_module_env(run)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout)
 
 
-@pytest.fixture(scope="module")
-def v1_tool_run(tmp_path_factory, assets_dir, tool_assets, ray_cluster):
-    # its own run: the only run of the tool task's agent loop in a Ray worker (V1 trainer), the only V1 run on vLLM
-    from tests.cpu.helpers import run
+def fp32_log_probs(run: Path, step: int, prompt_ids: list[int], response_ids: list[int], cache: dict) -> np.ndarray:
+    """The log-prob of each response token under the weights that generated it, by the test's own fp32 forward
+    pass of transformers' model (not the trainer's, which computes in bf16): step 1's responses came from the
+    model's initial weights, step n's from those after step n − 1, verl's checkpoint of that step (its actor's
+    one-rank FSDP state, float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    out = tmp_path_factory.mktemp("v1_tool")
-    env = {
-        **os.environ, "PYTHON": sys.executable, "OUTPUT_DIR": str(out), "VERL_EXT_CPU_ASSETS": str(assets_dir),
-        "TASK": "tool", "V1": "1", "ESTIMATOR": "turn_gae", "ROLLOUT_N": "4", "STEPS": "2", "RAY_ADDRESS": ray_cluster.address,
-        "ROLLOUT": "vllm",
-    }  # fmt: skip
-    overrides = [
-        f"+verl_ext.trace.dir={out / 'trace'}",
-        "+verl_ext.turn_rewards=true",
-        "trainer.val_before_train=False",  # nothing here reads a validation
-        "trainer.save_freq=1",  # a checkpoint after every step, for verl-ext replay with the model
-        *ray_cluster.v1_overrides,
-    ]
-    run(["bash", str(RECIPE), *overrides], env, out, timeout=600)
-    return out
+    from tests.e2e.gpu_world import composed_config
+
+    if step not in cache:
+        path = composed_config(run)["actor_rollout_ref"]["model"]["path"]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        if step > 1:
+            saved = run / "checkpoints" / f"global_step_{step - 1}" / "actor" / "model_world_size_1_rank_0.pt"
+            state = torch.load(saved, map_location="cpu", weights_only=False)
+            model.load_state_dict({name: value.to_local() if hasattr(value, "to_local") else value for name, value in state.items()})
+        cache[step] = model.eval()
+    with torch.no_grad():
+        logits = cache[step](torch.tensor([prompt_ids + response_ids])).logits[0, len(prompt_ids) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids)[:, None])[:, 0].numpy()
 
 
-def test_the_v1_trainer_runs_turn_gae_with_the_tools_rewards_on_their_turns(v1_tool_run):
+def test_the_v1_trainer_runs_the_tool_task_with_the_tools_rewards_on_their_turns(v1_run):
+    """As before the merge, but: the responses' rewards hold the KL (β·kl, verl's kl_penalty) and the tokens verl's
+    rejection took out are the policy's, not holes (count_checked_tool_calls' kl_coef and rejected); check runs as a
+    command with the user's module importable (the run's estimator is td_half, not turn_gae: the replay below); vLLM's
+    log-probs are held to < 1e-5 against the test's own fp32 forward pass of the same weights instead of the
+    trainer's old log-probs (the trainer computes in bf16 now: those differ by bf16's rounding, which the rollout
+    correction acts on, tests/e2e/test_v1_trace.py)."""
     from tests.apps.test_tool_demo import count_checked_tool_calls
-    from verl_ext.check.run import check_trace
     from verl_ext.trace.reader import open_trace
 
-    assert "(TaskRunnerV1 pid=" in (v1_tool_run / "train.log").read_text()
-    trace = open_trace(str(v1_tool_run / "trace"))
+    assert "(TaskRunnerV1 pid=" in (v1_run / "train.log").read_text()
+    trace = open_trace(str(v1_run / "trace"))
     assert trace.record.trainer == "v1" and trace.steps == [1, 2]
-    assert trace.record.algorithm["adv_estimator"] == "turn_gae"
-    assert count_checked_tool_calls(trace) >= 5  # of 64 responses, about 3 in 10 call
-    report = check_trace(trace)
-    passed = {r.identity for r in report.identities if r.status == "pass"}
-    assert report.passed and {"advantage_raw", "returns", "rewards", "turn_rewards", "turns", "roles", "stop_reason"} <= passed
-    # vLLM made the responses, turn by turn: its log-probs are the trainer's (fp32), and it said why each ended
+    assert trace.record.algorithm["adv_estimator"] == "td_half"
+    assert count_checked_tool_calls(trace, kl_coef=KL_COEF) >= 5  # of 64 responses, about 3 in 10 call
+    report = check_json(v1_run / "trace", v1_run)
+    passed = {r["identity"] for r in report["identities"] if r["status"] == "pass"}
+    assert report["passed"] and {"advantage_raw", "returns", "rewards", "turn_rewards", "turns", "roles", "stop_reason"} <= passed
+    # vLLM made the responses, turn by turn: its log-probs are the policy's (fp32), and it said why each ended
     assert trace.record.rollout["name"] == "vllm"
+    models = {}
     for step in trace.steps:
-        table = trace.read_step(step, ["mask", "old_log_prob", "rollout_log_prob"]).to_pandas()
-        valid = table[table["mask"]]
-        assert (valid["rollout_log_prob"] - valid["old_log_prob"]).abs().max() < 1e-5
+        table = trace.read_step(step, ["sample", "token_index", "token_id", "mask", "rejected", "rollout_log_prob"]).to_pandas()
+        prompts = trace.prompts(step).to_pandas().set_index("sample")
+        for sample, rows in table.groupby("sample"):
+            rows = rows.sort_values("token_index")
+            recomputed = fp32_log_probs(v1_run, step, list(prompts.at[sample, "prompt_token_ids"]), rows["token_id"].tolist(), models)
+            policys = rows["mask"].to_numpy() | rows["rejected"].fillna(False).to_numpy(bool)  # kept or rejected
+            assert np.abs(rows["rollout_log_prob"].to_numpy() - recomputed)[policys].max() < 1e-5, (step, sample)
         assert trace.prompts(step).column("stop_reason").null_count == 0
     # the step's live metric: the tool rewards placed, per response, as the trace has them
-    metrics = [json.loads(line) for line in (v1_tool_run / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (v1_run / "metrics.jsonl").read_text().splitlines()]
     for step in trace.steps:
         placed = trace.read_step(step, ["tool_reward"]).column("tool_reward").to_numpy()
         logged = next(m["data"] for m in metrics if m["step"] == step and "verl_ext/turn_rewards/tool_reward" in m["data"])
@@ -82,15 +114,23 @@ def test_the_v1_trainer_runs_turn_gae_with_the_tools_rewards_on_their_turns(v1_t
         assert logged == pytest.approx(placed.sum() / trace.prompts(step).num_rows, rel=1e-5) and logged > 0
 
 
-def test_a_tool_step_replays_as_recorded_and_with_another_estimator(v1_tool_run, tmp_path, capsys):
-    """``verl-ext replay`` on a tool-task step of the V1 trainer (holes where the tool answered): with the
-    model, from verl's checkpoint of step 1, the whole update and the parameters after it are REPRODUCED,
-    and with mc instead of turn_gae the replay's trace passes the checker."""
-    from verl_ext.cli import main
+def test_a_tool_step_replays_with_turn_gae(v1_run, tmp_path):
+    """``verl-ext replay`` on a tool-task step of the V1 trainer (holes where the tool answered) with turn_gae
+    instead of the run's estimator: with the model, from verl's checkpoint of step 1, and the replay's trace
+    passes the checker, turn_gae's returns and advantages recomputed from the recorded rewards and values, its
+    turns and turn rewards held. (As recorded, the same step is REPRODUCED with the model and model-free:
+    tests/e2e/test_v1_trace.py, one model replay for both files; this what-if was mc instead of turn_gae when
+    the run trained turn_gae.)"""
+    from tests.e2e.test_fit_with_trace import user_module_env
+    from verl_ext.trace.reader import open_trace
 
-    trace = str(v1_tool_run / "trace")
-    assert main(["replay", trace, "--step", "2", "--out", str(tmp_path / "as_recorded")]) == 0
-    assert "with the model" in capsys.readouterr().out
-    assert main(["check", str(tmp_path / "as_recorded"), "--quiet"]) == 0
-    assert main(["replay", trace, "--step", "2", "--out", str(tmp_path / "mc"), "--", "algorithm.adv_estimator=mc"]) == 0
-    assert main(["check", str(tmp_path / "mc"), "--quiet"]) == 0
+    out = tmp_path / "turn_gae"
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_ext.cli", "replay", str(v1_run / "trace"), "--step", "2", "--out", str(out), "--", "algorithm.adv_estimator=turn_gae"],
+        capture_output=True, text=True, env={**os.environ, **user_module_env(v1_run)},
+    )  # fmt: skip
+    assert result.returncode == 0 and "with the model" in result.stdout, result.stdout + result.stderr
+    assert open_trace(str(out)).record.algorithm["adv_estimator"] == "turn_gae"
+    report = check_json(out, v1_run)
+    statuses = {r["identity"]: r["status"] for r in report["identities"]}
+    assert report["passed"] and {statuses[key] for key in ("advantage_raw", "returns", "turn_rewards", "turns", "roles")} == {"pass"}

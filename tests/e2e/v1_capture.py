@@ -21,6 +21,7 @@ from verl_ext.patching import when_imported
 FIELDS = [
     "response_mask", "responses", "rm_scores", "token_level_rewards", "values",
     "returns", "advantages", "old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights",
+    "loss_mask",  # verl's rollout wrote it as the response mask before the rollout correction's rejection
 ]  # fmt: skip
 
 

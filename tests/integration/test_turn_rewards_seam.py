@@ -34,7 +34,9 @@ def expected_added() -> torch.Tensor:
     return added
 
 
-def run_legacy_step(compose, estimator, *overrides):
+def run_legacy_step(compose, estimator, *overrides, rejected=()):
+    """The seam's step; ``rejected``: (row, token) pairs verl's rollout correction takes out of the response mask
+    first (through the touch verl-ext puts on its correction, step.rollout_corrected)."""
     from verl_ext.integration import step
 
     config = compose(f"algorithm.adv_estimator={estimator}", "algorithm.gamma=1.0", "algorithm.lam=1.0", *overrides)
@@ -45,8 +47,21 @@ def run_legacy_step(compose, estimator, *overrides):
         TURNS_KEY: np.array([None if t is None else {"tool_reward_turns": t} for t in TOOL_REWARD_TURNS], dtype=object),
     }
     trainer = SimpleNamespace(config=config, global_steps=STEP, batch=batch)
+
+    def correct():  # what verl's correction does to the batch: a new response mask, without the rejected tokens
+        kept = batch.batch["response_mask"].clone()
+        for row, token in rejected:
+            kept[row, token] = 0
+        batch.batch["response_mask"] = kept
+        return batch, {}
+
+    def fit(self):
+        if rejected:
+            step.rollout_corrected(batch, correct)
+        result.update(batch=legacy_step(self), metrics=step.take_metrics())
+
     result = {}
-    patches.wrap_legacy_fit(lambda self: result.update(batch=legacy_step(self), metrics=step.take_metrics()))(trainer)
+    patches.wrap_legacy_fit(fit)(trainer)
     return result["batch"], result["metrics"]
 
 
@@ -71,6 +86,19 @@ def test_the_seam_adds_them_before_the_estimator(compose, estimator):
     assert metrics["verl_ext/turn_rewards/turn_score"] == pytest.approx((0.5 + 0.5 + 0.3) / ROWS)
     assert metrics["verl_ext/turn_rewards/tool_reward"] == pytest.approx((0.1 + 0.15 + 0.1) / ROWS)  # rows 0, 1, 4
     assert metrics["verl_ext/turn_rewards/unplaced"] == 2  # row 3's unpaired reward, row 5's third turn score
+
+
+def test_a_token_verls_correction_rejected_is_no_hole(compose):
+    """A rejected token is the policy's (docs/definitions.md#off-policy-tokens): the rewards sit on the turns' last
+    tokens as without the rejection, on a rejected one too (row 0: token 1, inside turn 0, and token 11, turn 1's
+    last; row 4: every token). On the mask after the rejection, row 0's turn 0 ended at token 0 and its turn 1 at 2
+    (its rewards there, turn 1's at token 2) and row 4 had no turn (its tool reward unplaced): the suite's V1 run
+    found it (tests/e2e/v1_run.py)."""
+    rejected = [(0, 1), (0, 11), *[(4, t) for t in range(12)]]
+    batch, metrics = run_legacy_step(compose, "mc", "verl_ext.turn_rewards=true", rejected=rejected)
+    torch.testing.assert_close(batch.batch["token_level_rewards"], make_step()["token_level_scores"] + expected_added())
+    assert metrics["verl_ext/turn_rewards/unplaced"] == 2  # row 3's unpaired reward, row 5's third turn score
+    assert batch.batch["response_mask"][0, 1] == 0 and not batch.batch["response_mask"][4].any()  # rejected they stay
 
 
 def test_off_by_default(compose):

@@ -82,7 +82,8 @@ class Violation:
         text = f"{self.location}: {self.column}"
         if self.expected is not None:
             text += f" = {self.actual:.7g}, expected {self.expected:.7g}"
-            text += f" (|Δ| {self.error:.2e} > tolerance {self.tolerance:.2e})"
+            if self.error is not None and self.tolerance is not None:  # an exact identity has neither
+                text += f" (|Δ| {self.error:.2e} > tolerance {self.tolerance:.2e})"
         elif self.actual is not None:
             text += f" = {self.actual:.7g}"
         return text + (f": {self.detail}" if self.detail else "")

@@ -170,7 +170,8 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
 
     data, traced, step = arguments["data"], run.traces_current_step(), run.trace_step()
     kl, corrected = _handed_over(_KL_APPLIED, step), _handed_over(_OWN_MASK, step)
-    placed = turn_rewards_hook.place(data, *turn_rewards_hook.sources(data, source.extra_fields)) if run.turn_rewards else None
+    own = None if corrected is None else corrected.mask  # the turns are the policy's tokens', rejected ones included
+    placed = turn_rewards_hook.place(data, *turn_rewards_hook.sources(data, source.extra_fields), own) if run.turn_rewards else None
     mode = truncation_hook.mode_of(arguments.get("config"))
     truncation = None if mode == TRUNCATION_DEFAULT else truncation_hook.truncation_of(data, mode, run.trainer, source.stored)
     name = registry.name_of(arguments["adv_estimator"])

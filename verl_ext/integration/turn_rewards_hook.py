@@ -51,11 +51,14 @@ def sources(data: Any, extra_fields: list | None = None) -> tuple[list, list, li
     return turn_scores, tool_rewards, records
 
 
-def place(data: Any, turn_scores: list, tool_rewards: list, records: list) -> PlacedTurnRewards:
-    """Add the rows' per-turn rewards to the batch's ``token_level_rewards``."""
+def place(data: Any, turn_scores: list, tool_rewards: list, records: list, own_mask: Any = None) -> PlacedTurnRewards:
+    """Add the rows' per-turn rewards to the batch's ``token_level_rewards``, each on its turn's last token.
+    The turns are the policy's tokens' (docs/definitions.md#off-policy-tokens): ``own_mask``, the response mask
+    before verl's rollout correction rejected tokens from it, where it did (a rejected token is not a hole: on the
+    mask after the rejection one inside a turn split it, and the turn's reward landed before it)."""
     from verl_ext.turn_rewards import place_turn_rewards
 
-    mask = data.batch["response_mask"]
+    mask = data.batch["response_mask"] if own_mask is None else own_mask
     turn_score, unplaced_scores = place_turn_rewards(mask, [list(enumerate(_floats(s))) for s in turn_scores])
     by_turn, unpaired = [], 0
     for rewards, encoded in zip(tool_rewards, records):
