@@ -99,9 +99,11 @@ def make_v1_run(out: Path, assets_dir: Path, ray_cluster) -> Path:
 
 
 def cut_rows(batch):
-    """(B,) bool: the responses of a batch of the run (``responses``, ``response_mask``) cut at :data:`CUT_AT`, by the
-    definition (docs/definitions.md#truncated-responses): the last valid token at the limit and not EOS."""
+    """(B,) bool: the responses of a batch of the run (``responses``, ``loss_mask``) cut at :data:`CUT_AT`, by the
+    definition (docs/definitions.md#truncated-responses): the policy's last token at the limit and not EOS. The policy's
+    tokens are V1's loss mask, the response mask before verl's rejection: a response whose last tokens were rejected
+    still ran to the limit (docs/definitions.md#off-policy-tokens)."""
     import tests.support.reference as ref
     from verl_ext.tasks.tool.assets import build_tool_tokenizer
 
-    return ref.cut_rows(batch["responses"], batch["response_mask"], {build_tool_tokenizer().eos_token_id}, CUT_AT)
+    return ref.cut_rows(batch["responses"], batch["loss_mask"], {build_tool_tokenizer().eos_token_id}, CUT_AT)

@@ -316,3 +316,47 @@ def test_what_applies_passes(compose, estimator, truncation):
     from verl_ext.integration.validation import check_config
 
     check_config(compose(f"algorithm.adv_estimator={estimator}", f"algorithm.truncation={truncation}"))
+
+
+@requires_verl("0.9.0", "rollout correction and its touch are written for verl 0.9")
+def test_a_cut_response_whose_last_tokens_verls_rejection_took_is_still_cut(compose):
+    """verl's rollout correction rejects row 0's last token (token_k1: its ratio e is outside [0.5, 2]): the response
+    still ran to the length limit without EOS, so it is cut (docs/definitions.md#off-policy-tokens: a rejected token is
+    the policy's), bootstraps from V(s_L) after its last kept token, and the others are as without the rejection."""
+    from verl.trainer.ppo import rollout_corr_helper
+    from verl.trainer.ppo import ray_trainer
+
+    from verl_ext.integration import step
+
+    tensors = make_batch()
+    tensors["old_log_probs"] = torch.full((ROWS, LENGTH), -1.0)
+    tensors["rollout_log_probs"] = tensors["old_log_probs"].clone()
+    tensors["rollout_log_probs"][0, LENGTH - 1] = -2.0  # ℓ = 1 at row 0's last token only
+    config = config_of(compose, "gae", "bootstrap", "algorithm.rollout_correction.rollout_rs=token_k1",
+                       "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'")  # fmt: skip
+    trainer = SimpleNamespace(config=config, global_steps=STEP, batch=data_proto(tensors), tokenizer=SimpleNamespace(eos_token_id=EOS))
+    seen, advantage = {}, step.advantage
+
+    def legacy_fit(self):
+        algorithm = self.config.algorithm
+        self.batch, _ = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(self.batch, algorithm.rollout_correction)
+        self.batch = ray_trainer.compute_advantage(
+            self.batch, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
+            num_repeat=2, norm_adv_by_std_in_grpo=True, config=algorithm,
+        )  # fmt: skip
+
+    def keep(*arguments):
+        seen["step"] = advantage(*arguments)
+        return seen["step"]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step, "advantage", keep)
+        patches.wrap_legacy_fit(legacy_fit)(trainer)
+    kept = trainer.batch.batch["response_mask"].numpy()
+    assert kept[0, LENGTH - 1] == 0 and kept.sum() == make_batch()["response_mask"].sum() - 1  # verl rejected that token alone
+    assert seen["step"].truncation.cut.tolist() == list(CUT)
+    batch = trainer.batch.batch
+    v_last = np.where(CUT, batch["values_after_last"].numpy(), 0.0)
+    want = ref.gae_advantages(batch["token_level_rewards"].numpy(), batch["values"].numpy(), kept, GAMMA, LAM, v_last)
+    returns = want + batch["values"].numpy()
+    np.testing.assert_allclose(batch["returns"].numpy()[kept != 0], returns[kept != 0], rtol=1e-5, atol=1e-5)

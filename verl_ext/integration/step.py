@@ -173,7 +173,7 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
     own = None if corrected is None else corrected.mask  # the turns are the policy's tokens', rejected ones included
     placed = turn_rewards_hook.place(data, *turn_rewards_hook.sources(data, source.extra_fields), own) if run.turn_rewards else None
     mode = truncation_hook.mode_of(arguments.get("config"))
-    truncation = None if mode == TRUNCATION_DEFAULT else truncation_hook.truncation_of(data, mode, run.trainer, source.stored)
+    truncation = None if mode == TRUNCATION_DEFAULT else truncation_hook.truncation_of(data, mode, run.trainer, source.stored, own)
     name = registry.name_of(arguments["adv_estimator"])
     settings = (arguments["gamma"], arguments["lam"], arguments.get("config"))
     if name in registry.names():

@@ -39,9 +39,11 @@ def v1_fields(mode: str, available: Any) -> list[str]:
     return [name for name in wanted if available is None or name in available]
 
 
-def truncation_of(data: Any, mode: str, trainer: Any, stored: dict[str, Any]) -> Truncation | None:
+def truncation_of(data: Any, mode: str, trainer: Any, stored: dict[str, Any], own: torch.Tensor | None = None) -> Truncation | None:
     """The step's :class:`Truncation` (None under ``terminal``: nothing is read). ``data``: verl's batch at
-    its advantage step; ``stored``: the V1 step's fields from TransferQueue ({} on the legacy trainer)."""
+    its advantage step; ``stored``: the V1 step's fields from TransferQueue ({} on the legacy trainer);
+    ``own``: the policy's tokens where verl's rollout correction rejected some from the response mask
+    (a response whose last tokens were rejected was still cut: docs/definitions.md#off-policy-tokens)."""
     if mode == TRUNCATION_DEFAULT:
         return None
     what = f"algorithm.truncation={mode}"
@@ -58,7 +60,7 @@ def truncation_of(data: Any, mode: str, trainer: Any, stored: dict[str, Any]) ->
         raise RuntimeError(f"{what} needs the response token ids (batch key responses) to find the cut responses; the batch has none")
     if responses.shape != mask.shape:
         raise RuntimeError(f"{what}: the response ids {tuple(responses.shape)} do not line up with the response mask {tuple(mask.shape)}")
-    cut = cut_responses(responses.to(mask.device), mask, eos, int(trainer.config.data.max_response_length))
+    cut = cut_responses(responses.to(mask.device), mask if own is None else own.to(mask.device), eos, int(trainer.config.data.max_response_length))
     if mode != "bootstrap":
         return Truncation(mode, cut)
     values_after_last = _field(data, stored, VALUES_AFTER_LAST, what)
