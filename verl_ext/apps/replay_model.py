@@ -162,10 +162,10 @@ def update_checkpoints(trace, step: int) -> UpdateCheckpoints:
     where = f"step {step} is {place.describe()} ({mode})"
     if place.substep:  # a later update of a step (separate_async) or of a version (fully async)
         of = f"version {place.trainer_version}" if name == "fully_async" else f"verl's step {verl_step}"
-        saved = "at each weight sync, as global_step_<version>" if name == "fully_async" else "after each of its steps"
+        saved = "at a weight sync (global_step_<version>)" if name == "fully_async" else "after a whole step of its own (global_step_<n>)"
         raise ReplayError(
             f"{where}: update {place.substep + 1} of {of} starts from the weights after its {place.substep} update(s) before it, and "
-            f"verl saves a checkpoint {saved} only: none holds them"
+            f"verl saves a checkpoint only {saved}: none holds them"
         )
     if name == "fully_async":
         version = place.trainer_version
