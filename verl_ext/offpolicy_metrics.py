@@ -24,6 +24,9 @@ REJECTED_TOKENS, REJECTED_RESPONSES = "offpolicy/rejected_tokens", "offpolicy/re
 #: The live metrics' names of :func:`staleness_metrics`.
 STALENESS_MEAN, STALENESS_MAX = "offpolicy/staleness_mean", "offpolicy/staleness_max"
 STALE_SHARE, SPANNED_SHARE = "offpolicy/stale_share", "offpolicy/spanned_share"
+#: The prefixes of the numbers verl logs of a step's off-policy gap: its rollout correction's
+#: (verl/trainer/ppo/rollout_corr_helper.py) and its debug metrics' (verl/utils/debug/metrics.py).
+CORRECTION_PREFIX, PROBS_DIFF_PREFIX = "rollout_corr/", "training/rollout_probs_diff_"
 #: verl's warning levels for a step (verl's docs/algo/rollout_corr.md): (metric, test, what the docs say)
 WARNINGS = (
     (IS_MEAN, lambda x: not 0.5 <= x <= 2.0, "mean IS weight outside [0.5, 2]"),
@@ -133,6 +136,17 @@ def versions(values) -> np.ndarray:
     out = np.array([np.nan if v is None else float(v) for v in np.asarray(values, dtype=object).ravel()], np.float64)
     out[out < 0] = np.nan
     return out
+
+
+def verls_probs_diff(old: np.ndarray, rollout: np.ndarray) -> dict[str, float]:
+    """What verl logs as ``training/rollout_probs_diff_max``, ``_mean`` and ``_std`` (without the prefix), by its
+    definition (verl/utils/debug/metrics.py): d = |exp(log π_old) − exp(log π_rollout)| over the same tokens, a
+    difference of probabilities although its helper is named for log-probs; std with n − 1, as torch.std."""
+    if not len(old):
+        return {}
+    d = np.abs(np.exp(old) - np.exp(rollout))
+    spread = float(np.std(d, ddof=1)) if len(d) > 1 else float("nan")
+    return {"rollout_probs_diff_max": float(d.max()), "rollout_probs_diff_mean": float(d.mean()), "rollout_probs_diff_std": spread}
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:

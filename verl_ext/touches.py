@@ -195,6 +195,13 @@ PLUGIN_TOUCHES = (
         versions=V1_VERSIONS, code=f"{_PATCHES}:wrap_ppo_loss",
     ),
     Touch(
+        "patch", "verl.utils.debug.metrics", "calculate_debug_metrics", "plugin",
+        why="verl logs training/rollout_probs_diff_max, _mean and _std of a step from it (both trainers and the "
+        "separated ones, before the advantage step): on a traced step they are kept in the step's entry, so that "
+        "`verl-ext check` holds them to the recorded log-probs (identity offpolicy_logged); verl's numbers run unchanged",
+        versions=PLUGIN_VERSIONS, code=f"{_PATCHES}:wrap_calculate_debug_metrics",
+    ),
+    Touch(
         "patch", "verl.trainer.ppo.ray_trainer", "left_right_2_no_padding", "plugin",
         why="`verl-ext replay` with the model updates through the legacy trainer's _update_actor and _update_critic, "
         "whose conversion of the batch makes its response mask the loss mask, the count of tokens the loss divides by; "

@@ -42,12 +42,23 @@ def corrected_batch(seed: int, settings: dict):
     options = {key: settings.get(key) for key in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")}
     options["rollout_is_batch_normalize"] = bool(options["rollout_is_batch_normalize"])
     weights, kept_mask, logged = compute_rollout_correction_and_rejection_mask(old, rollout, batch.mask, **options)
+    logged = {**logged, **verls_debug_metrics(old, rollout, batch.mask)}
     rejected = batch.mask.bool() & ~kept_mask.bool()
     corrected = dataclasses.replace(
         batch, mask=kept_mask.float(), old_log_prob=old, rollout_log_prob=rollout, rejected=rejected,
         rollout_is_weight=None if weights is None else weights.batch["rollout_is_weights"], logged=logged,
     )  # fmt: skip
     return by_definition(corrected, "mc", gamma=1.0)
+
+
+def verls_debug_metrics(old, rollout, mask) -> dict:
+    """What verl's calculate_debug_metrics logs of a batch (training/rollout_probs_diff_…), on the mask before its
+    correction, as the trainers call it."""
+    from verl import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    data = DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask, "responses": torch.zeros_like(mask)})
+    return {key: value for key, value in calculate_debug_metrics(data).items() if key.startswith("training/rollout_probs_diff_")}
 
 
 def corrected_trace(tmp_path, settings: dict) -> str:
@@ -64,7 +75,7 @@ def test_verls_own_weights_and_rejections_pass(tmp_path, case):
     assert report["is_weights"].status == "pass" and report["rejection"].status == "pass"
     # verl's own numbers of each step, as its function returned them: the batch-normalised run's weight
     # numbers are before the normalisation, which the trace does not hold (only the others are compared)
-    assert report["offpolicy_logged"].status == "pass" and report["offpolicy_logged"].checked >= 2 * 4
+    assert report["offpolicy_logged"].status == "pass" and report["offpolicy_logged"].checked >= 2 * (4 + 3)  # + verl's probs diff
     assert report["turns"].status == "pass" and report["roles"].status == "pass"  # a rejection is no turn boundary
 
 
@@ -126,6 +137,20 @@ def test_a_logged_number_off_by_a_hundredth_fails(tmp_path):
     result = check_trace(path)["offpolicy_logged"]
     assert result.status == "fail" and result.violations == 1
     assert (str(result.first.location), result.first.column) == ("step 2", "rollout_corr/rollout_rs_masked_fraction")
+
+
+def test_verls_probability_gap_off_by_a_hundredth_fails(tmp_path):
+    """verl's training/rollout_probs_diff_mean, |exp(log π_old) − exp(log π_rollout)| averaged (a difference of
+    probabilities), moved by 0.01 in the recorded entry: the identity names it."""
+    settings = CASES["token TIS, token_k1"]
+    batches = {step: corrected_batch(step, settings) for step in (1, 2)}
+    logged = dict(batches[1].logged)
+    logged["training/rollout_probs_diff_mean"] += 0.01
+    batches[1] = dataclasses.replace(batches[1], logged=logged)
+    path = write_trace(tmp_path / "trace", algorithm("mc", rollout_correction=Correction.from_config(settings).settings()), batches)
+    result = check_trace(path)["offpolicy_logged"]
+    assert result.status == "fail" and result.violations == 1
+    assert (str(result.first.location), result.first.column) == ("step 1", "training/rollout_probs_diff_mean")
 
 
 def test_bypass_mode_old_log_probs_are_the_rollouts(tmp_path):

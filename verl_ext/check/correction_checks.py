@@ -177,15 +177,16 @@ def bypass(t: "TokenStep") -> Finding:
 
 
 def logged_numbers(t: "TokenStep") -> Finding:
-    """verl's logged ``rollout_corr/…`` numbers of the step = the same definitions over its rows."""
+    """verl's logged ``rollout_corr/…`` and ``training/rollout_probs_diff_…`` numbers of the step = the same
+    definitions over its rows."""
     from verl_ext.check.results import EPS32, compare
-    from verl_ext.offpolicy_metrics import verls_logged
+    from verl_ext.offpolicy_metrics import CORRECTION_PREFIX, PROBS_DIFF_PREFIX, verls_logged, verls_probs_diff
 
-    logged = {key.removeprefix("rollout_corr/"): value for key, value in (getattr(t.step_record, "logged", None) or {}).items()
-              if key.startswith("rollout_corr/")}  # fmt: skip
+    recorded = getattr(t.step_record, "logged", None) or {}
+    logged = {key: value for key, value in recorded.items() if key.startswith((CORRECTION_PREFIX, PROBS_DIFF_PREFIX))}
     if not logged:
-        return skipped("no rollout_corr/… numbers of verl's recorded at this step (a trace before format 10, or a replay of another "
-                       "rollout correction, whose numbers verl did not compute)")
+        return skipped("no rollout_corr/… or rollout_probs_diff_… numbers of verl's recorded at this step (a trace before format "
+                       "10, or a replay of another rollout correction, whose numbers verl did not compute)")
     if (kept := t._kept_part()) is not None:
         return skipped(f"traced {kept[0]} of {kept[1]} samples: verl's numbers are over the whole batch")
     data, correction = t.data, t.correction
@@ -195,10 +196,15 @@ def logged_numbers(t: "TokenStep") -> Finding:
     weights = data.at_own_tokens("rollout_is_weight")
     rejected = data.at_own_tokens("rejected") if correction is not None and correction.rejection else None
     normalised = correction is not None and correction.batch_normalize  # verl's weight numbers are before it
-    ours = verls_logged(
-        old, rollout, data.layout.own_counts, t.step_record.batch_samples, None if normalised else weights,
-        None if correction is None else correction.is_upper, None if rejected is None else rejected != 0,
-    )  # fmt: skip
+    ours = {
+        CORRECTION_PREFIX + name: value
+        for name, value in verls_logged(
+            old, rollout, data.layout.own_counts, t.step_record.batch_samples, None if normalised else weights,
+            None if correction is None else correction.is_upper, None if rejected is None else rejected != 0,
+        ).items()
+    }  # fmt: skip
+    # verl's calculate_debug_metrics runs before the correction, over the policy's own tokens
+    ours |= {"training/" + name: value for name, value in verls_probs_diff(old, rollout).items()}
     names = [name for name in ours if name in logged]
     if not names:
         return skipped("none of verl's logged numbers of the step is one verl-ext recomputes")
@@ -207,9 +213,10 @@ def logged_numbers(t: "TokenStep") -> Finding:
     if weights is not None:
         # ESS = 1 / mean((w/mean w)²) ≤ 1: two float32 means and a division, each off by ε·n at most
         magnitude |= {"rollout_is_mean": weights.max(), "rollout_is_eff_sample_size": 3.0}
-    tolerance = np.array([ATOL + EPS32 * n * float(magnitude.get(name, 0.0)) for name in names])
-    return compare([logged[name] for name in names], [ours[name] for name in names], tolerance,
-                   lambda i: (Location(t.step), f"rollout_corr/{names[i]}"))  # fmt: skip
+    # |exp(a) − exp(b)| ≤ 1, each exp rounded once in float32: ε per term, then the float32 sums (std: its square's)
+    magnitude |= {"rollout_probs_diff_max": 2.0 / max(n, 1), "rollout_probs_diff_mean": 2.0, "rollout_probs_diff_std": 4.0}
+    tolerance = np.array([ATOL + EPS32 * n * float(magnitude.get(name.rpartition("/")[2], 0.0)) for name in names])
+    return compare([logged[name] for name in names], [ours[name] for name in names], tolerance, lambda i: (Location(t.step), names[i]))
 
 
 def unchecked_for(why: str) -> Finding:

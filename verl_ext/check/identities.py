@@ -163,7 +163,7 @@ IDENTITIES = (
         applies=lambda a: a.correction is not None and a.correction.bypass_mode,
     ),
     Identity(
-        "offpolicy_logged", "8.8", TOKEN, "verl's logged rollout_corr/… numbers = the same definitions over the rows",
+        "offpolicy_logged", "8.8", TOKEN, "verl's logged rollout_corr/… and rollout_probs_diff_… numbers = the same definitions over the rows",
         correction_checks.LOGGED, correction_checks.logged_numbers, counts="metric",
         applies=lambda a: a.correction is not None and not a.correction.bypass_mode,
     ),

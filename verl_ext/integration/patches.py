@@ -321,3 +321,15 @@ def wrap_left_right_2_no_padding(original: Callable) -> Callable:
         return data
 
     return left_right_2_no_padding
+
+
+def wrap_calculate_debug_metrics(original: Callable) -> Callable:
+    from verl_ext.integration import step
+
+    @functools.wraps(original)
+    def calculate_debug_metrics(data):
+        metrics = original(data)
+        step.debug_metrics_computed(metrics)
+        return metrics
+
+    return calculate_debug_metrics

@@ -161,6 +161,8 @@ class Estimated:
     #: the response mask before its rollout correction rejected tokens (None: none at this step)
     kl: KlApplied | None = None
     corrected: OwnMask | None = None
+    #: verl's training/rollout_probs_diff_… numbers of the step (calculate_debug_metrics), {} where none
+    debug_logged: dict[str, float] = field(default_factory=dict)
 
 
 def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dict[str, Any], verl_compute_advantage: Callable[[], Any]) -> Estimated:
@@ -169,7 +171,7 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
     from verl_ext import registry
 
     data, traced, step = arguments["data"], run.traces_current_step(), run.trace_step()
-    kl, corrected = _handed_over(_KL_APPLIED, step), _handed_over(_OWN_MASK, step)
+    kl, corrected, debug = _handed_over(_KL_APPLIED, step), _handed_over(_OWN_MASK, step), _handed_over(_DEBUG_LOGGED, step)
     own = None if corrected is None else corrected.mask  # the turns are the policy's tokens', rejected ones included
     placed = turn_rewards_hook.place(data, *turn_rewards_hook.sources(data, source.extra_fields), own) if run.turn_rewards else None
     mode = truncation_hook.mode_of(arguments.get("config"))
@@ -194,7 +196,7 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
     if step is None:  # outside fit(): the batch's step when it has one
         step = getattr(data, "meta_info", {}).get("global_steps")
     nonfinite = nonfinite_hook.check(data, run.nonfinite, None if step is None else int(step))
-    return Estimated(data, traced, placed, raw, truncation, whitening, metrics, nonfinite, kl, corrected)
+    return Estimated(data, traced, placed, raw, truncation, whitening, metrics, nonfinite, kl, corrected, {} if debug is None else debug.logged)
 
 
 def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch) -> Any:
@@ -212,7 +214,9 @@ def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueue
         "tool_reward": None if placed is None else placed.tool_reward,
     }
     kl_coef = None if kl is None else kl.beta
-    logged = {**({} if corrected is None else corrected.logged), **async_modes.logged_counts(run.trainer, run.mode)}
+    logged = {
+        **({} if corrected is None else corrected.logged), **estimated.debug_logged, **async_modes.logged_counts(run.trainer, run.mode),
+    }  # fmt: skip
     return trace_hook.step_capture(
         run.trainer, tensors, uid, computed, kl_coef, agent_turns, estimated.truncation, stop_reasons, estimated.whitening,
         rejected, logged, run.position(), source.versions(estimated.data),
@@ -236,6 +240,7 @@ def _finish(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueB
     Returns what the trainer goes on with; a non-finite value raises once the step is kept."""
     _KL_APPLIED.set(None)  # taken: a later step without KL in the reward or a correction must not see them
     _OWN_MASK.set(None)
+    _DEBUG_LOGGED.set(None)
     if estimated.traced and estimated.data is not None:
         run.writer.submit(captured(run, estimated, source))
     going_on = written(run, estimated, source)
@@ -386,6 +391,28 @@ def rollout_corrected(batch: Any, correct: Callable[[], Any]) -> Any:
     logged = {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
     _OWN_MASK.set(OwnMask(current_run().trace_step(), own, logged))
     return corrected, metrics
+
+
+@dataclass(frozen=True)
+class DebugLogged:
+    """The numbers verl's ``calculate_debug_metrics`` logged of ``step`` (``training/rollout_probs_diff_…``)."""
+
+    step: int | None
+    logged: dict[str, float]
+
+
+_DEBUG_LOGGED: contextvars.ContextVar[DebugLogged | None] = contextvars.ContextVar("verl_ext_debug_logged", default=None)
+
+
+def debug_metrics_computed(metrics: dict) -> None:
+    """verl's ``calculate_debug_metrics`` returned ``metrics`` for the step under way (inside ``fit()``), before
+    its advantage step: kept for the step's capture, which holds them to the trace (``verl-ext check``)."""
+    from verl_ext.offpolicy_metrics import PROBS_DIFF_PREFIX
+
+    if _current is None:
+        return
+    logged = {key: float(value) for key, value in metrics.items() if key.startswith(PROBS_DIFF_PREFIX) and isinstance(value, (int, float))}
+    _DEBUG_LOGGED.set(DebugLogged(current_run().trace_step(), logged))
 
 
 def _handed_over(variable: contextvars.ContextVar, step: int | None) -> Any:
