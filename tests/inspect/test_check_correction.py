@@ -31,21 +31,22 @@ CASES = {
 }  # fmt: skip
 
 
-def corrected_batch(seed: int, settings: dict):
-    """random_batch's step with log-probs 2–4% apart, corrected by verl, estimated with mc on what is left."""
+def corrected_batch(seed: int, settings: dict, held: torch.dtype = torch.float32):
+    """random_batch's step with log-probs 2–4% apart, corrected by verl, estimated with mc on what is left;
+    ``held``: the dtype the trainer keeps π_old in (its values, and verl's debug metrics of them, in it)."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
     batch = random_batch(seed, kl_coef=None)
     g = torch.Generator().manual_seed(100 + seed)
-    old = -torch.rand(batch.mask.shape, generator=g) * 3
-    rollout = old + torch.randn(batch.mask.shape, generator=g) * 0.03
+    old = (-torch.rand(batch.mask.shape, generator=g) * 3).to(held)
+    rollout = old.float() + torch.randn(batch.mask.shape, generator=g) * 0.03
     options = {key: settings.get(key) for key in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")}
     options["rollout_is_batch_normalize"] = bool(options["rollout_is_batch_normalize"])
-    weights, kept_mask, logged = compute_rollout_correction_and_rejection_mask(old, rollout, batch.mask, **options)
+    weights, kept_mask, logged = compute_rollout_correction_and_rejection_mask(old.float(), rollout, batch.mask, **options)
     logged = {**logged, **verls_debug_metrics(old, rollout, batch.mask)}
     rejected = batch.mask.bool() & ~kept_mask.bool()
     corrected = dataclasses.replace(
-        batch, mask=kept_mask.float(), old_log_prob=old, rollout_log_prob=rollout, rejected=rejected,
+        batch, mask=kept_mask.float(), old_log_prob=old.float(), rollout_log_prob=rollout, rejected=rejected,
         rollout_is_weight=None if weights is None else weights.batch["rollout_is_weights"], logged=logged,
     )  # fmt: skip
     return by_definition(corrected, "mc", gamma=1.0)
@@ -216,3 +217,18 @@ def test_a_rollout_that_sampled_with_top_p_is_noted_as_biasing_the_ratio(tmp_pat
     assert report.passed and any("top_p 0.8" in note and "biases the ratio" in note for note in report["is_weights"].notes)
     whole = check_trace(write_trace(tmp_path / "u", algorithm("mc", rollout_correction=correction), batches, run={"rollout": {**rollout, "top_p": 1.0}}))
     assert not any("biases" in note for note in whole["is_weights"].notes)
+
+
+def test_verls_probs_diff_over_log_probs_held_in_bf16_passes_within_their_rounding(tmp_path):
+    """V1 keeps π_old in bf16, so verl's calculate_debug_metrics takes exp(old) in bf16 (the suite's V1 run logged
+    a largest |Δp| 2.3e-4 above float32's): with the step's stored_dtypes saying so, verl's own numbers of the bf16
+    log-probs pass; without it, the same numbers fail (float32's error alone)."""
+    settings = CASES["token TIS, token_k1"]
+    batches = {step: corrected_batch(step, settings, held=torch.bfloat16) for step in (1, 2)}
+    path = write_trace(tmp_path / "trace", algorithm("mc", rollout_correction=Correction.from_config(settings).settings()), batches)
+    result = check_trace(path)["offpolicy_logged"]
+    assert result.status == "fail" and result.first.column.startswith("training/rollout_probs_diff_"), result
+    for step in (1, 2):
+        rewrite_step(path, step, entry=lambda e: {**e, "stored_dtypes": {"old_log_prob": "bf16"}})
+    result = check_trace(path)["offpolicy_logged"]
+    assert result.status == "pass" and result.checked >= 2 * (4 + 3), result

@@ -179,7 +179,7 @@ def bypass(t: "TokenStep") -> Finding:
 def logged_numbers(t: "TokenStep") -> Finding:
     """verl's logged ``rollout_corr/…`` and ``training/rollout_probs_diff_…`` numbers of the step = the same
     definitions over its rows."""
-    from verl_ext.check.results import EPS32, compare
+    from verl_ext.check.results import DTYPE_EPS, EPS32, compare
     from verl_ext.offpolicy_metrics import CORRECTION_PREFIX, PROBS_DIFF_PREFIX, verls_logged, verls_probs_diff
 
     recorded = getattr(t.step_record, "logged", None) or {}
@@ -216,7 +216,16 @@ def logged_numbers(t: "TokenStep") -> Finding:
     # |exp(a) − exp(b)| ≤ 1, each exp rounded once in float32: ε per term, then the float32 sums (std: its square's)
     magnitude |= {"rollout_probs_diff_max": 2.0 / max(n, 1), "rollout_probs_diff_mean": 2.0, "rollout_probs_diff_std": 4.0}
     tolerance = np.array([ATOL + EPS32 * n * float(magnitude.get(name.rpartition("/")[2], 0.0)) for name in names])
-    return compare([logged[name] for name in names], [ours[name] for name in names], tolerance, lambda i: (Location(t.step), names[i]))
+    note = None
+    if held := t._held_in("old_log_prob"):
+        # verl takes exp of the log-probs in the dtype they are held in (V1 keeps them in bf16): each exp(old)
+        # rounded there, half an ulp, δ = ε/2·exp(old) per token (docs/definitions.md#in-a-bf16-run)
+        delta = DTYPE_EPS.get(held, EPS32) / 2 * np.exp(old.astype(np.float64))
+        rounding = {"rollout_probs_diff_max": delta.max(), "rollout_probs_diff_mean": delta.mean(),
+                    "rollout_probs_diff_std": np.sqrt((delta**2).sum() / max(n - 1, 1))}  # fmt: skip
+        tolerance += np.array([float(rounding.get(name.rpartition("/")[2], 0.0)) for name in names])
+        note = f"old_log_prob held in {held} by the trainer, exp(old) rounded there: + ε/2·exp(old) per token"
+    return compare([logged[name] for name in names], [ours[name] for name in names], tolerance, lambda i: (Location(t.step), names[i]), note)
 
 
 def unchecked_for(why: str) -> Finding:
