@@ -165,6 +165,15 @@ def test_the_hash_seed_a_command_asks_for_is_the_one_it_gets(tmp_path):
     assert forked.stdout.split()[1] == "True"  # from the server with that seed
 
 
+def test_a_breakpoint_hook_set_by_rays_driver_is_a_childs_own(tmp_path):
+    """ray.init sets PYTHONBREAKPOINT in its process (a test's, through verl-ext's parallel check): the commands
+    that test starts afterwards still run forked, and breakpoint() calls the hook their environment names."""
+    code = "import sys; breakpoint('the hook'); print('torch' in sys.modules)"
+    real, forked = both(["-c", code], tmp_path, env={**os.environ, "PYTHONBREAKPOINT": "builtins.print"})
+    assert real.stdout.split("\n")[0] == forked.stdout.split("\n")[0] == "the hook"
+    assert forked.stdout.split("\n")[1] == "True", forked.stdout
+
+
 def test_what_a_child_cannot_reproduce_runs_in_the_real_interpreter(tmp_path):
     code = "import sys; print('torch' in sys.modules, sys.flags.optimize)"
     for argv, env in ((["-O", "-c", code], {}), (["-c", code], {"OMP_NUM_THREADS": "2"})):

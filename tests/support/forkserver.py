@@ -77,10 +77,12 @@ PRELOADED = (
 
 #: Interpreter options a child reproduces (``-W`` with its argument); with any other: a real interpreter.
 CHILD_OPTIONS = ("-u", "-B", "-W")
-#: Variables a child applies itself, and a terminal's size (set in some of the harness's processes):
-#: they may differ from the server's.
+#: Variables a child applies itself, PYTHONBREAKPOINT (read at each breakpoint() call: Ray's driver sets it in
+#: a test's process, which then had every later command run fresh), and a terminal's size (set in some of the
+#: harness's processes): they may differ from the server's.
 CHILD_VARIABLES = {
-    "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "COLUMNS", "LINES",
+    "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "PYTHONBREAKPOINT",
+    "COLUMNS", "LINES",
 }  # fmt: skip
 #: Variables native code may read while the libraries load, unseen by the recording of ``os.environ``.
 NATIVE_PREFIXES = (
