@@ -129,3 +129,37 @@ def test_bad_value_stops_before_training(compose):
 
     with pytest.raises(ValueError, match=r"verl_ext.metrics must be true or false, got 'often'"):
         validate_config(compose("algorithm.adv_estimator=mc", "verl_ext.metrics=often"), use_reference_policy=False, use_critic=True)
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "sync"])
+def test_an_asynchronous_steps_staleness_is_a_live_metric(compose, mode):
+    """verl's one-step-off trainer (known by its class's module and name, as a subclass Ray makes keeps them) at
+    step 7 trains from the weights it synced as 7 (docs/definitions.md#policy-versions); its agent loop tagged the
+    responses with the versions of their first and last tokens. By hand: staleness 1, 1, 0, 0, 1 (a response
+    without versions left out), one spanning 6–7. A synchronous trainer's step has no such metric."""
+    from verl.trainer.ppo import ray_trainer
+
+    config = compose("algorithm.adv_estimator=mc", f"algorithm.gamma={GAMMA}")
+    batch = data_proto(make_step())
+    batch.non_tensor_batch["min_global_steps"] = np.array([6, 6, 7, 7, None, 6], dtype=object)
+    batch.non_tensor_batch["max_global_steps"] = np.array([6, 7, 7, 7, None, 6], dtype=object)
+    trainer_class = type("OneStepOffRayTrainer" if mode == "one_step_off" else "RayPPOTrainer", (), {})
+    if mode == "one_step_off":
+        trainer_class.__module__ = "verl.experimental.one_step_off_policy.ray_trainer"
+    trainer = trainer_class()
+    trainer.config, trainer.global_steps, trainer.batch = config, STEP, batch
+    metrics = {}
+
+    def fit(self):
+        self.batch = ray_trainer.compute_advantage(self.batch, adv_estimator="mc", gamma=GAMMA, lam=1.0, num_repeat=2, config=config.algorithm)
+        metrics.update(patches.wrap_compute_data_metrics(lambda batch, use_critic: {})(batch=self.batch, use_critic=True))
+
+    patches.wrap_legacy_fit(fit)(trainer)
+    got = {key: value for key, value in metrics.items() if "/staleness" in key or key.endswith(("stale_share", "spanned_share"))}
+    if mode == "sync":
+        assert got == {}
+        return
+    assert got == pytest.approx({
+        "verl_ext/offpolicy/staleness_mean": 3 / 5, "verl_ext/offpolicy/staleness_max": 1.0,
+        "verl_ext/offpolicy/stale_share": 3 / 5, "verl_ext/offpolicy/spanned_share": 1 / 5,
+    })  # fmt: skip

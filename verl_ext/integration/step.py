@@ -193,10 +193,25 @@ def advantage(run: Run, source: LegacyBatch | TransferQueueBatch, arguments: dic
     if run.metrics:
         metrics = metrics_hook.live_metrics(data, arguments["gamma"], raw, None if corrected is None else corrected.mask, run.correction)
         metrics |= {} if placed is None else placed.metrics
+        metrics |= _staleness(run, source, data)
     if step is None:  # outside fit(): the batch's step when it has one
         step = getattr(data, "meta_info", {}).get("global_steps")
     nonfinite = nonfinite_hook.check(data, run.nonfinite, None if step is None else int(step))
     return Estimated(data, traced, placed, raw, truncation, whitening, metrics, nonfinite, kl, corrected, {} if debug is None else debug.logged)
+
+
+def _staleness(run: Run, source: LegacyBatch | TransferQueueBatch, data: Any) -> dict[str, float]:
+    """The step's staleness as live metrics (``verl_ext/offpolicy/staleness_mean``, …; docs/definitions.md#staleness-how-old-the-trained-responses-are),
+    in an asynchronous run only: a synchronous one's are 0 by construction, and its logger keeps the names it had."""
+    from verl_ext.offpolicy_metrics import staleness_metrics
+    from verl_ext.step_metrics import prefixed
+
+    if (run.mode or {}).get("name", async_modes.SYNC) == async_modes.SYNC:
+        return {}
+    place, pairs = run.position(), source.versions(data)
+    if place is None or not pairs:
+        return {}
+    return prefixed(staleness_metrics(place.trainer_version, [low for low, _ in pairs], [high for _, high in pairs]))
 
 
 def captured(run: Run, estimated: Estimated, source: LegacyBatch | TransferQueueBatch) -> Any:
