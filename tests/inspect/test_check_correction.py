@@ -128,30 +128,23 @@ def test_a_planted_rejection_fails(tmp_path):
     assert "say kept" in result.first.detail
 
 
-def test_a_logged_number_off_by_a_hundredth_fails(tmp_path):
+@pytest.mark.parametrize(
+    ("step", "name"),
+    [
+        (2, "rollout_corr/rollout_rs_masked_fraction"),
+        # |exp(log π_old) − exp(log π_rollout)| averaged (a difference of probabilities)
+        (1, "training/rollout_probs_diff_mean"),
+    ],
+)
+def test_a_logged_number_off_by_a_hundredth_fails(tmp_path, step, name):
+    """One of verl's numbers of a step, moved by 0.01 in the recorded entry: the identity names it."""
     settings = CASES["token TIS, token_k1"]
-    batches = {step: corrected_batch(step, settings) for step in (1, 2)}
-    logged = dict(batches[2].logged)
-    logged["rollout_corr/rollout_rs_masked_fraction"] += 0.01
-    batches[2] = dataclasses.replace(batches[2], logged=logged)
+    batches = {s: corrected_batch(s, settings) for s in (1, 2)}
+    batches[step] = dataclasses.replace(batches[step], logged={**batches[step].logged, name: batches[step].logged[name] + 0.01})
     path = write_trace(tmp_path / "trace", algorithm("mc", rollout_correction=Correction.from_config(settings).settings()), batches)
     result = check_trace(path)["offpolicy_logged"]
     assert result.status == "fail" and result.violations == 1
-    assert (str(result.first.location), result.first.column) == ("step 2", "rollout_corr/rollout_rs_masked_fraction")
-
-
-def test_verls_probability_gap_off_by_a_hundredth_fails(tmp_path):
-    """verl's training/rollout_probs_diff_mean, |exp(log π_old) − exp(log π_rollout)| averaged (a difference of
-    probabilities), moved by 0.01 in the recorded entry: the identity names it."""
-    settings = CASES["token TIS, token_k1"]
-    batches = {step: corrected_batch(step, settings) for step in (1, 2)}
-    logged = dict(batches[1].logged)
-    logged["training/rollout_probs_diff_mean"] += 0.01
-    batches[1] = dataclasses.replace(batches[1], logged=logged)
-    path = write_trace(tmp_path / "trace", algorithm("mc", rollout_correction=Correction.from_config(settings).settings()), batches)
-    result = check_trace(path)["offpolicy_logged"]
-    assert result.status == "fail" and result.violations == 1
-    assert (str(result.first.location), result.first.column) == ("step 1", "training/rollout_probs_diff_mean")
+    assert (str(result.first.location), result.first.column) == (f"step {step}", name)
 
 
 def test_bypass_mode_old_log_probs_are_the_rollouts(tmp_path):
