@@ -33,6 +33,18 @@ VERL_BATCH_KEYS = {
 }
 
 
+def rows_of_the_batch(table, used: dict) -> tuple:
+    """The (sample, token_index) of each row of a step's token table (pandas), as indices into the batch an
+    update read (``used``: tests/e2e/v1_capture.py's file); the table has a row per sample and the batch's
+    response mask and token ids at them."""
+    mask = used["response_mask"].numpy()
+    assert table["sample"].nunique() == mask.shape[0]
+    positions = (table["sample"].to_numpy(), table["token_index"].to_numpy())
+    assert (table["mask"].to_numpy() == (mask[positions] != 0)).all()
+    assert (table["token_id"].to_numpy() == used["responses"].numpy()[positions]).all()
+    return positions
+
+
 def run(command: list[str], env: dict[str, str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     """Run ``command`` (its output is kept in ``cwd/output.log``); on failure show the end of it."""
     completed = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

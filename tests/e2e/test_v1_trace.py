@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cpu.helpers import RAY_GROUP, VERL_BATCH_KEYS
+from tests.cpu.helpers import RAY_GROUP, VERL_BATCH_KEYS, rows_of_the_batch
 from tests.e2e.v1_run import CORRECTION, KL_COEF, STEPS
 
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
@@ -87,11 +87,7 @@ def test_v1_trace_equals_what_the_actor_update_read(v1_run):
     for step in trace.steps:
         used = torch.load(v1_run / "captured" / f"step{step}.pt")
         table = trace.read_step(step).to_pandas()
-        mask = used["response_mask"].numpy()
-        assert table["sample"].nunique() == mask.shape[0]
-        positions = (table["sample"].to_numpy(), table["token_index"].to_numpy())
-        assert (table["mask"].to_numpy() == (mask[positions] != 0)).all()
-        assert (table["token_id"].to_numpy() == used["responses"].numpy()[positions]).all()
+        positions = rows_of_the_batch(table, used)
         own = used["loss_mask"].numpy()  # the policy's tokens, within each response's own length, holes among them
         length = used["response_length"].numpy()
         assert not (own * (np.arange(own.shape[1]) >= length[:, None])).any()
