@@ -58,8 +58,9 @@ def config_of(compose, estimator, truncation, *overrides):
     return compose(*options, *([f"algorithm.truncation={truncation}"] if truncation else []))
 
 
-def legacy_run(compose, estimator, truncation, tensors=None, *overrides):
-    """One legacy advantage step; returns (the batch after, what the step estimated: step.Estimated)."""
+def legacy_run(compose, estimator, truncation, tensors=None, *overrides, corrected=False):
+    """One legacy advantage step; returns (the batch after, what the step estimated: step.Estimated).
+    ``corrected``: verl's rollout correction runs before it, as the trainer runs it."""
     from verl.trainer.ppo import ray_trainer
 
     from verl_ext.integration import step
@@ -72,6 +73,10 @@ def legacy_run(compose, estimator, truncation, tensors=None, *overrides):
 
     def legacy_fit(self):
         algorithm = self.config.algorithm
+        if corrected:
+            from verl.trainer.ppo import rollout_corr_helper
+
+            self.batch, _ = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(self.batch, algorithm.rollout_correction)
         self.batch = ray_trainer.compute_advantage(
             self.batch, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
             num_repeat=2, norm_adv_by_std_in_grpo=True, config=algorithm,
@@ -323,39 +328,18 @@ def test_a_cut_response_whose_last_tokens_verls_rejection_took_is_still_cut(comp
     """verl's rollout correction rejects row 0's last token (token_k1: its ratio e is outside [0.5, 2]): the response
     still ran to the length limit without EOS, so it is cut (docs/definitions.md#off-policy-tokens: a rejected token is
     the policy's), bootstraps from V(s_L) after its last kept token, and the others are as without the rejection."""
-    from verl.trainer.ppo import rollout_corr_helper
-    from verl.trainer.ppo import ray_trainer
-
-    from verl_ext.integration import step
-
     tensors = make_batch()
     tensors["old_log_probs"] = torch.full((ROWS, LENGTH), -1.0)
     tensors["rollout_log_probs"] = tensors["old_log_probs"].clone()
     tensors["rollout_log_probs"][0, LENGTH - 1] = -2.0  # ℓ = 1 at row 0's last token only
-    config = config_of(compose, "gae", "bootstrap", "algorithm.rollout_correction.rollout_rs=token_k1",
-                       "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'")  # fmt: skip
-    trainer = SimpleNamespace(config=config, global_steps=STEP, batch=data_proto(tensors), tokenizer=SimpleNamespace(eos_token_id=EOS))
-    seen, advantage = {}, step.advantage
-
-    def legacy_fit(self):
-        algorithm = self.config.algorithm
-        self.batch, _ = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(self.batch, algorithm.rollout_correction)
-        self.batch = ray_trainer.compute_advantage(
-            self.batch, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
-            num_repeat=2, norm_adv_by_std_in_grpo=True, config=algorithm,
-        )  # fmt: skip
-
-    def keep(*arguments):
-        seen["step"] = advantage(*arguments)
-        return seen["step"]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step, "advantage", keep)
-        patches.wrap_legacy_fit(legacy_fit)(trainer)
-    kept = trainer.batch.batch["response_mask"].numpy()
+    after, estimated = legacy_run(
+        compose, "gae", "bootstrap", tensors, "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'", corrected=True,
+    )  # fmt: skip
+    kept = after.batch["response_mask"].numpy()
     assert kept[0, LENGTH - 1] == 0 and kept.sum() == make_batch()["response_mask"].sum() - 1  # verl rejected that token alone
-    assert seen["step"].truncation.cut.tolist() == list(CUT)
-    batch = trainer.batch.batch
+    assert estimated.truncation.cut.tolist() == list(CUT)
+    batch = after.batch
     v_last = np.where(CUT, batch["values_after_last"].numpy(), 0.0)
     want = ref.gae_advantages(batch["token_level_rewards"].numpy(), batch["values"].numpy(), kept, GAMMA, LAM, v_last)
     returns = want + batch["values"].numpy()
