@@ -51,6 +51,23 @@ def whitening_operands(x, mask, *inputs) -> np.ndarray:
     return operands / sigma
 
 
+def forward_pass(logits, positions, config, lam: float = 8.0) -> np.ndarray:
+    """The float32 rounding of one forward pass of a decoder (another engine's log-probs against the exact
+    ones, float64): 2·λ·√N·u·max_v|z_tv| per token t, u = ε/2 (round to nearest), N the terms summed in
+    series on the way to the logits z_t (per layer: the q/k/v projection's hidden size, the head's
+    dimension in q·k, the t + 1 positions attention averages, o_proj, gate/up, down's intermediate size;
+    then lm_head). Higham & Mary's probabilistic bound (SIAM J. Sci. Comput. 2019): a sum of N rounded
+    terms is within λ√N·u of its magnitude unless with probability below 2N·exp(−λ²/2) (λ = 8: 1e-11),
+    not the worst case N·u, which would not tell a bf16 engine from fp32; the log-softmax passes the
+    logits' error on at most twice. ``logits`` (T, V), ``positions`` (T,): each token's index in the
+    sequence it was scored in."""
+    hidden, head = config.hidden_size, config.hidden_size // config.num_attention_heads
+    per_layer = 3 * hidden + head + config.intermediate_size
+    terms = config.num_hidden_layers * (per_layer + np.asarray(positions, np.float64) + 1) + hidden
+    scale = np.abs(np.asarray(logits, np.float64)).max(axis=-1)
+    return 2 * lam * np.sqrt(terms) * (EPS32 / 2) * scale
+
+
 def assert_within(actual, expected, tolerance, what: str = "") -> None:
     """|actual − expected| < tolerance, element by element, with the worst element in the message."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
