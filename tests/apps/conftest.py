@@ -16,7 +16,10 @@ import pytest
 
 from tests.cpu.helpers import run
 
-LEARNING_STEPS = 25
+#: The steps of the learning run: 12 (held-out accuracy 0.598 -> 0.798 on this machine; 0.731 after the 25 the
+#: suite ran until issue 55, whose 13 steps more took 22 s of its longest chain). Above 10: the demo's credit
+#: lines (every tenth step, the first and the last) then have a line that is neither.
+LEARNING_STEPS = 12
 #: The steps of the second run: within the learning recipe's warm-up (5 steps), so that its learning
 #: rate, which a cosine schedule over the run's length sets after the warm-up, is the long run's.
 REPRODUCED_STEPS = 3
@@ -24,7 +27,7 @@ REPRODUCED_STEPS = 3
 
 @pytest.fixture(scope="session")
 def learning_runs(tmp_path_factory, cpu_env):
-    # its own runs: the learning recipe (25 steps, verl_ext.apps.learning), which no other test runs
+    # its own runs: the learning recipe (LEARNING_STEPS, verl_ext.apps.learning), which no other test runs
     outputs = [tmp_path_factory.mktemp(f"learn{i}") for i in range(2)]
     command = [sys.executable, "-m", "verl_ext.apps.learning", "--estimator", "mc", "--seed", "0",
                "--test-freq", str(LEARNING_STEPS), "--trace"]  # fmt: skip

@@ -158,7 +158,7 @@ def test_the_demo_prints_credit_every_tenth_step_and_the_estimators_side_by_side
     credits = demo._print_credit(learning_trace, "arith")
     assert max(credits) == STEPS and all(credits[step].shares_by_estimator for step in range(STEPS - 9, STEPS + 1))
     lines = capsys.readouterr().out.splitlines()
-    assert [int(line.split()[1]) for line in lines] == [1, 10, 20, STEPS]
+    assert [int(line.split()[1]) for line in lines] == sorted({1, *range(10, STEPS + 1, 10), STEPS}) and len(lines) > 2
     assert all("critic EV after the verdict" in line for line in lines)
 
     demo._print_side_by_side(learning_trace, credits, 5)
