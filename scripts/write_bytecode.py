@@ -21,7 +21,8 @@ Importing :data:`MODULES` does not reach what is imported later and lazily (vLLM
 of openai's files, Ray's dashboard agent its modules, transformers a model's config by name): after a
 fresh clone's ``make test``, ``list --add-written-after .venv/.verl-ext-setup`` adds every file whose
 bytecode the run wrote after the set-up (a fresh clone's suite compiled 2,869 more files that way: its
-pytest took 376 s, and 330 s with them in the list; calibrate 0.70-0.81 s).
+pytest took 376 s, and 330 s with them in the list; calibrate 0.70-0.81 s), and keeps what the list holds
+(the set-up compiled those before the run: without them, a second use dropped what the first had added).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def write_list(written_after: Path | None = None) -> int:
         if getattr(module, "__file__", None) and module.__file__.endswith(".py") and Path(module.__file__).is_relative_to(site)
     }
     if written_after is not None:
+        # and what the list already holds: what an earlier run added was compiled by the set-up, before FILE
+        files |= {name for name in LIST.read_text().split("\n") if name and (site / name).exists()}
         files |= compiled_since(site, written_after.stat().st_mtime)
     files = sorted(files)
     LIST.write_text("".join(f"{name}\n" for name in files))
@@ -124,7 +127,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--under", help="compile only the listed files under this top-level package")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--add-written-after", type=Path, metavar="FILE",
-                        help="list: also every file whose bytecode was written after FILE was (a run's, after the set-up)")
+                        help="list: also every file whose bytecode was written after FILE was (a run's, after the set-up), "
+                             "and keep the files the list holds")
     args = parser.parse_args(argv)
     if sys.flags.dont_write_bytecode:
         print("write_bytecode.py: PYTHONDONTWRITEBYTECODE is set; run it with that variable unset", file=sys.stderr)
