@@ -35,8 +35,8 @@ import numpy as np
 import pytest
 
 from tests.cpu.helpers import RAY_GROUP
-from tests.support.tolerances import assert_within
 from tests.e2e.v1_run import KL_COEF
+from tests.support.tolerances import assert_within
 
 pytestmark = pytest.mark.xdist_group(RAY_GROUP)  # one Ray run at a time, on the suite's cluster (tests/conftest.py)
 

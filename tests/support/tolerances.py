@@ -4,7 +4,8 @@ float64 reference: ATOL + a multiple of ε times the magnitudes the producer com
 producer's own rounding, whatever order a CPU's kernels sum in (another machine's vector width, or
 ``ATEN_CPU_CAPABILITY``), so such a test holds on any CPU, and still sees a 1e-2 change of one
 number. Not imported from the checker (verl_ext.check), whose tolerances are among what the tests
-test."""
+test. And one the checker has no use for: an fp32 engine's log-probs against a float64 forward pass
+(:func:`forward_pass`)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def forward_pass(logits, positions, config, lam: float = 8.0) -> np.ndarray:
     series on the way to the logits z_t (per layer: the q/k/v projection's hidden size, the head's
     dimension in q·k, the t + 1 positions attention averages, o_proj, gate/up, down's intermediate size;
     then lm_head). Higham & Mary's probabilistic bound (SIAM J. Sci. Comput. 2019): a sum of N rounded
-    terms is within λ√N·u of its magnitude unless with probability below 2N·exp(−λ²/2) (λ = 8: 1e-11),
+    terms is within λ√N·u of its magnitude unless with probability below 2N·exp(−λ²/2) (λ = 8, N ≈ 1,500: 4e-11),
     not the worst case N·u, which would not tell a bf16 engine from fp32; the log-softmax passes the
     logits' error on at most twice. ``logits`` (T, V), ``positions`` (T,): each token's index in the
     sequence it was scored in."""
