@@ -181,6 +181,32 @@ def test_what_a_child_cannot_reproduce_runs_in_the_real_interpreter(tmp_path):
         assert forked.stdout == real.stdout and forked.stdout.split()[0] == "False"
 
 
+SPAWNING = """
+import multiprocessing, sys
+def work(queue):
+    queue.put((sum(range(10)), "torch" in sys.modules, multiprocessing.parent_process() is not None))
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=work, args=(queue,))
+    process.start()
+    print(*queue.get(timeout=60))
+    process.join()
+    print(process.exitcode)
+"""
+
+
+def test_a_multiprocessing_child_is_forked_only_where_its_parent_allows_it(tmp_path):
+    """A spawned ``multiprocessing`` child runs in the real interpreter, unless the spawning process's
+    environment says its children never ask for their parent (forkserver.SPAWNED_VARIABLE); either way it
+    does and prints what the real interpreter's child does."""
+    (tmp_path / "spawning.py").write_text(SPAWNING)
+    for allowed in ("", "1"):
+        real, forked = both(["spawning.py"], tmp_path, env={**os.environ, forkserver.SPAWNED_VARIABLE: allowed})
+        assert real.stdout == "45 False True\n0\n", real.stdout + real.stderr
+        assert forked.stdout == f"45 {bool(allowed)} True\n0\n", forked.stdout + forked.stderr
+
+
 def test_a_signal_to_the_launcher_reaches_the_command(tmp_path):
     code = "import sys, time; print('ready', flush=True); time.sleep(60)"
     for python in (real_python(), LAUNCHER):

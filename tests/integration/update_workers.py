@@ -237,7 +237,11 @@ def run_ranks(world_sizes: list[int], job: Callable[[int, int], Any]) -> dict[in
     """``job(rank, world_size)`` on every rank of a gloo group of each size, in max(world_sizes) spawned
     processes (each imports verl once): {world size: answers by rank}. ``job`` must be picklable (a
     module-level function, or a partial of one)."""
+    from unittest import mock
+
     import torch.multiprocessing as mp
+
+    from tests.support.forkserver import SPAWNED_VARIABLE
 
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -245,8 +249,9 @@ def run_ranks(world_sizes: list[int], job: Callable[[int, int], Any]) -> dict[in
         processes = [
             context.Process(target=run_rank, args=(rank, world_sizes, directory, job, results)) for rank in range(max(world_sizes))
         ]
-        for process in processes:
-            process.start()
+        with mock.patch.dict(os.environ, {SPAWNED_VARIABLE: "1"}):  # a rank never asks for its parent
+            for process in processes:
+                process.start()
         collected = {}
         for _ in range(sum(world_sizes)):
             world_size, rank, answer = results.get(timeout=900)  # a rank that died without answering

@@ -91,6 +91,10 @@ NATIVE_PREFIXES = (
 )  # fmt: skip
 
 SOCKET_NAME, LAUNCHER_NAME, STATS_SUFFIX, LOG_NAME = "server.sock", "python", "stats.json", "server.log"
+#: Set to ``1`` in a process whose ``multiprocessing`` children (spawned) may run in children of the server:
+#: their parent is then the server, not the process that spawned them (by default they run in a real
+#: interpreter, for a child that checks its parent: verl_ext.trace.parallel's workers).
+SPAWNED_VARIABLE = "VERL_EXT_TEST_FORK_SPAWNED"
 #: The launcher's path, for the pytest-xdist workers (they inherit the controller's environment).
 LAUNCHER_VARIABLE = "VERL_EXT_TEST_LAUNCHER"
 #: ``0``: no fork server; every interpreter the suite starts is a real one.
@@ -233,7 +237,7 @@ def refusal(request: dict, environments: tuple[dict[str, str], dict[str, str]], 
         return "no command (an interactive interpreter or standard input)"
     if command[0] not in ("-c", "-m") and not os.path.isfile(os.path.join(request["cwd"], command[0])):
         return f"{command[0]} is not a file"
-    if "--multiprocessing-fork" in command:
+    if "--multiprocessing-fork" in command and env.get(SPAWNED_VARIABLE) != "1":
         return "a multiprocessing child"
     before, after = environments  # the server's, before and after the libraries loaded (a variable they set
     # themselves, a child may have from a parent that imported them)
@@ -438,6 +442,8 @@ class Server:
 
         tempfile.tempdir = None  # as before its first use: from the child's TMPDIR
         sys.executable = str(launcher_path(self.directory))
+        if "multiprocessing.spawn" in sys.modules:  # imported by the server: it took the real interpreter then
+            sys.modules["multiprocessing.spawn"].set_executable(sys.executable)
 
     def _descriptors(self, request: dict) -> None:
         """Give this process exactly the launcher's open file descriptors, at their numbers."""
