@@ -57,6 +57,7 @@ def count_checked_tool_calls(trace, kl_coef: float | None = None) -> int:
     from verl_ext.tasks.tool.assets import build_tool_tokenizer
 
     tokenizer = build_tool_tokenizer()
+    length_limit = trace.record.config["data"]["max_response_length"]
     calls = 0
     for step in trace.steps:
         columns = ["sample", "token_index", "token_id", "mask", "rejected", "turn", "role", "score", "reward", "kl", "turn_score", "tool_reward"]
@@ -86,9 +87,12 @@ def count_checked_tool_calls(trace, kl_coef: float | None = None) -> int:
                 assert prompts.at[sample, "assistant_turns"] == 2 and prompts.at[sample, "tool_calls"] == 1
                 # the tool's message is the tool's; the model's tokens are the assistant's
                 assert set(holes["role"]) == {"tool"} and set(rows[policys]["role"]) == {"assistant"}
-                # max_assistant_turns=2: the second turn ends the response; at the turn limit if it calls again
+                # max_assistant_turns=2: the second turn ends the response; at the turn limit if it calls again, unless
+                # the response reached the length limit: verl's loop checks the length first (a second call that ends
+                # at the 26th token of tests/e2e/v1_run.py's responses stopped there, once in several runs)
                 second_call = CALL.search(tokenizer.decode(rows["token_id"].tolist()[answer_turn:]))
-                assert prompts.at[sample, "turn_limit"] == (second_call is not None and _parses(second_call.group(1)))
+                calls_again = second_call is not None and _parses(second_call.group(1))
+                assert prompts.at[sample, "turn_limit"] == (calls_again and prompts.at[sample, "response_length"] < length_limit)
             else:
                 assert prompts.at[sample, "assistant_turns"] == 1 and set(rows["turn"]) == {0}
                 assert set(rows["role"]) == {"assistant"} and prompts.at[sample, "tool_calls"] == 0
