@@ -206,6 +206,19 @@ def test_a_multiprocessing_child_is_forked_only_where_its_parent_allows_it(tmp_p
         assert forked.stdout == f"45 {bool(allowed)} True\n0\n", forked.stdout + forked.stderr
 
 
+def test_rays_worker_shim_runs_in_a_server_of_its_own_and_execs_the_worker(tmp_path):
+    """Ray's setup_worker.py (forkserver.RAY_SHIM) gives the command it execs its runtime environment's variables, as
+    in the real interpreter, from a child of the shim's server (its socket beside the launcher)."""
+    import ray
+
+    shim = str(Path(ray.__file__).parent / "_private" / "workers" / "setup_worker.py")
+    context = json.dumps({"env_vars": {"PROBE_VARIABLE": "from the runtime env"}})
+    code = "import os, sys; print(os.environ['PROBE_VARIABLE'], 'ray' in sys.modules)"
+    real, forked = both([shim, f"--serialized-runtime-env-context={context}", "--language=PYTHON", "-c", code], tmp_path)
+    assert real.stdout == forked.stdout == "from the runtime env False\n", (real.stderr, forked.stderr)
+    assert (Path(LAUNCHER).parent / f"{forkserver.SHIM_PREFIX}seed-random.sock").exists()
+
+
 def test_a_signal_to_the_launcher_reaches_the_command(tmp_path):
     code = "import sys, time; print('ready', flush=True); time.sleep(60)"
     for python in (real_python(), LAUNCHER):
