@@ -9,15 +9,17 @@ its command as a fresh interpreter would: its own arguments, environment, workin
 open file descriptors, ``sys.path``, standard streams, signal handlers, exit status and hash seed
 (a server per ``PYTHONHASHSEED`` asked for: verl's runs set it for their Ray workers), and ends as
 an interpreter's shutdown ends it, except that it leaves the preloaded libraries as they are
-(:func:`finish`).
+(:func:`finish`). Ray's worker shim, which only sets a worker's environment and execs it, runs in a
+server of its own that loads just what it imports (:data:`RAY_SHIM`).
 
 verl and verl-ext are never preloaded: what they do when imported (the plugin's activation from its
 entry point, the CPU backend's switch) happens in each child, from its own environment, as in a
 fresh interpreter; so are tensordict and Ray, which read what verl sets when imported. A command a
 child cannot reproduce exactly runs in a real interpreter instead
 (:func:`refusal`): an interpreter option other than ``-u``, ``-B`` and ``-W``, a ``multiprocessing``
-child, or an environment that differs from the server's in a variable that the preloaded libraries
-read while they were imported (recorded then), or that native code may read then (``OMP_*``, ...).
+child (unless its parent allows it: :data:`SPAWNED_VARIABLE`), or an environment that differs from the
+server's in a variable that the preloaded libraries read while they were imported (recorded then), or
+that native code may read then (``OMP_*``, ...).
 
 How a command gets here: tests/conftest.py starts the server once per test session and sets
 ``sys.executable`` to the *launcher*, a script written beside the server's socket that has the real
