@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import marked_group
 from tests.cpu.helpers import RAY_GROUP
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,18 +57,13 @@ def ray_cluster(assets):
 _running: list = []
 
 
-def in_ray_group(item: pytest.Item | None) -> bool:
-    mark = item.get_closest_marker("xdist_group") if item is not None else None
-    return mark is not None and (mark.args[0] if mark.args else mark.kwargs["name"]) == RAY_GROUP
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """The cluster ends with the Ray group's last test rather than with the session: idle, its processes
     took about 7% of a core, for the minutes its worker then spends on other tests (the Ray group runs first:
     tests/conftest.py)."""
     yield
-    if _running and in_ray_group(item) and not in_ray_group(nextitem):
+    if _running and marked_group(item) == RAY_GROUP and (nextitem is None or marked_group(nextitem) != RAY_GROUP):
         _running.pop().shutdown()
 
 

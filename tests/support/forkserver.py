@@ -361,7 +361,7 @@ class Server:
         if ``shim``, started now if need be."""
         name = f"{SHIM_PREFIX if shim else ''}seed-{seed}.sock"
         if name not in self.seeded:
-            env = {name: value for name, value in self.environments[0].items() if name != "PYTHONHASHSEED"}
+            env = {key: value for key, value in self.environments[0].items() if key != "PYTHONHASHSEED"}
             with open(self.directory / LOG_NAME, "ab") as log:
                 self.seeded[name] = subprocess.Popen(
                     [sys.executable, "-m", "tests.support.forkserver", str(self.directory), name], stdin=subprocess.PIPE,
