@@ -21,8 +21,8 @@ PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv pip install --quiet --python $(PY)
 STAMP := $(VENV)/.verl-ext-setup
 # pip for the venv: this Python's own where it has one, and the venv is then made without pip (ensurepip took
-# 3 s of a 17 s set-up); else the venv's. Expanded in the set-up's recipe only.
-SYSTEM_PIP = $(shell $(PYTHON) -m pip --version >/dev/null 2>&1 && echo yes)
+# 3 s of a 17 s set-up); else the venv's. Asked in the set-up's recipe only, once (the first use keeps the answer).
+SYSTEM_PIP = $(eval SYSTEM_PIP := $(shell $(PYTHON) -m pip --version >/dev/null 2>&1 && echo yes))$(SYSTEM_PIP)
 PIP = $(if $(SYSTEM_PIP),$(PYTHON) -m pip --python $(PY),$(PY) -m pip)
 
 .PHONY: setup chromium test demo bench clean
