@@ -687,9 +687,16 @@ def _flush_files() -> bool:
     """Flush the child's open files (``gc.get_objects``: not the server's, frozen) and its standard
     streams; False when a standard stream could not be flushed."""
     flushed = True
+    # a file is an object of a subclass of io.IOBase, asked once per type: ``isinstance`` on each object (an ABC's
+    # check, about 500,000 objects in a child that imported verl's trainer) took 0.14 s of CPU a child, twice
+    files: dict[type, bool] = {}
     for stream in [*gc.get_objects(), sys.stdout, sys.stderr]:
+        kind = type(stream)
+        is_file = files.get(kind)
+        if is_file is None:
+            is_file = files[kind] = issubclass(kind, io.IOBase)
         try:
-            if isinstance(stream, io.IOBase) and not stream.closed and stream.writable():
+            if is_file and not stream.closed and stream.writable():
                 stream.flush()
         except Exception:
             flushed = flushed and stream is not sys.stdout and stream is not sys.stderr
