@@ -167,7 +167,8 @@ def tool_assets(assets_dir):
 
 def pytest_sessionstart(session):
     """Every run of the suite starts its fork server (tests/support/forkserver.py; the pytest-xdist workers,
-    started next, are its first children), unless ``VERL_EXT_TEST_FORKSERVER=0``.
+    started next, are its first children), unless ``VERL_EXT_TEST_FORKSERVER=0``; a run of the whole
+    suite also the servers its trainer runs ask for (forkserver.SUITE_SERVERS), beside it.
 
     A run of the whole suite also starts building every task's assets at once, one process per task,
     before the workers start: on an empty cache (a fresh machine) they are built side by side (about a
@@ -180,10 +181,11 @@ def pytest_sessionstart(session):
         config_cache.install()  # where tests run: Hydra's YAML files parsed once (tests/support/config_cache.py)
     if hasattr(config, "workerinput") or config.option.collectonly:
         return  # a worker: the controller started the server and the builds
+    whole = config.args == list(config.getini("testpaths"))
     if os.environ.get(forkserver.SWITCH_VARIABLE, "1") != "0":
-        config._forkserver = forkserver.start()
+        config._forkserver = forkserver.start(prestart=forkserver.SUITE_SERVERS if whole else ())
         sys.executable = os.environ[forkserver.LAUNCHER_VARIABLE] = str(config._forkserver.launcher)
-    if config.args != list(config.getini("testpaths")):
+    if not whole:
         return  # only some of the tests
     import subprocess
 

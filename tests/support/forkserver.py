@@ -37,7 +37,7 @@ shutdown, ``Py_FinalizeEx``, would free the preloaded libraries: about 0.45 s of
 with ``os._exit`` alone (it would skip what a command's end must do: ``atexit``, joining its threads,
 flushing its files); hence :func:`finish`, the part of the shutdown that touches only the child's own.
 
-``python -m tests.support.forkserver DIRECTORY`` serves until its standard input closes."""
+``python -m tests.support.forkserver DIRECTORY [NAME [PRESTART ...]]`` serves until its standard input closes."""
 
 from __future__ import annotations
 
@@ -264,15 +264,22 @@ def refusal(request: dict, environments: tuple[dict[str, str], dict[str, str]], 
     return f"its environment sets {', '.join(differing)} otherwise" if differing else None
 
 
+def server_name(seed: str, shim: bool = False) -> str:
+    """The socket of the server for commands with this hash seed ("random": the interpreter's own), or of Ray's shim's."""
+    return f"{SHIM_PREFIX if shim else ''}seed-{seed}.sock"
+
+
 class Server:
     """Serves on ``directory/name``. The main server (``SOCKET_NAME``) starts one server per hash seed
     a command asks for (``PYTHONHASHSEED``, which only an interpreter's start sets: verl's runs set it
     for their Ray workers) and sends those commands there."""
 
-    def __init__(self, directory: Path, name: str = SOCKET_NAME):
+    def __init__(self, directory: Path, name: str = SOCKET_NAME, prestart: tuple[str, ...] = ()):
         self.directory, self.name = Path(directory), name
         self.seeded: dict[str, subprocess.Popen] = {}  # the main server's servers, by socket name
         environment = dict(os.environ)
+        for seeded in prestart:  # their libraries load beside this server's (server_name)
+            self._start(seeded, environment)
         self.base_path = sys.path[1:]  # without this script's directory, with PYTHONPATH's
         self.python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         # bound before the libraries load: a launcher that comes meanwhile waits in the backlog
@@ -359,16 +366,21 @@ class Server:
     def _seeded(self, seed: str, shim: bool = False) -> str:
         """The socket of the server with this hash seed ("random": the interpreter's own), Ray's shim's
         if ``shim``, started now if need be."""
-        name = f"{SHIM_PREFIX if shim else ''}seed-{seed}.sock"
+        name = server_name(seed, shim)
         if name not in self.seeded:
-            env = {key: value for key, value in self.environments[0].items() if key != "PYTHONHASHSEED"}
-            with open(self.directory / LOG_NAME, "ab") as log:
-                self.seeded[name] = subprocess.Popen(
-                    [sys.executable, "-m", "tests.support.forkserver", str(self.directory), name], stdin=subprocess.PIPE,
-                    stdout=log, stderr=log, env={**env, **({"PYTHONHASHSEED": seed} if seed != "random" else {})},
-                )  # fmt: skip
-            _wait_for(self.directory / name, self.seeded[name])
+            self._start(name, self.environments[0])
+        _wait_for(self.directory / name, self.seeded[name])
         return name
+
+    def _start(self, name: str, environment: dict[str, str]) -> None:
+        """Start the server ``name`` (:func:`server_name`) in ``environment``, this server's before its libraries loaded."""
+        seed = name.removeprefix(SHIM_PREFIX).removeprefix("seed-").removesuffix(".sock")
+        env = {key: value for key, value in environment.items() if key != "PYTHONHASHSEED"}
+        with open(self.directory / LOG_NAME, "ab") as log:
+            self.seeded[name] = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.forkserver", str(self.directory), name], stdin=subprocess.PIPE,
+                stdout=log, stderr=log, env={**env, **({"PYTHONHASHSEED": seed} if seed != "random" else {})},
+            )  # fmt: skip
 
     def _close(self, listener: socket.socket, connection: socket.socket) -> None:
         """In a forked child: close what the server holds, before the child takes its descriptors."""
@@ -584,8 +596,16 @@ class Handle:
         return "\n  ".join(lines + [f"{count} × {why}" for why, count in sorted(refused.items(), key=lambda item: -item[1])])
 
 
-def start() -> Handle:
-    """Start a server in a new directory, from this interpreter, in this environment."""
+#: The servers a whole suite asks for besides the main one: verl's trainer sets PYTHONHASHSEED to the rollout's seed
+#: (0, verl/trainer/main_ppo.py) for its Ray workers, which Ray starts through its shim. Started with the main server
+#: (:func:`start`), their libraries load while the main server's do, on the core that would wait (about 6 s of CPU,
+#: which the suite's first trainer run waited for while both cores were busy).
+SUITE_SERVERS = (server_name("0"), server_name("random", shim=True))
+
+
+def start(prestart: tuple[str, ...] = ()) -> Handle:
+    """Start a server in a new directory, from this interpreter, in this environment, and with it the
+    servers named in ``prestart`` (:data:`SUITE_SERVERS`), which it would otherwise start when first asked."""
     import tempfile
 
     directory = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX))
@@ -594,8 +614,8 @@ def start() -> Handle:
     launcher.chmod(0o755)
     with open(directory / LOG_NAME, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.forkserver", str(directory)], stdin=subprocess.PIPE, stdout=log, stderr=log,
-            cwd=Path(__file__).resolve().parents[2], start_new_session=True,  # the repository: tests/support/..
+            [sys.executable, "-m", "tests.support.forkserver", str(directory), SOCKET_NAME, *prestart], stdin=subprocess.PIPE,
+            stdout=log, stderr=log, cwd=Path(__file__).resolve().parents[2], start_new_session=True,  # the repository: tests/support/..
         )  # fmt: skip
     _wait_for(directory / SOCKET_NAME, process)
     return Handle(directory, process)
@@ -611,8 +631,8 @@ def _wait_for(path: Path, process: subprocess.Popen) -> None:
         time.sleep(0.01)
 
 
-def main(directory: str, name: str = SOCKET_NAME) -> None:
-    server = Server(Path(directory), name)
+def main(directory: str, name: str = SOCKET_NAME, *prestart: str) -> None:
+    server = Server(Path(directory), name, prestart)
     assert threading.active_count() == 1, "a thread started while preloading: forking would copy it half-done"
     request = server.serve()
     if request is None:
