@@ -167,8 +167,8 @@ def tool_assets(assets_dir):
 
 def pytest_sessionstart(session):
     """Every run of the suite starts its fork server (tests/support/forkserver.py; the pytest-xdist workers,
-    started next, are its first children), unless ``VERL_EXT_TEST_FORKSERVER=0``; a run of the whole
-    suite also the servers its trainer runs ask for (forkserver.SUITE_SERVERS), beside it.
+    started next, are its first children), unless ``VERL_EXT_TEST_FORKSERVER=0``; in a run of the
+    whole suite, with it the servers its trainer runs ask for (forkserver.SUITE_SERVERS).
 
     A run of the whole suite also starts building every task's assets at once, one process per task,
     before the workers start: on an empty cache (a fresh machine) they are built side by side (about a

@@ -615,7 +615,7 @@ def start(prestart: tuple[str, ...] = ()) -> Handle:
     with open(directory / LOG_NAME, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.support.forkserver", str(directory), SOCKET_NAME, *prestart], stdin=subprocess.PIPE,
-            stdout=log, stderr=log, cwd=Path(__file__).resolve().parents[2], start_new_session=True,  # the repository: tests/support/..
+            stdout=log, stderr=log, start_new_session=True, cwd=Path(__file__).resolve().parents[2],  # the repository: tests/support/..
         )  # fmt: skip
     _wait_for(directory / SOCKET_NAME, process)
     return Handle(directory, process)
@@ -708,7 +708,7 @@ def _flush_files() -> bool:
     streams; False when a standard stream could not be flushed."""
     flushed = True
     # a file is an object of a subclass of io.IOBase, asked once per type: ``isinstance`` on each object (an ABC's
-    # check, about 500,000 objects in a child that imported verl's trainer) took 0.14 s of CPU a child, twice
+    # check, about 500,000 objects in a child that imported verl's trainer) took 0.14 s of CPU there, in the first of two passes
     files: dict[type, bool] = {}
     for stream in [*gc.get_objects(), sys.stdout, sys.stderr]:
         kind = type(stream)
