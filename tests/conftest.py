@@ -130,6 +130,20 @@ def pytest_collection_finish(session):
             raise pytest.UsageError(f"cannot group {item.nodeid} for pytest-xdist; run with -n 0")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """In a pytest-xdist worker, once its tests are collected: what collecting made (the test modules, the
+    items, about 140,000 objects) is frozen out of the garbage collector's full passes, as the fork server
+    does with what it preloaded; it lives to the worker's end anyway. The workers' full passes took 16 s
+    of CPU in a suite, 7 s so (a ``gc.callbacks`` timer in each worker). Objects die by their references
+    as before; only a cycle among the frozen ones would no longer be collected."""
+    if hasattr(session.config, "workerinput"):
+        import gc
+
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per core this process may use, at most 4 (the suite has a few long
     groups; more workers would each import verl for little gain). $PYTEST_XDIST_AUTO_NUM_WORKERS
