@@ -135,8 +135,8 @@ def pytest_runtestloop(session):
     """In a pytest-xdist worker, once its tests are collected: what collecting made (the test modules, the
     items, about 140,000 objects) is frozen out of the garbage collector's full passes, as the fork server
     does with what it preloaded; it lives to the worker's end anyway. The workers' full passes took 16 s
-    of CPU in a suite, 7 s so (a ``gc.callbacks`` timer in each worker). Objects die by their references
-    as before; only a cycle among the frozen ones would no longer be collected."""
+    of CPU in a suite, 7 s with this (a ``gc.callbacks`` timer in each worker). Objects die by their
+    references as before; only a cycle among the frozen ones would no longer be collected."""
     if hasattr(session.config, "workerinput"):
         import gc
 
