@@ -216,7 +216,7 @@ def test_rays_worker_shim_runs_in_a_server_of_its_own_and_execs_the_worker(tmp_p
     code = "import os, sys; print(os.environ['PROBE_VARIABLE'], 'ray' in sys.modules)"
     real, forked = both([shim, f"--serialized-runtime-env-context={context}", "--language=PYTHON", "-c", code], tmp_path)
     assert real.stdout == forked.stdout == "from the runtime env False\n", (real.stderr, forked.stderr)
-    assert (Path(LAUNCHER).parent / f"{forkserver.SHIM_PREFIX}seed-random.sock").exists()
+    assert (Path(LAUNCHER).parent / forkserver.server_name("random", shim=True)).exists()
 
 
 def test_a_signal_to_the_launcher_reaches_the_command(tmp_path):
