@@ -97,6 +97,18 @@ def count_checked_tool_calls(trace, kl_coef: float | None = None) -> int:
                 assert prompts.at[sample, "assistant_turns"] == 1 and set(rows["turn"]) == {0}
                 assert set(rows["role"]) == {"assistant"} and prompts.at[sample, "tool_calls"] == 0
                 assert not prompts.at[sample, "turn_limit"]
+                # a call in a turn that ended below the length limit whose answer would not fit: verl's loop calls
+                # the tool (its reward kept) and then ends the response without the tool's message (the length
+                # check after ToolAgentLoop._handle_processing_tools_state's merge); seen once in several V1 runs
+                call = CALL.search(tokenizer.decode(rows["token_id"].tolist()))
+                if len(rows) < length_limit and call is not None and _parses(call.group(1)):
+                    call = json.loads(call.group(1))
+                    assert call["name"] == "add"
+                    arguments = call["arguments"]
+                    if {"a", "b"} <= set(arguments):  # else the tool's answer is verl's error message, reward 0
+                        message = f"<|tool|><tool_response>{int(arguments['a']) + int(arguments['b'])}</tool_response><|assistant|>"
+                        assert len(rows) + len(tokenizer.encode(message, add_special_tokens=False)) >= length_limit
+                    tool_reward[-1] = 0.1 if all(type(arguments.get(k)) is int for k in "ab") else 0.0
             # the reward: on the last token, of what follows the last </tool_response> in the response as
             # verl decodes it for the reward (special tokens removed): 1.0 for exactly the expected
             # answer, else 0.2 per right part
