@@ -25,6 +25,7 @@ import dataclasses
 import os
 import pickle
 import warnings
+from typing import NamedTuple
 
 
 def install() -> None:
@@ -68,8 +69,15 @@ def _cached(load, locate):
     return load_config
 
 
+class _Kept(NamedTuple):
+    config: bytes  # pickled
+    variables: tuple[str, ...]  # its hydra.job.env_copy
+    roots: tuple[str, ...]  # the directories of its config sources
+    state: tuple  # _state(variables, roots) when it was composed
+
+
 def _composed_once(load_configuration):
-    composed = {}
+    composed: dict[tuple, _Kept] = {}
 
     def load(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
         from hydra import version
@@ -82,8 +90,8 @@ def _composed_once(load_configuration):
             os.getcwd(), version.getbase(), JobRuntime.instance().get("name"),
         )  # fmt: skip
         kept = composed.get(key)
-        if kept is not None and kept[1] == _environment(kept[2]) and kept[3] == _trees(kept[4]):
-            return pickle.loads(kept[0])
+        if kept is not None and kept.state == _state(kept.variables, kept.roots):
+            return pickle.loads(kept.config)
         try:
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
@@ -91,20 +99,20 @@ def _composed_once(load_configuration):
         except Exception:
             if not said:
                 raise
-            config = None
-        if said:  # composed again as Hydra composes, so that it says its warnings as it says them; not kept
+        if said:  # composed again as Hydra composes, to say its warnings (and its error) as it says them; not kept
             return load_configuration(self, *asked)
         roots = _roots(config.hydra.runtime.config_sources)
         if roots is not None:
             variables = tuple(config.hydra.job.env_copy)
-            composed[key] = (pickle.dumps(config), _environment(variables), variables, _trees(roots), roots)
+            composed[key] = _Kept(pickle.dumps(config), variables, roots, _state(variables, roots))
         return config
 
     return load
 
 
-def _environment(variables: tuple[str, ...]) -> tuple:
-    return tuple(os.environ.get(name) for name in variables)
+def _state(variables: tuple[str, ...], roots: tuple[str, ...]) -> tuple:
+    """What a composition read besides what it was asked: the variables' values, the trees of its sources."""
+    return tuple(os.environ.get(name) for name in variables), _trees(roots)
 
 
 def _roots(sources) -> tuple[str, ...] | None:
