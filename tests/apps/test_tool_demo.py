@@ -77,11 +77,9 @@ def count_checked_tool_calls(trace, kl_coef: float | None = None) -> int:
                 call_turn = rows["token_id"].tolist().index(tokenizer.eos_token_id) + 1
                 call = json.loads(CALL.search(tokenizer.decode(rows["token_id"].tolist()[:call_turn])).group(1))
                 assert call["name"] == "add"
-                tool_reward[call_turn - 1] = 0.1 if all(type(call["arguments"][k]) is int for k in "ab") else 0.0
+                tool_reward[call_turn - 1] = call_reward(call["arguments"])
                 assert holes["token_index"].tolist() == list(range(call_turn, call_turn + len(holes)))
-                assert tokenizer.decode(holes["token_id"].tolist()) == (
-                    f"<|tool|><tool_response>{int(call['arguments']['a']) + int(call['arguments']['b'])}</tool_response><|assistant|>"
-                )
+                assert tokenizer.decode(holes["token_id"].tolist()) == tool_message(call["arguments"])
                 answer_turn = call_turn + len(holes)
                 assert rows["turn"].tolist() == [0] * answer_turn + [1] * (len(rows) - answer_turn)
                 assert prompts.at[sample, "assistant_turns"] == 2 and prompts.at[sample, "tool_calls"] == 1
@@ -106,9 +104,8 @@ def count_checked_tool_calls(trace, kl_coef: float | None = None) -> int:
                     assert call["name"] == "add"
                     arguments = call["arguments"]
                     if {"a", "b"} <= set(arguments):  # else the tool's answer is verl's error message, reward 0
-                        message = f"<|tool|><tool_response>{int(arguments['a']) + int(arguments['b'])}</tool_response><|assistant|>"
-                        assert len(rows) + len(tokenizer.encode(message, add_special_tokens=False)) >= length_limit
-                    tool_reward[-1] = 0.1 if all(type(arguments.get(k)) is int for k in "ab") else 0.0
+                        assert len(rows) + len(tokenizer.encode(tool_message(arguments), add_special_tokens=False)) >= length_limit
+                    tool_reward[-1] = call_reward(arguments)
             # the reward: on the last token, of what follows the last </tool_response> in the response as
             # verl decodes it for the reward (special tokens removed): 1.0 for exactly the expected
             # answer, else 0.2 per right part
@@ -138,6 +135,17 @@ def count_checked_tool_calls(trace, kl_coef: float | None = None) -> int:
             bound = 1e-6 + 2.0**-8 * np.abs(kl_coef * recorded) + 4 * np.finfo(np.float32).eps * terms
             assert (np.abs(rows["reward"].to_numpy()[valid] - (expected_reward - kl_coef * recorded)) <= bound).all()
     return calls
+
+
+def tool_message(arguments: dict) -> str:
+    """What verl merges into the response after a call to add: the calculator's answer (the sum of the numbers as
+    the policy wrote them) in the tool's message, and the next assistant header."""
+    return f"<|tool|><tool_response>{int(arguments['a']) + int(arguments['b'])}</tool_response><|assistant|>"
+
+
+def call_reward(arguments: dict) -> float:
+    """The calculator's reward of a call, by hand: 0.1 when both arguments are integers in the call's JSON."""
+    return 0.1 if all(type(arguments.get(name)) is int for name in "ab") else 0.0
 
 
 def _parses(call: str) -> bool:
